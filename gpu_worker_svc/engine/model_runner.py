@@ -1,0 +1,169 @@
+"""Runs the tensor-parallel model for one engine step.
+
+Rank 0 lives in the engine's process and decides every step. Ranks 1..N-1 are
+child processes that wait on a torch.distributed broadcast of the step's packed
+inputs (StepBatch), run their shard, and join the collectives. Step inputs never
+travel over gRPC. A rank that dies is reported as EngineDeadError, never a hang.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import multiprocessing.connection
+import os
+import socket
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from gpu_worker_svc.engine.kv_cache import allocate_kv_cache, num_blocks_for
+from gpu_worker_svc.model.attention_metadata import StepBatch, build_step
+from gpu_worker_svc.model.config import ModelConfig
+from gpu_worker_svc.model.loader import load_config, load_model, parse_dtype
+from gpu_worker_svc.model.parallel import TPGroup, destroy_tp_group, init_tp_group
+from shardline.model_path import resolve_model_path
+
+log = logging.getLogger(__name__)
+
+_STOP = -1
+
+
+class EngineDeadError(RuntimeError):
+    """A tensor-parallel rank died or a collective failed; the engine cannot continue."""
+
+
+@dataclass(slots=True)
+class RunnerConfig:
+    model: str | None = None  # HF folder or .gguf file; None: the default model
+    tp_size: int = 1
+    dtype: str = "float32"
+    device: str = "cpu"
+    block_size: int = 16
+    cpu_kv_bytes: int = 512 << 20  # KV budget per rank on CPU
+    gpu_memory_utilization: float = 0.85
+    num_blocks: int | None = None  # fixed block count (tests use tiny caches); None: derived from memory
+    max_model_len: int | None = None
+
+    @property
+    def model_path(self) -> Path:
+        return resolve_model_path(self.model)
+
+
+class ShardWorker:
+    """One rank: its model shard and its slice of the KV cache."""
+
+    def __init__(self, config: RunnerConfig, rank: int, init_method: str) -> None:
+        if config.device == "cpu":
+            # Ranks share the machine's cores; oversubscribing them makes every collective wait.
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.tp_size))
+        elif config.device.startswith("cuda"):
+            torch.cuda.set_device(rank)
+        self.device = config.device if config.device == "cpu" else f"cuda:{rank}"
+        self.tp = init_tp_group(rank, config.tp_size, init_method, self.device)
+        self.dtype = parse_dtype(config.dtype, "cpu" if config.device == "cpu" else "cuda")
+        self.block_size = config.block_size
+        self.model = load_model(config.model_path, self.tp, self.dtype, self.device, config.max_model_len)
+        n = config.num_blocks or num_blocks_for(self.model, config.block_size, self.dtype, config.device,
+                                                config.cpu_kv_bytes, config.gpu_memory_utilization)
+        # Every rank must agree on the block count, so take the smallest any rank can hold.
+        agreed = self.tp.all_reduce_min(torch.tensor([n], device=self.device))
+        self.num_blocks = int(agreed.item())
+        self.kv_caches = allocate_kv_cache(self.model, self.num_blocks, self.block_size, self.dtype, self.device)
+        if rank == 0:
+            log.info("KV cache: %d blocks of %d tokens per rank", self.num_blocks, self.block_size)
+
+    @torch.inference_mode()
+    def step(self, batch: StepBatch) -> torch.Tensor | None:
+        """Logits of each sequence's last new token, [B, vocab] on rank 0; None elsewhere."""
+        positions, meta = build_step(batch, self.block_size, self.device)
+        hidden = self.model(batch.token_ids.to(self.device), positions, meta, self.kv_caches)
+        last = torch.cumsum(batch.num_new, 0).to(self.device) - 1
+        logits = self.model.compute_logits(hidden[last])
+        return None if logits is None else logits.float()
+
+
+def _rank_main(config: RunnerConfig, rank: int, init_method: str) -> None:
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{rank} %(levelname)s %(message)s")
+    worker = ShardWorker(config, rank, init_method)
+    header = torch.zeros(4, dtype=torch.long, device=worker.device)
+    try:
+        while True:
+            worker.tp.broadcast(header)
+            if int(header[0]) == _STOP:
+                break
+            packed = torch.empty(StepBatch.packed_size(header.cpu()), dtype=torch.long, device=worker.device)
+            worker.tp.broadcast(packed)
+            worker.step(StepBatch.unpack(packed.cpu()))
+    except RuntimeError as exc:  # rank 0 went away: nothing left to serve
+        log.error("rank %d stopping: %s", rank, exc)
+    finally:
+        destroy_tp_group(worker.tp)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ModelRunner:
+    """Rank 0's handle on the tensor-parallel group."""
+
+    def __init__(self, config: RunnerConfig) -> None:
+        self.config = config
+        self.model_config: ModelConfig = load_config(config.model_path)
+        self.model_config.check_tp(config.tp_size)
+        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        ctx = mp.get_context("spawn")
+        self._children = [ctx.Process(target=_rank_main, args=(config, r, init_method), daemon=True,
+                                      name=f"shardline-rank{r}") for r in range(1, config.tp_size)]
+        for p in self._children:
+            p.start()
+        self._dead = threading.Event()
+        if self._children:
+            threading.Thread(target=self._watch_children, daemon=True, name="rank-watch").start()
+        self._shard = ShardWorker(config, 0, init_method)
+        self.num_blocks = self._shard.num_blocks
+        self.block_size = config.block_size
+
+    def _watch_children(self) -> None:
+        sentinels = {p.sentinel: p for p in self._children}
+        ready = mp.connection.wait(list(sentinels))
+        if not getattr(self, "_closing", False):
+            p = sentinels[ready[0]]
+            log.error("tensor-parallel rank %s died with exit code %s", p.name, p.exitcode)
+            self._dead.set()
+
+    def execute(self, batch: StepBatch) -> torch.Tensor:
+        """Run one step on every rank; returns [B, vocab] float32 logits."""
+        if self._dead.is_set():
+            raise EngineDeadError("a tensor-parallel rank died")
+        try:
+            if self._children:
+                packed = batch.pack().to(self._shard.device)
+                self._shard.tp.broadcast(packed[:4].clone())
+                self._shard.tp.broadcast(packed)
+            logits = self._shard.step(batch)
+        except RuntimeError as exc:
+            if self._children:
+                raise EngineDeadError(f"tensor-parallel step failed: {exc}") from exc
+            raise
+        assert logits is not None
+        return logits
+
+    def shutdown(self) -> None:
+        self._closing = True
+        if self._children and not self._dead.is_set():
+            try:
+                stop = torch.tensor([_STOP, 0, 0, 0], dtype=torch.long, device=self._shard.device)
+                self._shard.tp.broadcast(stop)
+            except RuntimeError:
+                pass
+        for p in self._children:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+        destroy_tp_group(self._shard.tp)

@@ -1,0 +1,92 @@
+"""Per-step attention inputs, built once per engine step and shared by every layer.
+
+The flat batch mixes prefill chunks and single-token decodes in any order. A step is
+described by three small integer arrays per sequence (tokens already cached,
+tokens new this step, block table), which is all rank 0 has to broadcast: every
+rank then builds identical metadata locally.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class StepBatch:
+    """What one engine step computes, as rank 0 broadcasts it to the other ranks."""
+
+    token_ids: torch.Tensor  # [T] long: the new tokens of every sequence, prefills first
+    num_computed: torch.Tensor  # [B] long: tokens of each sequence already in the KV cache
+    num_new: torch.Tensor  # [B] long: tokens of each sequence computed this step
+    block_tables: torch.Tensor  # [B, max_blocks] long, padded with 0
+
+    def pack(self) -> torch.Tensor:
+        """One int64 tensor: a 4-int header, then the arrays back to back."""
+        b, m = self.block_tables.shape
+        header = torch.tensor([self.token_ids.numel(), b, m, 0], dtype=torch.long)
+        return torch.cat([header, self.token_ids, self.num_computed, self.num_new, self.block_tables.flatten()])
+
+    @staticmethod
+    def packed_size(header: torch.Tensor) -> int:
+        t, b, m = (int(x) for x in header[:3])
+        return 4 + t + 2 * b + b * m
+
+    @classmethod
+    def unpack(cls, packed: torch.Tensor) -> StepBatch:
+        t, b, m = (int(x) for x in packed[:3])
+        body = packed[4:]
+        return cls(body[:t], body[t : t + b], body[t + b : t + 2 * b], body[t + 2 * b :].view(b, m))
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Where each new token's K/V goes and what each query attends to."""
+
+    slot_mapping: torch.Tensor  # [T] long: cache slot (block * block_size + offset) of each new token
+    prefill_bounds: list[tuple[int, int]]  # [start, end) of each multi-token chunk in the flat batch
+    prefill_gather: list[torch.Tensor | None]  # slots of positions [0, context) when a prefix is cached, else None
+    decode_index: torch.Tensor | None  # [B_decode] flat-batch index of each single-token chunk
+    decode_gather: torch.Tensor | None  # [B_decode, L] slots of each decode's context, padded
+    decode_mask: torch.Tensor | None  # [B_decode, 1, 1, L] bool: True where a key is attended
+
+
+def build_step(batch: StepBatch, block_size: int, device: torch.device | str = "cpu"
+               ) -> tuple[torch.Tensor, AttentionMetadata]:
+    """Positions [T] and attention metadata for a step."""
+    num_computed = batch.num_computed.tolist()
+    num_new = batch.num_new.tolist()
+    bt = batch.block_tables
+    positions = torch.cat([torch.arange(c, c + n) for c, n in zip(num_computed, num_new)]) if num_new else \
+        torch.empty(0, dtype=torch.long)
+    seq_of_token = torch.repeat_interleave(torch.arange(len(num_new)), torch.tensor(num_new, dtype=torch.long))
+    slot_mapping = bt[seq_of_token, positions // block_size] * block_size + positions % block_size
+
+    bounds: list[tuple[int, int]] = []
+    gathers: list[torch.Tensor | None] = []
+    decodes: list[int] = []  # sequence index of each single-token chunk
+    start = 0
+    for i, (c, n) in enumerate(zip(num_computed, num_new)):
+        if n == 1:
+            decodes.append(i)
+        else:
+            bounds.append((start, start + n))
+            if c == 0:
+                gathers.append(None)
+            else:
+                pos = torch.arange(c + n)
+                gathers.append((bt[i, pos // block_size] * block_size + pos % block_size).to(device))
+        start += n
+
+    decode_index = decode_gather = decode_mask = None
+    if decodes:
+        rows = torch.tensor(decodes)
+        ends = torch.cumsum(batch.num_new, 0) - 1
+        ctx = batch.num_computed[rows] + 1
+        pos = torch.arange(int(ctx.max()))
+        decode_index = ends[rows].to(device)
+        decode_gather = (bt[rows][:, pos // block_size] * block_size + pos % block_size).to(device)
+        decode_mask = (pos[None, :] < ctx[:, None])[:, None, None, :].to(device)
+    meta = AttentionMetadata(slot_mapping.to(device), bounds, gathers, decode_index, decode_gather, decode_mask)
+    return positions.to(device), meta

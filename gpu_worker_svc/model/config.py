@@ -1,0 +1,172 @@
+"""The model's architecture, read from a Hugging Face config.json or GGUF metadata."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+_GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+
+class ModelConfigError(ValueError):
+    """The model's configuration is missing, malformed or unsupported."""
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    """Shape and hyper-parameters of a Llama-family decoder-only model."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None  # e.g. {"rope_type": "llama3", "factor": 8.0, ...}
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # Qwen2 has q/k/v biases
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ModelConfigError(
+                f"unsupported architecture {self.architecture!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise ModelConfigError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+
+    @property
+    def num_params(self) -> int:
+        """Parameter count, used for load reporting and MFU/MBU estimates."""
+        h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        layer = h * (q + 2 * kv) + q * h + 3 * h * self.intermediate_size + 2 * h
+        embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * layer + embed + h
+
+    def valid_tp_sizes(self, limit: int = 64) -> list[int]:
+        return [tp for tp in range(1, limit + 1) if self.tp_problem(tp) is None]
+
+    def tp_problem(self, tp: int) -> str | None:
+        """Why this model cannot be split `tp` ways, or None if it can."""
+        if tp < 1:
+            return f"tensor-parallel size must be >= 1, got {tp}"
+        if self.num_heads % tp:
+            return f"num_heads {self.num_heads} is not divisible by {tp}"
+        if self.num_kv_heads % tp and tp % self.num_kv_heads:
+            return f"num_kv_heads {self.num_kv_heads} neither divides nor is divisible by {tp}"
+        if self.intermediate_size % tp:
+            return f"intermediate_size {self.intermediate_size} is not divisible by {tp}"
+        return None
+
+    def check_tp(self, tp: int) -> None:
+        problem = self.tp_problem(tp)
+        if problem:
+            raise ModelConfigError(
+                f"invalid tensor-parallel size {tp} for {self.name or self.architecture}: {problem}; "
+                f"valid sizes: {', '.join(map(str, self.valid_tp_sizes()))}"
+            )
+
+    @classmethod
+    def from_hf_dict(cls, cfg: dict[str, Any], name: str = "") -> ModelConfig:
+        archs = cfg.get("architectures") or [cfg.get("model_type", "?")]
+        arch = archs[0]
+        heads = cfg["num_attention_heads"]
+        # transformers 5 nests rope settings in rope_parameters; older configs keep them flat.
+        rope = dict(cfg.get("rope_parameters") or {})
+        theta = rope.pop("rope_theta", cfg.get("rope_theta", 10000.0))
+        scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+        if scaling and scaling.get("rope_type", scaling.get("type", "default")) in ("default", None):
+            scaling = None
+        eos = cfg.get("eos_token_id")
+        return cls(
+            architecture=arch,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(theta),
+            rope_scaling=scaling,
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=list(eos) if isinstance(eos, list) else ([eos] if eos is not None else []),
+            name=name,
+        )
+
+    @classmethod
+    def from_hf_folder(cls, folder: Path) -> ModelConfig:
+        path = folder / "config.json"
+        if not path.is_file():
+            raise ModelConfigError(f"{path}: config.json not found")
+        try:
+            cfg = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise ModelConfigError(f"{path}: invalid JSON ({exc})") from exc
+        try:
+            return cls.from_hf_dict(cfg, name=folder.name)
+        except KeyError as exc:
+            raise ModelConfigError(f"{path}: missing field {exc}") from exc
+        except ModelConfigError as exc:
+            raise ModelConfigError(f"{path}: {exc}") from exc
+
+    @classmethod
+    def from_gguf_metadata(cls, meta: dict[str, Any], path: Path, has_output_weight: bool) -> ModelConfig:
+        arch = meta.get("general.architecture", "?")
+        if arch not in _GGUF_ARCHITECTURES:
+            raise ModelConfigError(
+                f"{path}: unsupported GGUF architecture {arch!r}; supported: {', '.join(_GGUF_ARCHITECTURES)}"
+            )
+
+        def get(key: str, default: Any = None) -> Any:
+            value = meta.get(f"{arch}.{key}", default)
+            if value is None:
+                raise ModelConfigError(f"{path}: GGUF metadata lacks {arch}.{key}")
+            return value
+
+        heads = get("attention.head_count")
+        hidden = get("embedding_length")
+        scaling = None
+        if meta.get(f"{arch}.rope.scaling.type") == "llama3" or f"{arch}.rope.scaling.low_freq_factor" in meta:
+            scaling = {
+                "rope_type": "llama3",
+                "factor": get("rope.scaling.factor"),
+                "low_freq_factor": get("rope.scaling.low_freq_factor"),
+                "high_freq_factor": get("rope.scaling.high_freq_factor"),
+                "original_max_position_embeddings": get("rope.scaling.original_context_length"),
+            }
+        vocab = meta.get(f"{arch}.vocab_size") or len(meta.get("tokenizer.ggml.tokens", []))
+        eos = meta.get("tokenizer.ggml.eos_token_id")
+        return cls(
+            architecture=_GGUF_ARCHITECTURES[arch],
+            vocab_size=int(vocab),
+            hidden_size=hidden,
+            intermediate_size=get("feed_forward_length"),
+            num_layers=get("block_count"),
+            num_heads=heads,
+            num_kv_heads=meta.get(f"{arch}.attention.head_count_kv", heads),
+            head_dim=meta.get(f"{arch}.attention.key_length", hidden // heads),
+            rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+            rope_theta=float(get("rope.freq_base", 10000.0)),
+            rope_scaling=scaling,
+            max_position_embeddings=get("context_length", 4096),
+            tie_word_embeddings=not has_output_weight,
+            attention_bias=arch == "qwen2",
+            bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+            eos_token_ids=[eos] if eos is not None else [],
+            name=meta.get("general.name", path.stem),
+        )

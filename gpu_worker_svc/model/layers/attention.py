@@ -1,0 +1,49 @@
+"""Attention over the paged KV cache, in plain torch (GPU kernels plug in behind the same call).
+
+The KV cache of one layer is a tensor [2, num_blocks, block_size, kv_heads, head_dim].
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gpu_worker_svc.model.attention_metadata import AttentionMetadata
+
+
+class PagedAttention(nn.Module):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """q: [T, Hq, D]; k, v: [T, Hkv, D]. Returns [T, Hq * D]."""
+        k_cache = kv_cache[0].view(-1, self.num_kv_heads, self.head_dim)
+        v_cache = kv_cache[1].view(-1, self.num_kv_heads, self.head_dim)
+        k_cache.index_copy_(0, meta.slot_mapping, k)
+        v_cache.index_copy_(0, meta.slot_mapping, v)
+
+        out = torch.empty_like(q)
+        for (start, end), gather in zip(meta.prefill_bounds, meta.prefill_gather):
+            if gather is None:  # no cached prefix: the chunk attends to itself, causally
+                out[start:end] = self._sdpa(q[start:end], k[start:end], v[start:end], None, causal=True)
+            else:  # the chunk's queries sit at the end of a longer context
+                n, ctx = end - start, gather.numel()
+                mask = torch.ones(n, ctx, dtype=torch.bool, device=q.device).tril(ctx - n)
+                out[start:end] = self._sdpa(q[start:end], k_cache[gather], v_cache[gather], mask, causal=False)
+        if meta.decode_gather is not None:
+            qd = q[meta.decode_index].unsqueeze(2)  # [B, Hq, 1, D]
+            kd = k_cache[meta.decode_gather].transpose(1, 2)  # [B, Hkv, L, D]
+            vd = v_cache[meta.decode_gather].transpose(1, 2)
+            out[meta.decode_index] = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask,
+                                                     enable_gqa=self.num_heads != self.num_kv_heads).squeeze(2)
+        return out.flatten(1)
+
+    def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+              causal: bool) -> torch.Tensor:
+        """One sequence: q [n, Hq, D], k/v [ctx, Hkv, D] → [n, Hq, D]."""
+        o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask,
+                                           is_causal=causal, enable_gqa=self.num_heads != self.num_kv_heads)
+        return o.transpose(0, 1)
