@@ -1,0 +1,302 @@
+"""Iteration-level (continuous) batching under a per-step token budget.
+
+Each step, running sequences go first: a decode gets one token, a prefill
+that is still in progress continues with its next chunk. Then waiting
+sequences are admitted by (priority, arrival time) while the token budget,
+max_num_seqs and free KV blocks allow. When a running sequence needs a block
+and none is free, the lowest-priority, newest running sequence is preempted
+by recompute: it loses its blocks and goes back to waiting.
+"""
+
+import bisect
+import logging
+import random
+from dataclasses import dataclass
+
+from gpu_worker_svc.engine.block_pool import BlockPool
+from gpu_worker_svc.engine.sequence import RequestStatus, Sequence
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64  # most sequences running at once
+    max_num_batched_tokens: int = 2048  # token budget of one step
+    enable_chunked_prefill: bool = True  # split long prefills across steps
+
+    def validate(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
+        # Below this, a step could not give every running sequence its decode
+        # token, and the later ones in the batch would starve.
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens must be >= max_num_seqs={self.max_num_seqs}, "
+                f"got {self.max_num_batched_tokens}"
+            )
+
+
+@dataclass(slots=True)
+class ScheduledSeq:
+    seq: Sequence  # the sequence to run
+    num_new_tokens: int  # tokens computed this step, starting at seq.num_computed_tokens
+    needs_sample: bool  # this chunk reaches the end of the known tokens: sample one
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq]  # running sequences first, then admitted ones
+    preempted_ids: list[str]  # request ids preempted this step
+    num_batched_tokens: int  # sum of num_new_tokens
+    num_prefix_cached_tokens: int  # prefix-cache hit tokens of sequences admitted this step
+
+
+@dataclass(slots=True)
+class StepUpdate:
+    new_tokens: list[tuple[Sequence, int]]  # (seq, sampled token) in scheduled order
+    finished: list[Sequence]  # sequences that finished this step
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(a // -b)
+
+
+class BatchScheduler:
+    """Decides which tokens of which sequences run each step, and owns their blocks."""
+
+    def __init__(self, config: SchedulerConfig, block_pool: BlockPool) -> None:
+        config.validate()
+        self.config = config
+        self.block_pool = block_pool
+        self.block_size = block_pool.block_size
+        # Kept sorted by _queue_key, so admission and preemption reinsertion
+        # are plain list operations.
+        self._waiting: list[Sequence] = []
+        self._running: list[Sequence] = []  # in admission order
+        self._requests: dict[str, Sequence] = {}  # every unfinished sequence
+        self._rng = random.Random()
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self._waiting or self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    def get(self, request_id: str) -> Sequence | None:
+        return self._requests.get(request_id)
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a sequence; ValueError if it could never run to completion."""
+        seq.params.validate()
+        if not seq.prompt_token_ids:
+            raise ValueError("prompt_token_ids must not be empty")
+        if seq.request_id in self._requests:
+            raise ValueError(f"request_id {seq.request_id!r} is already scheduled")
+        if seq.num_output_tokens >= seq.params.max_tokens:
+            raise ValueError(
+                f"max_tokens={seq.params.max_tokens} leaves nothing to generate after "
+                f"{seq.num_output_tokens} resumed output tokens"
+            )
+        max_len = seq.num_prompt_tokens + seq.params.max_tokens
+        pool = self.block_pool
+        if _cdiv(max_len, self.block_size) > pool.num_blocks:
+            raise ValueError(
+                f"max_tokens: prompt + max_tokens = {max_len} tokens can never fit in "
+                f"the KV cache ({pool.num_blocks} blocks of {self.block_size})"
+            )
+        if not self.config.enable_chunked_prefill and max_len > self.config.max_num_batched_tokens:
+            raise ValueError(
+                f"max_tokens: prompt + max_tokens = {max_len} tokens exceed "
+                f"max_num_batched_tokens={self.config.max_num_batched_tokens} "
+                "without chunked prefill"
+            )
+        if seq.params.seed is None:
+            # Fixed here so that every later sample, and a recompute after
+            # preemption, draws from the same per-(seed, index) stream.
+            seq.params.seed = self._rng.getrandbits(63)
+        seq.status = RequestStatus.WAITING
+        seq.num_computed_tokens = 0
+        self._requests[seq.request_id] = seq
+        self._enqueue(seq)
+
+    def abort(self, request_id: str) -> Sequence | None:
+        """Finish a request at once and free all of its blocks."""
+        seq = self._requests.pop(request_id, None)
+        if seq is None:
+            return None
+        if seq.status == RequestStatus.RUNNING:
+            self._running.remove(seq)
+        else:
+            self._waiting.remove(seq)
+        self._release_blocks(seq)
+        seq.finish(RequestStatus.FINISHED_ABORTED)
+        return seq
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        scheduled: dict[str, ScheduledSeq] = {}
+        preempted_ids: list[str] = []
+
+        for seq in list(self._running):
+            if budget == 0:
+                break
+            if seq.status != RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self._allocate_slots(seq, num_new):
+                victim = self._pick_victim()
+                self._preempt(victim)
+                preempted_ids.append(victim.request_id)
+                undone = scheduled.pop(victim.request_id, None)
+                if undone is not None:
+                    budget += undone.num_new_tokens
+                if victim is seq:
+                    break
+            if seq.status != RequestStatus.RUNNING:
+                continue
+            scheduled[seq.request_id] = self._scheduled(seq, num_new)
+            budget -= num_new
+
+        num_prefix_cached = 0
+        # A preempted sequence would otherwise be readmitted at once, only to
+        # be preempted again: wait a step for running ones to free blocks.
+        if not preempted_ids:
+            while self._waiting and budget > 0:
+                if len(self._running) >= self.config.max_num_seqs:
+                    break
+                item = self._admit(self._waiting[0], budget)
+                if item is None:
+                    break  # strict order: nothing overtakes the head of the queue
+                self._waiting.pop(0)
+                self._running.append(item.seq)
+                scheduled[item.seq.request_id] = item
+                budget -= item.num_new_tokens
+                num_prefix_cached += item.seq.num_cached_tokens
+
+        items = list(scheduled.values())
+        return SchedulerOutput(
+            scheduled=items,
+            preempted_ids=preempted_ids,
+            num_batched_tokens=sum(item.num_new_tokens for item in items),
+            num_prefix_cached_tokens=num_prefix_cached,
+        )
+
+    def update(self, output: SchedulerOutput, sampled_token_ids: list[int | None]) -> StepUpdate:
+        """Apply a step's results: progress, block caching, new tokens, stops."""
+        if len(sampled_token_ids) != len(output.scheduled):
+            raise ValueError(
+                f"sampled_token_ids has {len(sampled_token_ids)} entries for "
+                f"{len(output.scheduled)} scheduled sequences"
+            )
+        for item, token_id in zip(output.scheduled, sampled_token_ids, strict=True):
+            if item.needs_sample and token_id is None:
+                raise ValueError(f"no sampled token for {item.seq.request_id!r}")
+        new_tokens: list[tuple[Sequence, int]] = []
+        finished: list[Sequence] = []
+        for item, token_id in zip(output.scheduled, sampled_token_ids, strict=True):
+            seq = item.seq
+            if seq.status != RequestStatus.RUNNING:
+                continue  # aborted between schedule() and update()
+            seq.num_computed_tokens += item.num_new_tokens
+            self._cache_full_blocks(seq)
+            if token_id is None or not item.needs_sample:
+                continue
+            seq.append_token(token_id)
+            new_tokens.append((seq, token_id))
+            status = seq.stop_status()
+            if status is not None:
+                seq.finish(status)
+                self._running.remove(seq)
+                del self._requests[seq.request_id]
+                self._release_blocks(seq)
+                finished.append(seq)
+        return StepUpdate(new_tokens=new_tokens, finished=finished)
+
+    def _scheduled(self, seq: Sequence, num_new: int) -> ScheduledSeq:
+        needs_sample = seq.num_computed_tokens + num_new == seq.num_tokens
+        return ScheduledSeq(seq=seq, num_new_tokens=num_new, needs_sample=needs_sample)
+
+    def _admit(self, seq: Sequence, budget: int) -> ScheduledSeq | None:
+        """Give a waiting sequence its blocks and first chunk, or None if it can't fit."""
+        pool = self.block_pool
+        token_ids = seq.all_token_ids
+        # Leave at least one token to compute, so the step yields its logits.
+        max_hit_blocks = (seq.num_tokens - 1) // self.block_size
+        hit_ids = pool.get_cached_prefix(token_ids)[:max_hit_blocks]
+        num_cached = len(hit_ids) * self.block_size
+        num_new = seq.num_tokens - num_cached
+        if num_new > budget:
+            if not self.config.enable_chunked_prefill:
+                return None
+            num_new = budget
+        num_alloc = _cdiv(num_cached + num_new, self.block_size) - len(hit_ids)
+        # Evictable hits count as free now but stop being free once acquired.
+        num_evictable_hits = sum(1 for b in hit_ids if pool.ref_count(b) == 0)
+        if num_alloc + num_evictable_hits > pool.num_free_blocks:
+            return None
+        pool.acquire(hit_ids)
+        seq.block_ids = hit_ids + pool.allocate(num_alloc)
+        seq.block_hashes = [pool.block_hash(b) for b in hit_ids]
+        seq.num_computed_tokens = num_cached
+        seq.num_cached_tokens = num_cached
+        seq.status = RequestStatus.RUNNING
+        pool.record_prefix_lookup(seq.num_tokens, num_cached)
+        return self._scheduled(seq, num_new)
+
+    def _allocate_slots(self, seq: Sequence, num_new: int) -> bool:
+        """Make sure seq has a slot for every position it computes this step."""
+        needed = _cdiv(seq.num_computed_tokens + num_new, self.block_size)
+        missing = needed - len(seq.block_ids)
+        if missing <= 0:
+            return True
+        if missing > self.block_pool.num_free_blocks:
+            return False
+        seq.block_ids.extend(self.block_pool.allocate(missing))
+        return True
+
+    def _pick_victim(self) -> Sequence:
+        # Lowest priority (highest value) first, then the newest arrival.
+        return max(self._running, key=lambda s: (s.priority, s.arrival_time))
+
+    def _preempt(self, seq: Sequence) -> None:
+        logger.debug("preempting %s to free %d blocks", seq.request_id, len(seq.block_ids))
+        self._running.remove(seq)
+        self._release_blocks(seq)
+        seq.num_computed_tokens = 0
+        seq.num_cached_tokens = 0
+        seq.status = RequestStatus.PREEMPTED
+        self._enqueue(seq)
+
+    def _release_blocks(self, seq: Sequence) -> None:
+        # Full blocks keep their hash in the pool, so a recompute or another
+        # request with the same prefix can reuse them until they are evicted.
+        self.block_pool.free(seq.block_ids)
+        seq.block_ids = []
+        seq.block_hashes = []
+
+    def _cache_full_blocks(self, seq: Sequence) -> None:
+        if not self.block_pool.enable_prefix_caching:
+            return
+        num_full = seq.num_computed_tokens // self.block_size
+        token_ids = seq.all_token_ids
+        size = self.block_size
+        for index in range(len(seq.block_hashes), num_full):
+            parent = seq.block_hashes[-1] if seq.block_hashes else None
+            block_tokens = token_ids[index * size : (index + 1) * size]
+            seq.block_hashes.append(
+                self.block_pool.cache_full_block(seq.block_ids[index], parent, block_tokens)
+            )
+
+    def _enqueue(self, seq: Sequence) -> None:
+        bisect.insort(self._waiting, seq, key=_queue_key)
+
+
+def _queue_key(seq: Sequence) -> tuple[int, float]:
+    return (seq.priority, seq.arrival_time)

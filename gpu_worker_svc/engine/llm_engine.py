@@ -1,0 +1,161 @@
+"""The in-process engine: continuous batching over the paged KV cache.
+
+Each `step()` is schedule → run the tensor-parallel model → sample → update.
+A worker service wraps it; `generate()` makes it usable offline, like vLLM's LLM.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import random
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import torch
+
+from gpu_worker_svc.engine.batch_scheduler import BatchScheduler, SchedulerConfig, SchedulerOutput
+from gpu_worker_svc.engine.block_pool import BlockPool
+from gpu_worker_svc.engine.model_runner import ModelRunner, RunnerConfig
+from gpu_worker_svc.engine.outputs import GenerationResult, RequestOutput, StepOutput, StepStats
+from gpu_worker_svc.engine.sampler import Sampler, TokenLogprobs
+from gpu_worker_svc.engine.sampling_params import SamplingParams
+from gpu_worker_svc.engine.sequence import Sequence
+from gpu_worker_svc.model.attention_metadata import StepBatch
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    runner: RunnerConfig = field(default_factory=RunnerConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    enable_prefix_caching: bool = True
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig | None = None) -> None:
+        self.config = config or EngineConfig()
+        self.runner = ModelRunner(self.config.runner)
+        self.model_config = self.runner.model_config
+        self.block_pool = BlockPool(self.runner.num_blocks, self.runner.block_size,
+                                    self.config.enable_prefix_caching)
+        self.scheduler = BatchScheduler(self.config.scheduler, self.block_pool)
+        self.sampler = Sampler()
+        self.eos_token_id = self.model_config.eos_token_ids[0] if self.model_config.eos_token_ids else None
+        self._aborted: list[RequestOutput] = []
+        self._step = 0
+
+    # -- requests -----------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None,
+                    priority: int = 0, output_token_ids: list[int] | None = None,
+                    eos_token_id: int | None = None) -> None:
+        """Queue a request. `output_token_ids` resumes it after tokens it already generated."""
+        params = params or SamplingParams()
+        params.validate()
+        if params.seed is None:  # fixed now, so a later resume samples exactly the same tokens
+            params.seed = random.getrandbits(63)
+        if not prompt_token_ids:
+            raise ValueError("prompt_token_ids must not be empty")
+        if max(prompt_token_ids) >= self.model_config.vocab_size or min(prompt_token_ids) < 0:
+            raise ValueError(f"prompt_token_ids must be in [0, {self.model_config.vocab_size})")
+        seq = Sequence(request_id, list(prompt_token_ids), params, priority=priority,
+                       eos_token_id=self.eos_token_id if eos_token_id is None else eos_token_id,
+                       output_token_ids=list(output_token_ids or []))
+        self.scheduler.add(seq)
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request at once and free its blocks; the next step reports it as aborted."""
+        seq = self.scheduler.abort(request_id)
+        if seq is None:
+            return False
+        self._aborted.append(RequestOutput(request_id, [], seq.num_output_tokens, None, "abort",
+                                           seq.num_prompt_tokens, seq.num_cached_tokens))
+        return True
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished or bool(self._aborted)
+
+    # -- the loop -----------------------------------------------------------
+    def step(self) -> StepOutput:
+        t0 = time.perf_counter()
+        sched = self.scheduler.schedule()
+        out = StepOutput(outputs=self._aborted)
+        self._aborted = []
+        if sched.scheduled:
+            logits = self.runner.execute(self._step_batch(sched))
+            out.outputs += self._postprocess(sched, logits)
+            out.stats = self._stats(sched, time.perf_counter() - t0)
+        self._step += 1
+        return out
+
+    def _step_batch(self, sched: SchedulerOutput) -> StepBatch:
+        ids: list[int] = []
+        tables = []
+        for s in sched.scheduled:
+            c = s.seq.num_computed_tokens
+            ids += s.seq.all_token_ids[c : c + s.num_new_tokens]
+            tables.append(s.seq.block_ids)
+        width = max(len(t) for t in tables)
+        return StepBatch(
+            token_ids=torch.tensor(ids, dtype=torch.long),
+            num_computed=torch.tensor([s.seq.num_computed_tokens for s in sched.scheduled], dtype=torch.long),
+            num_new=torch.tensor([s.num_new_tokens for s in sched.scheduled], dtype=torch.long),
+            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long),
+        )
+
+    def _postprocess(self, sched: SchedulerOutput, logits: torch.Tensor) -> list[RequestOutput]:
+        rows = [i for i, s in enumerate(sched.scheduled) if s.needs_sample]
+        sampled: list[int | None] = [None] * len(sched.scheduled)
+        sample_logprobs: dict[str, TokenLogprobs | None] = {}
+        if rows:
+            seqs = [sched.scheduled[i].seq for i in rows]
+            result = self.sampler(logits[rows], seqs)
+            for i, seq, tok, lp in zip(rows, seqs, result.token_ids, result.logprobs):
+                sampled[i] = tok
+                sample_logprobs[seq.request_id] = lp
+        update = self.scheduler.update(sched, sampled)
+        outputs = []
+        for seq, tok in update.new_tokens:
+            lp = sample_logprobs.get(seq.request_id)
+            outputs.append(RequestOutput(seq.request_id, [tok], seq.num_output_tokens - 1,
+                                         [lp] if lp is not None else None,
+                                         seq.finish_reason if seq.is_finished else None,
+                                         seq.num_prompt_tokens, seq.num_cached_tokens))
+        return outputs
+
+    def _stats(self, sched: SchedulerOutput, elapsed: float) -> StepStats:
+        decode = sum(1 for s in sched.scheduled if s.num_new_tokens == 1)
+        return StepStats(
+            step=self._step, batch_size=len(sched.scheduled), num_tokens=sched.num_batched_tokens,
+            num_prefill_tokens=sched.num_batched_tokens - decode, num_decode_tokens=decode,
+            prefix_cache_hit_tokens=sched.num_prefix_cached_tokens,
+            kv_blocks_used=self.block_pool.num_used_blocks, kv_blocks_total=self.block_pool.num_blocks,
+            num_waiting=self.scheduler.num_waiting, num_running=self.scheduler.num_running,
+            num_preempted=len(sched.preempted_ids), step_time_s=elapsed)
+
+    # -- offline use ----------------------------------------------------------
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None
+                 ) -> list[GenerationResult]:
+        """Run every prompt to completion with continuous batching; results in prompt order."""
+        per_prompt = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        ids = [f"gen-{uuid.uuid4().hex[:12]}" for _ in prompts]
+        tokens: dict[str, list[int]] = {i: [] for i in ids}
+        logprobs: dict[str, list[TokenLogprobs]] = {i: [] for i in ids}
+        finish: dict[str, str] = {}
+        for rid, prompt, p in zip(ids, prompts, per_prompt):
+            self.add_request(rid, prompt, dataclasses.replace(p))  # copied: add_request fills in the seed
+        while len(finish) < len(ids):
+            for o in self.step().outputs:
+                tokens[o.request_id] += o.new_token_ids
+                if o.logprobs:
+                    logprobs[o.request_id] += o.logprobs
+                if o.finish_reason:
+                    finish[o.request_id] = o.finish_reason
+        return [GenerationResult(rid, prompt, tokens[rid], finish[rid], logprobs[rid] or None)
+                for rid, prompt in zip(ids, prompts)]
+
+    def shutdown(self) -> None:
+        self.runner.shutdown()

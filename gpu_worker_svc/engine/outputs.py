@@ -1,0 +1,51 @@
+"""What the engine reports each step: new tokens per request, plus per-step stats."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from gpu_worker_svc.engine.sampler import TokenLogprobs
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str  # the request these tokens belong to
+    new_token_ids: list[int]  # tokens sampled this step (empty for an abort)
+    offset: int  # output index of the first new token
+    logprobs: list[TokenLogprobs] | None  # one per new token, when the request asked for them
+    finish_reason: str | None  # "stop", "length", "abort", or None while running
+    num_prompt_tokens: int  # prompt length, for usage
+    num_cached_tokens: int  # prompt tokens served from the prefix cache
+
+
+@dataclass(slots=True)
+class StepStats:
+    step: int  # engine step counter
+    batch_size: int  # sequences computed this step
+    num_tokens: int  # tokens computed (prefill + decode)
+    num_prefill_tokens: int  # tokens of multi-token chunks
+    num_decode_tokens: int  # single-token decodes
+    prefix_cache_hit_tokens: int  # tokens admitted from the prefix cache this step
+    kv_blocks_used: int  # blocks held by requests
+    kv_blocks_total: int  # capacity of the cache
+    num_waiting: int  # requests queued in the engine after the step
+    num_running: int  # requests running after the step
+    num_preempted: int  # requests preempted this step
+    step_time_s: float  # wall time of schedule + forward + sample + update
+
+
+@dataclass(slots=True)
+class StepOutput:
+    outputs: list[RequestOutput] = field(default_factory=list)  # one per request with news
+    stats: StepStats | None = None  # None when nothing ran
+
+
+@dataclass(slots=True)
+class GenerationResult:
+    """A finished request, as `LLMEngine.generate` returns it."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    finish_reason: str
+    logprobs: list[TokenLogprobs] | None = None

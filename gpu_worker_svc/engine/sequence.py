@@ -1,0 +1,110 @@
+"""One request's state inside a worker's engine."""
+
+import time
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+from gpu_worker_svc.engine.sampling_params import SamplingParams
+
+
+class RequestStatus(IntEnum):
+    """Ordered so that every finished state compares >= FINISHED_STOPPED."""
+
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+
+# OpenAI-style finish_reason of each finished status.
+FINISH_REASONS: dict[RequestStatus, str] = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    """A request's tokens, KV blocks and progress.
+
+    Compared by identity: a sequence is one live request, not a value.
+
+    Append output tokens with `append_token`, which keeps `all_token_ids`
+    current without copying the prompt every step.
+    """
+
+    request_id: str  # unique within the worker
+    prompt_token_ids: list[int]  # the tokenized prompt, never empty
+    params: SamplingParams  # how to sample and when to stop
+    eos_token_id: int | None = None  # the model's EOS, None if it has none
+    priority: int = 0  # lower value is served first, as in vLLM
+    arrival_time: float = field(default_factory=time.monotonic)  # orders equal priorities
+    # Pre-filled when a request resumes from a prefix of its own output: these
+    # count toward max_tokens and penalties, and sampling continues at index
+    # len(output_token_ids).
+    output_token_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING  # lifecycle state
+    num_computed_tokens: int = 0  # leading tokens whose KV is in the cache
+    block_ids: list[int] = field(default_factory=list)  # KV block table, in order
+    num_cached_tokens: int = 0  # prefix-cache hit tokens at the last admission
+    finish_reason: str | None = None  # "stop", "length" or "abort" once finished
+    # Hash chain of the sequence's full, computed blocks, so each new full
+    # block is hashed once from its parent instead of rehashing the prefix.
+    block_hashes: list[int] = field(default_factory=list)
+    _all_token_ids: list[int] = field(init=False, repr=False, default_factory=list)
+
+    def __post_init__(self) -> None:
+        self._all_token_ids = self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        """Prompt + output tokens; callers must not mutate the list."""
+        # A length check is O(1) and catches outputs appended behind our back.
+        if len(self._all_token_ids) != self.num_tokens:
+            self._all_token_ids = self.prompt_token_ids + self.output_token_ids
+        return self._all_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status >= RequestStatus.FINISHED_STOPPED
+
+    def append_token(self, token_id: int) -> None:
+        self.all_token_ids.append(token_id)
+        self.output_token_ids.append(token_id)
+
+    def stop_status(self) -> RequestStatus | None:
+        """Whether the token just appended ends the request, and how."""
+        params = self.params
+        token_id = self.output_token_ids[-1]
+        # Like the sampler's mask: EOS and stop ids count only from output
+        # index min_tokens on, so min_tokens ordinary tokens always come first.
+        if self.num_output_tokens > params.min_tokens:
+            is_eos = token_id == self.eos_token_id and not params.ignore_eos
+            if is_eos or token_id in params.stop_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+        if self.num_output_tokens >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def finish(self, status: RequestStatus) -> None:
+        self.status = status
+        self.finish_reason = FINISH_REASONS[status]

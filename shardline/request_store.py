@@ -1,0 +1,300 @@
+"""Durable request state in Redis: what a restarted service rebuilds itself from.
+
+Keys, all under `shardline:`:
+
+- `shardline:req:<id>`: hash with model, params (JSON), status, worker_id,
+  attempt, gateway_id, priority, prompt_len, finish_reason, error and the
+  timings arrival_ts, dispatch_ts, first_token_ts, finish_ts (unix seconds);
+- `shardline:req:<id>:prompt`: prompt token ids, packed little-endian uint32;
+- `shardline:req:<id>:tokens`: generated token ids, packed the same way and
+  grown with APPEND, so reading from an offset is one GETRANGE;
+- `shardline:active`: set of unfinished request ids (recovery after a restart);
+- `shardline:recent`: sorted set of request ids scored by arrival (listings).
+
+The scheduler is the only writer. Finishing a request sets a TTL on its keys.
+"""
+
+import json
+import struct
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from enum import IntEnum
+from typing import Any, Self
+
+import redis.asyncio as aioredis
+
+PREFIX = "shardline:"
+ACTIVE_KEY = PREFIX + "active"
+RECENT_KEY = PREFIX + "recent"
+TOKEN_BYTES = 4
+DEFAULT_RETENTION_S = 24 * 3600.0
+
+
+class RequestStatus(IntEnum):
+    """Lifecycle state; values match shardline.v1.RequestStatus, terminal from FINISHED on."""
+
+    QUEUED = 1
+    RUNNING = 2
+    FINISHED = 3
+    CANCELLED = 4
+    FAILED = 5
+
+    @property
+    def is_finished(self) -> bool:
+        """True for the terminal states."""
+        return self >= RequestStatus.FINISHED
+
+
+class FinishReason(IntEnum):
+    """Why a request stopped; values match shardline.v1.FinishReason."""
+
+    STOP = 1
+    LENGTH = 2
+    ABORT = 3
+    ERROR = 4
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    """One request's persisted state: the `shardline:req:<id>` hash."""
+
+    request_id: str  # unique id, from the client or the gateway
+    model: str  # model that serves it
+    params: dict[str, Any]  # resolved sampling parameters, JSON-compatible
+    gateway_id: str  # gateway whose Subscribe stream receives the output
+    priority: int = 0  # priority class; lower is served first
+    arrival_ts: float = field(default_factory=time.time)  # when the scheduler accepted it
+    status: RequestStatus = RequestStatus.QUEUED  # lifecycle state
+    worker_id: str | None = None  # worker serving it now, or last, if dispatched
+    attempt: int = 0  # dispatch count; above 1 after a worker failure
+    finish_reason: FinishReason | None = None  # set once terminal
+    error: str | None = None  # why it failed, if it did
+    dispatch_ts: float | None = None  # last dispatch to a worker
+    first_token_ts: float | None = None  # first output token persisted
+    finish_ts: float | None = None  # reached a terminal status
+    prompt_len: int = 0  # prompt tokens; create() sets it from the prompt
+    num_output_tokens: int = 0  # tokens generated so far; read from the tokens key
+
+
+def pack_token_ids(token_ids: Sequence[int]) -> bytes:
+    """Token ids as little-endian uint32 bytes (4 bytes each, vs ~7 as decimal text)."""
+    return struct.pack(f"<{len(token_ids)}I", *token_ids)
+
+
+def unpack_token_ids(data: bytes) -> list[int]:
+    """The inverse of pack_token_ids; ignores a trailing partial id."""
+    count = len(data) // TOKEN_BYTES
+    return list(struct.unpack_from(f"<{count}I", data))
+
+
+def _hash_key(request_id: str) -> str:
+    return f"{PREFIX}req:{request_id}"
+
+
+def _prompt_key(request_id: str) -> str:
+    return f"{PREFIX}req:{request_id}:prompt"
+
+
+def _tokens_key(request_id: str) -> str:
+    return f"{PREFIX}req:{request_id}:tokens"
+
+
+# KEYS: hash, prompt, active, recent. ARGV: id, arrival_ts, trim_before, prompt, field, value, ...
+# One script so a duplicate id is refused atomically instead of overwriting a live request.
+_CREATE_LUA = """
+if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+redis.call('HSET', KEYS[1], unpack(ARGV, 5))
+redis.call('SET', KEYS[2], ARGV[4])
+redis.call('SADD', KEYS[3], ARGV[1])
+redis.call('ZADD', KEYS[4], ARGV[2], ARGV[1])
+redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', '(' .. ARGV[3])
+return 1
+"""
+
+# KEYS: hash, prompt, tokens, active. ARGV: id, retention_ms (0 unless finishing), field, value, ...
+# Only a live request changes: a missing hash (unknown, or expired) is not
+# resurrected as a fragment, and a terminal status is final, so a cancel that
+# races a normal finish cannot overwrite it.
+_UPDATE_LIVE_LUA = """
+if redis.call('EXISTS', KEYS[1]) == 0 or redis.call('HEXISTS', KEYS[1], 'finish_ts') == 1 then
+  return 0
+end
+redis.call('HSET', KEYS[1], unpack(ARGV, 3))
+local retention_ms = tonumber(ARGV[2])
+if retention_ms > 0 then
+  redis.call('SREM', KEYS[4], ARGV[1])
+  for i = 1, 3 do redis.call('PEXPIRE', KEYS[i], retention_ms) end
+end
+return 1
+"""
+
+
+def _encode(record: RequestRecord, prompt_len: int) -> list[str | int | float]:
+    fields: dict[str, str | int | float | None] = {
+        "model": record.model,
+        "params": json.dumps(record.params, separators=(",", ":")),
+        "status": record.status.name,
+        "gateway_id": record.gateway_id,
+        "priority": record.priority,
+        "prompt_len": prompt_len,
+        "attempt": record.attempt,
+        "arrival_ts": record.arrival_ts,
+        "worker_id": record.worker_id,
+        "dispatch_ts": record.dispatch_ts,
+    }
+    return [item for name, value in fields.items() if value is not None for item in (name, value)]
+
+
+def _decode(request_id: str, raw: dict[bytes, bytes], num_output_tokens: int) -> RequestRecord:
+    h = {key.decode(): value.decode() for key, value in raw.items()}
+
+    def optional_float(name: str) -> float | None:
+        return float(h[name]) if name in h else None
+
+    return RequestRecord(
+        request_id=request_id,
+        model=h["model"],
+        params=json.loads(h["params"]),
+        gateway_id=h["gateway_id"],
+        priority=int(h["priority"]),
+        arrival_ts=float(h["arrival_ts"]),
+        status=RequestStatus[h["status"]],
+        worker_id=h.get("worker_id"),
+        attempt=int(h["attempt"]),
+        finish_reason=FinishReason[h["finish_reason"]] if "finish_reason" in h else None,
+        error=h.get("error"),
+        dispatch_ts=optional_float("dispatch_ts"),
+        first_token_ts=optional_float("first_token_ts"),
+        finish_ts=optional_float("finish_ts"),
+        prompt_len=int(h["prompt_len"]),
+        num_output_tokens=num_output_tokens,
+    )
+
+
+class RequestStore:
+    """Async access to request state in Redis (see the module docstring for the keys).
+
+    Updates apply only to a live request: created, not finished, not expired.
+    """
+
+    def __init__(self, redis_url: str, retention_s: float = DEFAULT_RETENTION_S) -> None:
+        if retention_s <= 0:
+            raise ValueError(f"retention_s must be positive, got {retention_s}")
+        self.retention_s = retention_s
+        self._redis = aioredis.from_url(redis_url)
+        self._create_script = self._redis.register_script(_CREATE_LUA)
+        self._update_script = self._redis.register_script(_UPDATE_LIVE_LUA)
+
+    async def close(self) -> None:
+        """Closes the connection pool."""
+        await self._redis.aclose()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    async def create(self, record: RequestRecord, prompt_ids: Sequence[int]) -> bool:
+        """Persists a new request and marks it active; False if the id already exists.
+
+        Requests that arrived more than retention_s ago drop out of list_recent().
+        """
+        if record.status.is_finished:
+            raise ValueError(f"a new request cannot be {record.status.name}")
+        request_id = record.request_id
+        keys = [_hash_key(request_id), _prompt_key(request_id), ACTIVE_KEY, RECENT_KEY]
+        trim_before = time.time() - self.retention_s
+        prompt = pack_token_ids(prompt_ids)
+        args = [request_id, record.arrival_ts, trim_before, prompt, *_encode(record, len(prompt_ids))]
+        return bool(await self._create_script(keys=keys, args=args))
+
+    async def append_step(
+        self, deltas: dict[str, list[int]], first_token_ts: dict[str, float] | None = None
+    ) -> None:
+        """Appends one engine step's new tokens for every request in ONE round trip.
+
+        `first_token_ts` maps requests whose first token is in this step to its
+        time. Only for live requests: on the hot path, it does not check.
+        """
+        # No MULTI/EXEC: each request's append stands alone, and a plain
+        # pipeline is one round trip either way.
+        pipe = self._redis.pipeline(transaction=False)
+        for request_id, token_ids in deltas.items():
+            if token_ids:
+                pipe.append(_tokens_key(request_id), pack_token_ids(token_ids))
+        for request_id, ts in (first_token_ts or {}).items():
+            pipe.hset(_hash_key(request_id), "first_token_ts", ts)
+        if len(pipe):
+            await pipe.execute()
+
+    async def _update_live(self, request_id: str, retention_ms: int, fields: dict[str, Any]) -> bool:
+        keys = [_hash_key(request_id), _prompt_key(request_id), _tokens_key(request_id), ACTIVE_KEY]
+        args = [request_id, retention_ms, *(item for pair in fields.items() for item in pair)]
+        return bool(await self._update_script(keys=keys, args=args))
+
+    async def set_status(self, request_id: str, status: RequestStatus) -> bool:
+        """Sets a non-terminal status (QUEUED again after a worker failure, say); False if not live."""
+        if status.is_finished:
+            raise ValueError(f"{status.name} is terminal: use finish()")
+        return await self._update_live(request_id, 0, {"status": status.name})
+
+    async def mark_dispatched(self, request_id: str, worker_id: str, attempt: int) -> bool:
+        """Records a dispatch (RUNNING on `worker_id`, attempt, dispatch time); False if not live."""
+        now = time.time()
+        fields = {"status": RequestStatus.RUNNING.name, "worker_id": worker_id, "attempt": attempt, "dispatch_ts": now}
+        return await self._update_live(request_id, 0, fields)
+
+    async def finish(
+        self, request_id: str, status: RequestStatus, finish_reason: FinishReason, error: str | None = None
+    ) -> bool:
+        """Records the terminal status, drops the request from the active set and starts
+        the retention TTL on all its keys; False, changing nothing, if not live."""
+        if not status.is_finished:
+            raise ValueError(f"{status.name} is not terminal")
+        fields: dict[str, Any] = {"status": status.name, "finish_reason": finish_reason.name, "finish_ts": time.time()}
+        if error is not None:
+            fields["error"] = error
+        return await self._update_live(request_id, max(1, round(self.retention_s * 1000)), fields)
+
+    async def get(self, request_id: str) -> RequestRecord | None:
+        """A request's record, or None if unknown or expired."""
+        records = await self.get_many([request_id])
+        return records[0] if records else None
+
+    async def get_many(self, request_ids: Sequence[str]) -> list[RequestRecord]:
+        """Records of the requests that still exist, in the given order, in one round trip."""
+        pipe = self._redis.pipeline(transaction=False)
+        for request_id in request_ids:
+            pipe.hgetall(_hash_key(request_id))
+            pipe.strlen(_tokens_key(request_id))
+        results = await pipe.execute() if request_ids else []
+        return [
+            _decode(request_id, raw, num_bytes // TOKEN_BYTES)
+            for request_id, raw, num_bytes in zip(request_ids, results[::2], results[1::2])
+            if raw  # expired, or never existed
+        ]
+
+    async def get_tokens(self, request_id: str, offset: int = 0) -> list[int]:
+        """Generated token ids from index `offset` on (empty if none or unknown)."""
+        if offset < 0:
+            raise ValueError(f"offset must be >= 0, got {offset}")
+        data = await self._redis.getrange(_tokens_key(request_id), offset * TOKEN_BYTES, -1)
+        return unpack_token_ids(data)
+
+    async def get_prompt(self, request_id: str) -> list[int] | None:
+        """Prompt token ids, or None if unknown or expired."""
+        data = await self._redis.get(_prompt_key(request_id))
+        return None if data is None else unpack_token_ids(data)
+
+    async def list_active(self) -> list[str]:
+        """Ids of every unfinished request, sorted."""
+        return sorted(member.decode() for member in await self._redis.smembers(ACTIVE_KEY))
+
+    async def list_recent(self, n: int) -> list[RequestRecord]:
+        """Records of the `n` most recently arrived requests still retained, newest first."""
+        if n <= 0:
+            return []
+        ids = [member.decode() for member in await self._redis.zrevrange(RECENT_KEY, 0, n - 1)]
+        return await self.get_many(ids)

@@ -1,0 +1,168 @@
+from collections import Counter
+
+import pytest
+import torch
+
+from gpu_worker_svc.engine.sampler import Sampler, uniform_draw
+from gpu_worker_svc.engine.sampling_params import SamplingParams
+from gpu_worker_svc.engine.sequence import Sequence
+
+EOS = 0
+VOCAB = 1000
+
+
+def make_seq(
+    seed: int | None = 0,
+    output: list[int] | None = None,
+    prompt: list[int] | None = None,
+    **params: object,
+) -> Sequence:
+    return Sequence(
+        request_id=f"r{seed}",
+        prompt_token_ids=prompt or [5, 6, 7],
+        params=SamplingParams(seed=seed, **params),
+        eos_token_id=EOS,
+        output_token_ids=output or [],
+    )
+
+
+def random_logits(rows: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(rows, VOCAB, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def frequencies(probs: list[float], num_draws: int = 4000, **params: object) -> dict[int, float]:
+    """Sample one row with the given distribution num_draws times, one seed each."""
+    logits = torch.tensor(probs).log().expand(num_draws, -1).contiguous()
+    seqs = [make_seq(seed=i, **params) for i in range(num_draws)]
+    counts = Counter(Sampler()(logits, seqs).token_ids)
+    return {token: n / num_draws for token, n in counts.items()}
+
+
+def test_uniform_draw_is_in_open_interval_and_keyed():
+    draws = [uniform_draw(seed, index) for seed in range(50) for index in range(50)]
+    assert all(0.0 < u < 1.0 for u in draws)
+    assert len(set(draws)) == len(draws)
+    assert uniform_draw(3, 7) == uniform_draw(3, 7)
+    assert uniform_draw(-1, 0) == uniform_draw(2**64 - 1, 0)
+    assert abs(sum(draws) / len(draws) - 0.5) < 0.02
+
+
+def test_greedy_takes_argmax():
+    logits = random_logits(4)
+    seqs = [make_seq(seed=None, temperature=0.0) for _ in range(4)]
+    out = Sampler()(logits, seqs)
+    assert out.token_ids == logits.argmax(dim=-1).tolist()
+    assert out.logprobs == [None] * 4
+
+
+def test_top_k_one_equals_greedy():
+    logits = random_logits(8, seed=1)
+    seqs = [make_seq(seed=i, top_k=1, temperature=1.5) for i in range(8)]
+    assert Sampler()(logits, seqs).token_ids == logits.argmax(dim=-1).tolist()
+
+
+def test_seeded_row_is_independent_of_batch_and_repeatable():
+    logits = random_logits(6, seed=2)
+    target = make_seq(seed=1234, output=[9, 9], temperature=0.8)
+    others = [
+        make_seq(seed=None, temperature=0.0),
+        make_seq(seed=5, top_k=3),
+        make_seq(seed=6, top_p=0.3, min_p=0.2),
+        make_seq(seed=7, repetition_penalty=1.3, presence_penalty=0.4),
+        make_seq(seed=8, min_tokens=4, logprobs=2),
+    ]
+    sampler = Sampler()
+    alone = sampler(logits[3:4], [target]).token_ids[0]
+    batch = [*others[:3], target, *others[3:]]
+    in_batch = sampler(logits, batch).token_ids[3]
+    assert alone == in_batch
+    assert all(sampler(logits, batch).token_ids[3] == alone for _ in range(3))
+
+
+def test_draw_depends_on_seed_and_token_index():
+    logits = torch.zeros(1, VOCAB)  # uniform: any draw is equally likely
+    by_seed = {Sampler()(logits, [make_seq(seed=s)]).token_ids[0] for s in range(20)}
+    by_index = {
+        Sampler()(logits, [make_seq(seed=1, output=[3] * n)]).token_ids[0] for n in range(20)
+    }
+    assert len(by_seed) > 15 and len(by_index) > 15
+
+
+def test_unrestricted_frequencies_follow_the_distribution():
+    probs = [0.4, 0.3, 0.2, 0.05, 0.05]
+    freq = frequencies(probs)
+    for token, p in enumerate(probs):
+        assert freq.get(token, 0.0) == pytest.approx(p, abs=0.03)
+
+
+@pytest.mark.parametrize(
+    ("params", "expected"),
+    [
+        ({"top_p": 0.75}, {0: 0.4 / 0.9, 1: 0.3 / 0.9, 2: 0.2 / 0.9}),
+        ({"min_p": 0.4}, {0: 0.4 / 0.9, 1: 0.3 / 0.9, 2: 0.2 / 0.9}),
+        ({"top_k": 2}, {0: 4 / 7, 1: 3 / 7}),
+        # top_p applies to the mass left by top_k: 0.5 of 0.9 needs two tokens.
+        ({"top_k": 3, "top_p": 0.5}, {0: 4 / 7, 1: 3 / 7}),
+        ({"min_p": 0.6, "top_p": 0.9}, {0: 4 / 7, 1: 3 / 7}),
+        ({"temperature": 0.5, "top_k": 2}, {0: 16 / 25, 1: 9 / 25}),
+    ],
+)
+def test_filters_restrict_support_and_renormalise(params, expected):
+    freq = frequencies([0.4, 0.3, 0.2, 0.05, 0.05], **params)
+    assert set(freq) == set(expected)
+    for token, p in expected.items():
+        assert freq[token] == pytest.approx(p, abs=0.03)
+
+
+def test_repetition_penalty_changes_greedy_choice():
+    logits = torch.full((1, VOCAB), -5.0)
+    logits[0, 10], logits[0, 11] = 4.0, 3.0
+    seq = make_seq(seed=None, prompt=[10], temperature=0.0, repetition_penalty=2.0)
+    assert Sampler()(logits, [seq]).token_ids == [11]
+
+
+def test_min_tokens_masks_eos_and_stop_ids():
+    logits = torch.zeros(1, VOCAB)
+    logits[0, EOS], logits[0, 42], logits[0, 17] = 5.0, 4.0, 3.0
+    sampler = Sampler()
+
+    def pick(**params: object) -> int:
+        return sampler(logits, [make_seq(seed=None, temperature=0.0, **params)]).token_ids[0]
+
+    assert pick(min_tokens=2, stop_token_ids=[42], output=[9]) == 17
+    assert pick(min_tokens=2, stop_token_ids=[42], output=[9, 9]) == EOS
+    assert pick(min_tokens=2, output=[9]) == 42
+    # With ignore_eos, EOS is an ordinary token and is not masked.
+    assert pick(min_tokens=2, ignore_eos=True, output=[9]) == EOS
+    # A stop id past the vocabulary cannot be sampled and needs no mask.
+    assert pick(min_tokens=2, stop_token_ids=[VOCAB + 5]) == 42
+
+
+def test_logprobs_come_from_raw_logits():
+    logits = random_logits(3, seed=4)
+    seqs = [
+        make_seq(seed=1, logprobs=3, temperature=0.7, repetition_penalty=1.2),
+        make_seq(seed=2, logprobs=0),
+        make_seq(seed=3),
+    ]
+    out = Sampler()(logits, seqs)
+    raw = torch.log_softmax(logits, dim=-1)
+    first, second, third = out.logprobs
+    assert third is None
+    assert second.top == [] and second.token_id == out.token_ids[1]
+    assert second.logprob == pytest.approx(raw[1, out.token_ids[1]].item())
+    assert first.logprob == pytest.approx(raw[0, out.token_ids[0]].item())
+    values, ids = torch.topk(raw[0], 3)
+    assert [t for t, _ in first.top] == ids.tolist()
+    assert [v for _, v in first.top] == pytest.approx(values.tolist())
+    assert all(a[1] >= b[1] for a, b in zip(first.top, first.top[1:]))
+
+
+def test_sampling_without_seed_is_an_error():
+    with pytest.raises(ValueError, match="no seed"):
+        Sampler()(torch.zeros(1, VOCAB), [make_seq(seed=None)])
+
+
+def test_logits_shape_must_match_batch():
+    with pytest.raises(ValueError, match="logits must be"):
+        Sampler()(torch.zeros(2, VOCAB), [make_seq()])

@@ -1,0 +1,70 @@
+"""EmbeddedRedis: a real redis-server child process with AOF persistence."""
+
+import os
+import socket
+import time
+from pathlib import Path
+
+import pytest
+import redis
+
+from shardline.redis_server import EmbeddedRedis, RedisServerError, find_redis_server
+
+
+def _aof_files(data_dir: Path) -> list[Path]:
+    # Redis 6 writes appendonly.aof; Redis 7 an appendonlydir/ of several files.
+    return [p for p in data_dir.rglob("appendonly*") if p.is_file()]
+
+
+def test_find_redis_server_prefers_the_bundled_binary() -> None:
+    binary = find_redis_server()
+    assert binary.name == "redis-server"
+    assert os.access(binary, os.X_OK)
+
+
+def test_start_answers_and_stop_leaves_no_process(tmp_path: Path) -> None:
+    server = EmbeddedRedis(tmp_path).start()
+    pid = server._process.pid if server._process else -1
+    assert server.url == f"redis://127.0.0.1:{server.port}/0"
+    client = redis.Redis.from_url(server.url)
+    assert client.ping()
+    client.close()
+    server.stop()
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)  # reaped, not a zombie or an orphan
+    with pytest.raises(RedisServerError):
+        _ = server.url
+    server.stop()  # idempotent
+
+
+def test_writes_reach_the_append_only_file(tmp_path: Path) -> None:
+    with EmbeddedRedis(tmp_path) as server:
+        client = redis.Redis.from_url(server.url)
+        client.set("shardline:probe", "x" * 64)
+        client.close()
+        deadline = time.monotonic() + 5
+        while not any(p.stat().st_size > 0 for p in _aof_files(tmp_path)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert any(b"shardline:probe" in p.read_bytes() for p in _aof_files(tmp_path))
+
+
+def test_data_survives_a_restart_on_the_same_dir(tmp_path: Path) -> None:
+    with EmbeddedRedis(tmp_path) as server:
+        client = redis.Redis.from_url(server.url)
+        client.rpush("shardline:list", 1, 2, 3)
+        client.hset("shardline:hash", mapping={"status": "RUNNING"})
+        client.close()
+    with EmbeddedRedis(tmp_path) as server:
+        client = redis.Redis.from_url(server.url)
+        assert client.lrange("shardline:list", 0, -1) == [b"1", b"2", b"3"]
+        assert client.hget("shardline:hash", "status") == b"RUNNING"
+        client.close()
+
+
+def test_a_taken_port_fails_with_the_server_log(tmp_path: Path) -> None:
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen()
+        port = squatter.getsockname()[1]
+        with pytest.raises(RedisServerError, match=r"(?s)exited.*log tail.*in use"):
+            EmbeddedRedis(tmp_path, port=port, start_timeout_s=5).start()

@@ -1,0 +1,214 @@
+"""RequestStore against a real embedded Redis."""
+
+import asyncio
+import functools
+import time
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+import pytest
+import redis
+from redis.asyncio.connection import AbstractConnection
+
+from shardline.proto import sampling_pb2
+from shardline.request_store import (
+    FinishReason,
+    RequestRecord,
+    RequestStatus,
+    RequestStore,
+    pack_token_ids,
+    unpack_token_ids,
+)
+
+PARAMS = {"temperature": 0.7, "seed": 1234, "max_tokens": 16, "stop": ["\n\n"]}
+
+
+def run_async(test: Callable[..., Coroutine[Any, Any, None]]) -> Callable[..., None]:
+    """Runs an async test in a fresh event loop (keeps the suite free of async plugins)."""
+
+    @functools.wraps(test)
+    def wrapper(*args: Any, **kwargs: Any) -> None:
+        asyncio.run(test(*args, **kwargs))
+
+    return wrapper
+
+
+def record(request_id: str, arrival_ts: float | None = None) -> RequestRecord:
+    return RequestRecord(
+        request_id=request_id,
+        model="smollm2-135m",
+        params=PARAMS,
+        gateway_id="gw-1",
+        priority=2,
+        arrival_ts=arrival_ts if arrival_ts is not None else time.time(),
+    )
+
+
+def test_enums_match_the_proto() -> None:
+    for status in RequestStatus:
+        assert sampling_pb2.RequestStatus.Value(f"REQUEST_STATUS_{status.name}") == status
+    for reason in FinishReason:
+        assert sampling_pb2.FinishReason.Value(f"FINISH_REASON_{reason.name}") == reason
+    assert len(sampling_pb2.RequestStatus.keys()) == len(RequestStatus) + 1  # + UNSPECIFIED
+    assert len(sampling_pb2.FinishReason.keys()) == len(FinishReason) + 1
+
+
+def test_token_packing_round_trips() -> None:
+    ids = [0, 1, 128_000, 2**32 - 1]
+    assert len(pack_token_ids(ids)) == 16
+    assert unpack_token_ids(pack_token_ids(ids)) == ids
+    assert unpack_token_ids(pack_token_ids([])) == []
+
+
+@run_async
+async def test_lifecycle(redis_url: str) -> None:
+    async with RequestStore(redis_url) as store:
+        assert await store.create(record("r1"), [1, 2, 3, 4, 5])
+        got = await store.get("r1")
+        assert got is not None
+        assert (got.status, got.model, got.params) == (RequestStatus.QUEUED, "smollm2-135m", PARAMS)
+        assert got.gateway_id == "gw-1"
+        assert (got.priority, got.prompt_len, got.attempt, got.worker_id, got.dispatch_ts) == (2, 5, 0, None, None)
+        assert await store.get_prompt("r1") == [1, 2, 3, 4, 5]
+
+        assert await store.mark_dispatched("r1", "worker-a", attempt=1)
+        await store.append_step({"r1": [10]}, first_token_ts={"r1": 1234.5})
+        await store.append_step({"r1": [11, 12]})
+        got = await store.get("r1")
+        assert got is not None
+        assert (got.status, got.worker_id, got.attempt) == (RequestStatus.RUNNING, "worker-a", 1)
+        assert got.dispatch_ts is not None and got.first_token_ts == 1234.5
+        assert got.num_output_tokens == 3
+
+        # A worker failure: back to the queue, then a second attempt elsewhere.
+        assert await store.set_status("r1", RequestStatus.QUEUED)
+        assert await store.mark_dispatched("r1", "worker-b", attempt=2)
+        assert await store.finish("r1", RequestStatus.FINISHED, FinishReason.LENGTH)
+        got = await store.get("r1")
+        assert got is not None
+        assert (got.status, got.finish_reason, got.worker_id, got.attempt) == (
+            RequestStatus.FINISHED, FinishReason.LENGTH, "worker-b", 2,
+        )
+        assert got.finish_ts is not None and got.finish_ts >= got.arrival_ts
+        assert await store.get_tokens("r1") == [10, 11, 12]
+
+        # Terminal is final: a racing cancel or status change is refused.
+        assert not await store.finish("r1", RequestStatus.CANCELLED, FinishReason.ABORT)
+        assert not await store.set_status("r1", RequestStatus.RUNNING)
+        got = await store.get("r1")
+        assert got is not None and got.status == RequestStatus.FINISHED
+
+
+@run_async
+async def test_failure_keeps_the_error(redis_url: str) -> None:
+    async with RequestStore(redis_url) as store:
+        await store.create(record("r1"), [1])
+        assert await store.finish("r1", RequestStatus.FAILED, FinishReason.ERROR, error="CUDA out of memory")
+        got = await store.get("r1")
+        assert got is not None
+        assert (got.status, got.finish_reason) == (RequestStatus.FAILED, FinishReason.ERROR)
+        assert got.error == "CUDA out of memory"
+
+
+@run_async
+async def test_duplicates_unknown_ids_and_bad_statuses(redis_url: str) -> None:
+    async with RequestStore(redis_url) as store:
+        assert await store.create(record("r1"), [1, 2])
+        clash = record("r1")
+        clash.model = "other"
+        assert not await store.create(clash, [9])
+        got = await store.get("r1")
+        assert got is not None and got.model == "smollm2-135m"
+        assert await store.get_prompt("r1") == [1, 2]
+
+        # Updates to an unknown request change nothing and create no stray keys.
+        assert not await store.mark_dispatched("ghost", "worker-a", attempt=1)
+        assert not await store.finish("ghost", RequestStatus.CANCELLED, FinishReason.ABORT)
+        assert await store.get("ghost") is None
+        assert await store.get_prompt("ghost") is None
+        assert await store.get_tokens("ghost") == []
+        raw = redis.Redis.from_url(redis_url)
+        assert raw.keys("shardline:req:ghost*") == []
+        raw.close()
+
+        with pytest.raises(ValueError):
+            await store.set_status("r1", RequestStatus.FINISHED)
+        with pytest.raises(ValueError):
+            await store.finish("r1", RequestStatus.RUNNING, FinishReason.STOP)
+
+
+@run_async
+async def test_append_step_is_one_round_trip_per_step(redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    ids = [f"r{i}" for i in range(64)]
+    async with RequestStore(redis_url) as store:
+        for request_id in ids:
+            await store.create(record(request_id), [1])
+        sends: list[int] = []
+        original = AbstractConnection.send_packed_command
+
+        async def counting_send(self: AbstractConnection, command: Any, check_health: bool = True) -> None:
+            sends.append(1)
+            await original(self, command, check_health)
+
+        monkeypatch.setattr(AbstractConnection, "send_packed_command", counting_send)
+        for step in range(3):
+            first = {rid: 100.0 + step for rid in ids} if step == 0 else None
+            await store.append_step({rid: [step, i] for i, rid in enumerate(ids)}, first_token_ts=first)
+        assert len(sends) == 3
+        monkeypatch.undo()
+
+        for i, request_id in enumerate(ids[:5]):
+            assert await store.get_tokens(request_id) == [0, i, 1, i, 2, i]
+        got = await store.get("r7")
+        assert got is not None and got.first_token_ts == 100.0 and got.num_output_tokens == 6
+
+
+@run_async
+async def test_tokens_by_offset(redis_url: str) -> None:
+    async with RequestStore(redis_url) as store:
+        await store.create(record("r1"), [1])
+        assert await store.get_tokens("r1") == []
+        for token in range(10):
+            await store.append_step({"r1": [1000 + token]})
+        assert await store.get_tokens("r1", 0) == [1000 + t for t in range(10)]
+        assert await store.get_tokens("r1", 7) == [1007, 1008, 1009]
+        assert await store.get_tokens("r1", 10) == []
+        assert await store.get_tokens("r1", 50) == []
+        with pytest.raises(ValueError):
+            await store.get_tokens("r1", -1)
+
+
+@run_async
+async def test_active_set_and_recent_listing(redis_url: str) -> None:
+    now = time.time()
+    async with RequestStore(redis_url) as store:
+        for i, request_id in enumerate(["a", "b", "c"]):
+            await store.create(record(request_id, arrival_ts=now + i), [i])
+        assert await store.list_active() == ["a", "b", "c"]
+        await store.finish("b", RequestStatus.CANCELLED, FinishReason.ABORT)
+        assert await store.list_active() == ["a", "c"]
+        assert [r.request_id for r in await store.list_recent(10)] == ["c", "b", "a"]
+        assert [r.request_id for r in await store.list_recent(2)] == ["c", "b"]
+        assert await store.list_recent(0) == []
+
+
+@run_async
+async def test_finish_sets_ttl_and_keys_expire(redis_url: str) -> None:
+    raw = redis.Redis.from_url(redis_url)
+    async with RequestStore(redis_url, retention_s=3600) as store:
+        await store.create(record("r1"), [1, 2])
+        await store.append_step({"r1": [3]})
+        keys = ["shardline:req:r1", "shardline:req:r1:prompt", "shardline:req:r1:tokens"]
+        assert [raw.ttl(k) for k in keys] == [-1, -1, -1]  # live requests never expire
+        await store.finish("r1", RequestStatus.FINISHED, FinishReason.STOP)
+        assert all(3590 <= raw.ttl(k) <= 3600 for k in keys)
+    async with RequestStore(redis_url, retention_s=0.2) as store:
+        await store.create(record("r2"), [1])
+        await store.append_step({"r2": [5]})
+        await store.finish("r2", RequestStatus.FINISHED, FinishReason.STOP)
+        await asyncio.sleep(0.4)
+        assert await store.get("r2") is None
+        assert await store.get_prompt("r2") is None
+        assert await store.get_tokens("r2") == []
+        assert [r.request_id for r in await store.list_recent(10)] == ["r1"]
+    raw.close()
