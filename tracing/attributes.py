@@ -1,0 +1,38 @@
+"""Span attribute names used across Shardline.
+
+The ``gen_ai.*`` names follow the OpenTelemetry GenAI semantic conventions;
+the ``shardline.*`` names are ours. The Perfetto writer reads several of them
+(request id, rank, the counter attributes), so services must use these
+constants rather than spelling the strings themselves.
+"""
+
+# GenAI semantic conventions.
+GEN_AI_REQUEST_MODEL = "gen_ai.request.model"
+GEN_AI_REQUEST_MAX_TOKENS = "gen_ai.request.max_tokens"
+GEN_AI_REQUEST_TEMPERATURE = "gen_ai.request.temperature"
+GEN_AI_REQUEST_TOP_P = "gen_ai.request.top_p"
+GEN_AI_USAGE_INPUT_TOKENS = "gen_ai.usage.input_tokens"
+GEN_AI_USAGE_OUTPUT_TOKENS = "gen_ai.usage.output_tokens"
+GEN_AI_RESPONSE_FINISH_REASONS = "gen_ai.response.finish_reasons"
+
+# OpenTelemetry general conventions the writer reads.
+SERVICE_NAME = "service.name"
+SERVICE_INSTANCE_ID = "service.instance.id"
+THREAD_NAME = "thread.name"
+
+# Shardline. A span carrying REQUEST_ID belongs on that request's track.
+REQUEST_ID = "shardline.request_id"
+RANK = "shardline.rank"
+STEP = "shardline.step"
+NUM_TOKENS = "shardline.num_tokens"
+PREFIX_CACHE_HITS = "shardline.prefix_cache_hits"
+
+# Shardline gauges sampled on step and queue spans; each becomes a Perfetto counter track.
+QUEUE_DEPTH = "shardline.queue_depth"
+BATCH_SIZE = "shardline.batch_size"
+KV_BLOCKS_USED = "shardline.kv_blocks_used"
+TOKENS_PER_S = "shardline.tokens_per_s"
+MFU = "shardline.mfu"
+MBU = "shardline.mbu"
+
+COUNTER_ATTRIBUTES = (QUEUE_DEPTH, BATCH_SIZE, KV_BLOCKS_USED, TOKENS_PER_S, MFU, MBU)

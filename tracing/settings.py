@@ -1,0 +1,26 @@
+"""The one place where tracing reads its environment."""
+
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class TracingSettings(BaseSettings):
+    """Tracing knobs, from ``SHARDLINE_*`` environment variables.
+
+    Every field can be overridden with the variable named
+    ``SHARDLINE_<FIELD>``, for example ``SHARDLINE_OTLP_ENDPOINT``.
+    """
+
+    model_config = SettingsConfigDict(env_prefix="SHARDLINE_")
+
+    # Where services send spans: host:port (or http(s)://host:port) of an OTLP/gRPC collector.
+    otlp_endpoint: str = "localhost:4317"
+    # Spans that may wait for export; beyond this they are dropped and counted.
+    otlp_max_queue_size: int = 4096
+    # Spans per OTLP Export call.
+    otlp_max_export_batch_size: int = 512
+    # How long a partial batch may wait before it is exported anyway.
+    otlp_schedule_delay_ms: int = 500
+    # Retention of the span store: at most this many spans...
+    trace_max_spans: int = 200_000
+    # ...and none older than this many seconds.
+    trace_max_age_s: float = 3600.0
