@@ -1,0 +1,67 @@
+"""Errors every service maps to the same gRPC and HTTP codes.
+
+A handler raises one of these; the server interceptor turns it into a status
+code, and the gateway's HTTP layer into the matching HTTP status.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+
+class ShardlineError(Exception):
+    """Base class: `code` is the gRPC status, `http_status` the HTTP one."""
+
+    code = grpc.StatusCode.INTERNAL
+    http_status = 500
+
+
+class InvalidArgument(ShardlineError):
+    """A request field is missing or out of range; the message names the field."""
+
+    code = grpc.StatusCode.INVALID_ARGUMENT
+    http_status = 400
+
+    def __init__(self, field: str, problem: str) -> None:
+        super().__init__(f"{field}: {problem}")
+        self.field = field
+
+
+class Unauthenticated(ShardlineError):
+    code = grpc.StatusCode.UNAUTHENTICATED
+    http_status = 401
+
+
+class NotFound(ShardlineError):
+    code = grpc.StatusCode.NOT_FOUND
+    http_status = 404
+
+
+class PayloadTooLarge(ShardlineError):
+    code = grpc.StatusCode.INVALID_ARGUMENT
+    http_status = 413
+
+
+class ResourceExhausted(ShardlineError):
+    """The bounded queue is full: back off and retry."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    http_status = 429
+
+
+class Unavailable(ShardlineError):
+    """A dependency (worker, scheduler, tokenizer) cannot be reached right now."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+    http_status = 503
+
+
+HTTP_FOR_GRPC = {
+    grpc.StatusCode.INVALID_ARGUMENT: 400,
+    grpc.StatusCode.UNAUTHENTICATED: 401,
+    grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.UNAVAILABLE: 503,
+    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+    grpc.StatusCode.CANCELLED: 499,
+}
