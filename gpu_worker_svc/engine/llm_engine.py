@@ -65,18 +65,31 @@ class LLMEngine:
                        output_token_ids=list(output_token_ids or []))
         self.scheduler.add(seq)
 
-    def abort_request(self, request_id: str) -> bool:
-        """Stop a request at once and free its blocks; the next step reports it as aborted."""
+    def abort_request(self, request_id: str, report: bool = True) -> bool:
+        """Stop a request at once and free its blocks; the next step reports it as aborted.
+
+        `report=False` skips that final output, for a request whose owner is gone
+        (the same id may be re-added at once, and must not receive the old abort).
+        """
         seq = self.scheduler.abort(request_id)
         if seq is None:
             return False
-        self._aborted.append(RequestOutput(request_id, [], seq.num_output_tokens, None, "abort",
-                                           seq.num_prompt_tokens, seq.num_cached_tokens))
+        if report:
+            self._aborted.append(RequestOutput(request_id, [], seq.num_output_tokens, None, "abort",
+                                               seq.num_prompt_tokens, seq.num_cached_tokens))
         return True
 
     @property
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished or bool(self._aborted)
+
+    @property
+    def is_dead(self) -> bool:
+        """A tensor-parallel rank died: the next step would raise EngineDeadError.
+
+        Lets an idle worker notice a lost rank without waiting for a request to fail.
+        """
+        return self.runner._dead.is_set()
 
     # -- the loop -----------------------------------------------------------
     def step(self) -> StepOutput:
@@ -85,6 +98,10 @@ class LLMEngine:
         out = StepOutput(outputs=self._aborted)
         self._aborted = []
         if sched.scheduled:
+            # Admission sets num_computed_tokens to the prefix-cache hit; a running
+            # sequence has computed at least one token past it.
+            out.admitted_ids = [s.seq.request_id for s in sched.scheduled
+                                if s.seq.num_computed_tokens == s.seq.num_cached_tokens]
             logits = self.runner.execute(self._step_batch(sched))
             out.outputs += self._postprocess(sched, logits)
             out.stats = self._stats(sched, time.perf_counter() - t0)
@@ -128,13 +145,19 @@ class LLMEngine:
 
     def _stats(self, sched: SchedulerOutput, elapsed: float) -> StepStats:
         decode = sum(1 for s in sched.scheduled if s.num_new_tokens == 1)
+        pairs = kv_read = 0
+        for s in sched.scheduled:  # after update(): num_computed_tokens includes this step's tokens
+            n, before = s.num_new_tokens, s.seq.num_computed_tokens - s.num_new_tokens
+            pairs += n * before + n * (n + 1) // 2
+            kv_read += s.seq.num_computed_tokens
         return StepStats(
             step=self._step, batch_size=len(sched.scheduled), num_tokens=sched.num_batched_tokens,
             num_prefill_tokens=sched.num_batched_tokens - decode, num_decode_tokens=decode,
             prefix_cache_hit_tokens=sched.num_prefix_cached_tokens,
             kv_blocks_used=self.block_pool.num_used_blocks, kv_blocks_total=self.block_pool.num_blocks,
             num_waiting=self.scheduler.num_waiting, num_running=self.scheduler.num_running,
-            num_preempted=len(sched.preempted_ids), step_time_s=elapsed)
+            num_preempted=len(sched.preempted_ids), step_time_s=elapsed,
+            attention_pairs=pairs, kv_tokens_read=kv_read)
 
     # -- offline use ----------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None

@@ -32,12 +32,15 @@ class StepStats:
     num_running: int  # requests running after the step
     num_preempted: int  # requests preempted this step
     step_time_s: float  # wall time of schedule + forward + sample + update
+    attention_pairs: int = 0  # causal (query, key) pairs attention scored, for FLOP estimates
+    kv_tokens_read: int = 0  # KV positions attention read across the batch, for byte estimates
 
 
 @dataclass(slots=True)
 class StepOutput:
     outputs: list[RequestOutput] = field(default_factory=list)  # one per request with news
     stats: StepStats | None = None  # None when nothing ran
+    admitted_ids: list[str] = field(default_factory=list)  # requests admitted from waiting this step
 
 
 @dataclass(slots=True)

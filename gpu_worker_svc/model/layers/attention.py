@@ -32,11 +32,15 @@ class PagedAttention(nn.Module):
             else:  # the chunk's queries sit at the end of a longer context
                 n, ctx = end - start, gather.numel()
                 mask = torch.ones(n, ctx, dtype=torch.bool, device=q.device).tril(ctx - n)
-                out[start:end] = self._sdpa(q[start:end], k_cache[gather], v_cache[gather], mask, causal=False)
+                out[start:end] = self._sdpa(q[start:end], k_cache.index_select(0, gather),
+                                            v_cache.index_select(0, gather), mask, causal=False)
         if meta.decode_gather is not None:
-            qd = q[meta.decode_index].unsqueeze(2)  # [B, Hq, 1, D]
-            kd = k_cache[meta.decode_gather].transpose(1, 2)  # [B, Hkv, L, D]
-            vd = v_cache[meta.decode_gather].transpose(1, 2)
+            qd = q.index_select(0, meta.decode_index).unsqueeze(2)  # [B, Hq, 1, D]
+            # index_select on the flattened slots is several times faster than advanced indexing.
+            b, length = meta.decode_gather.shape
+            flat = meta.decode_gather.flatten()
+            kd = k_cache.index_select(0, flat).view(b, length, *k_cache.shape[1:]).transpose(1, 2)  # [B, Hkv, L, D]
+            vd = v_cache.index_select(0, flat).view(b, length, *v_cache.shape[1:]).transpose(1, 2)
             out[meta.decode_index] = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask,
                                                      enable_gqa=self.num_heads != self.num_kv_heads).squeeze(2)
         return out.flatten(1)
