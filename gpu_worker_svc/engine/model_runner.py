@@ -15,16 +15,15 @@ import os
 import socket
 import threading
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-from gpu_worker_svc.engine.kv_cache import allocate_kv_cache, num_blocks_for
+from gpu_worker_svc.engine.cuda_graphs import DecodeGraphs
+from gpu_worker_svc.engine.kv_cache import allocate_kv_cache, num_blocks_for, profile_forward
 from gpu_worker_svc.model.attention_metadata import StepBatch, build_step
 from gpu_worker_svc.model.config import ModelConfig
 from gpu_worker_svc.model.loader import load_config, load_model, parse_dtype
 from gpu_worker_svc.model.parallel import TPGroup, destroy_tp_group, init_tp_group
-from shardline.model_path import resolve_model_path
 
 log = logging.getLogger(__name__)
 
@@ -46,10 +45,8 @@ class RunnerConfig:
     gpu_memory_utilization: float = 0.85
     num_blocks: int | None = None  # fixed block count (tests use tiny caches); None: derived from memory
     max_model_len: int | None = None
-
-    @property
-    def model_path(self) -> Path:
-        return resolve_model_path(self.model)
+    cuda_graphs: bool = True  # capture decode steps on CUDA
+    profile_tokens: int = 2048  # the largest step's token count, profiled on GPU before sizing the KV cache
 
 
 class ShardWorker:
@@ -65,13 +62,21 @@ class ShardWorker:
         self.tp = init_tp_group(rank, config.tp_size, init_method, self.device)
         self.dtype = parse_dtype(config.dtype, "cpu" if config.device == "cpu" else "cuda")
         self.block_size = config.block_size
-        self.model = load_model(config.model_path, self.tp, self.dtype, self.device, config.max_model_len)
+        self.model = load_model(config.model, self.tp, self.dtype, self.device, config.max_model_len)
+        if self.device.startswith("cuda") and config.num_blocks is None:
+            profile_forward(self.model, config.profile_tokens, config.block_size, self.dtype, self.device)
         n = config.num_blocks or num_blocks_for(self.model, config.block_size, self.dtype, config.device,
                                                 config.cpu_kv_bytes, config.gpu_memory_utilization)
         # Every rank must agree on the block count, so take the smallest any rank can hold.
         agreed = self.tp.all_reduce_min(torch.tensor([n], device=self.device))
         self.num_blocks = int(agreed.item())
-        self.kv_caches = allocate_kv_cache(self.model, self.num_blocks, self.block_size, self.dtype, self.device)
+        # One extra block past the last is scratch space for padded rows of captured graphs.
+        self.kv_caches = allocate_kv_cache(self.model, self.num_blocks + 1, self.block_size, self.dtype,
+                                           self.device)
+        self.graphs = None
+        if self.device.startswith("cuda") and config.cuda_graphs:
+            max_context = config.max_model_len or min(self.model.config.max_position_embeddings, 8192)
+            self.graphs = DecodeGraphs(self.model, self.kv_caches, self.num_blocks * self.block_size, max_context)
         if rank == 0:
             log.info("KV cache: %d blocks of %d tokens per rank", self.num_blocks, self.block_size)
 
@@ -79,7 +84,10 @@ class ShardWorker:
     def step(self, batch: StepBatch) -> torch.Tensor | None:
         """Logits of each sequence's last new token, [B, vocab] on rank 0; None elsewhere."""
         positions, meta = build_step(batch, self.block_size, self.device)
-        hidden = self.model(batch.token_ids.to(self.device), positions, meta, self.kv_caches)
+        input_ids = batch.token_ids.to(self.device)
+        hidden = self.graphs.run(input_ids, positions, meta) if self.graphs is not None else None
+        if hidden is None:
+            hidden = self.model(input_ids, positions, meta, self.kv_caches)
         last = torch.cumsum(batch.num_new, 0).to(self.device) - 1
         logits = self.model.compute_logits(hidden[last])
         return None if logits is None else logits.float()
@@ -114,7 +122,7 @@ class ModelRunner:
 
     def __init__(self, config: RunnerConfig) -> None:
         self.config = config
-        self.model_config: ModelConfig = load_config(config.model_path)
+        self.model_config: ModelConfig = load_config(config.model)
         self.model_config.check_tp(config.tp_size)
         init_method = f"tcp://127.0.0.1:{_free_port()}"
         ctx = mp.get_context("spawn")

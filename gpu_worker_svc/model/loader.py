@@ -10,8 +10,10 @@ import torch
 
 from gpu_worker_svc.model.checkpoint import CheckpointError, open_checkpoint
 from gpu_worker_svc.model.config import ModelConfig
+from gpu_worker_svc.model.dummy import dummy_config, init_dummy_weights, is_dummy
 from gpu_worker_svc.model.llama import LlamaForCausalLM
 from gpu_worker_svc.model.parallel import TPGroup
+from shardline.model_path import resolve_model_path
 
 log = logging.getLogger(__name__)
 
@@ -29,14 +31,24 @@ def parse_dtype(name: str | torch.dtype, device: str) -> torch.dtype:
     return dtype
 
 
-def load_config(path: Path) -> ModelConfig:
-    return open_checkpoint(path).config()
+def load_config(model: str | Path | None) -> ModelConfig:
+    """The architecture of a model argument: None (default model), a path, or `dummy:<shape>`."""
+    if is_dummy(model):
+        return dummy_config(str(model))
+    return open_checkpoint(resolve_model_path(model)).config()
 
 
-def load_model(path: Path, tp: TPGroup, dtype: torch.dtype = torch.float32, device: str = "cpu",
+def load_model(model: str | Path | None, tp: TPGroup, dtype: torch.dtype = torch.float32, device: str = "cpu",
                max_model_len: int | None = None) -> LlamaForCausalLM:
-    """This rank's shard of the model at `path`, in eval mode on `device`."""
+    """This rank's shard of the model, in eval mode on `device`."""
     t0 = time.perf_counter()
+    if is_dummy(model):
+        cfg = dummy_config(str(model))
+        with torch.device(device):
+            shard = LlamaForCausalLM(cfg, tp, dtype, min(max_model_len or 4096, MAX_ROTARY_POSITIONS))
+        init_dummy_weights(shard)
+        return shard.eval()
+    path = resolve_model_path(model)
     ckpt = open_checkpoint(path)
     cfg = ckpt.config()
     max_positions = min(max_model_len or cfg.max_position_embeddings, MAX_ROTARY_POSITIONS)
@@ -55,17 +67,24 @@ def load_model(path: Path, tp: TPGroup, dtype: torch.dtype = torch.float32, devi
                 name, shard_id = name.replace(ckpt_key, fused), shard
                 break
         param = params.get(name)
-        if param is None:
+        want = _checkpoint_shape(cfg, tensor.name)
+        if param is None and want is None:
             log.warning("%s: ignoring unexpected tensor %s", path, tensor.name)
             continue
-        if tensor.shape[-1] != _full_last_dim(param, name, tp) and param.dim() > 1:
-            raise CheckpointError(f"{path}: tensor {tensor.name!r} has shape {tensor.shape}, "
-                                  f"which does not fit the config's {name} {tuple(param.shape)}")
+        # A weight the model would have but lacks (an extra layer, a bias) means the config is wrong.
+        if param is None:
+            raise CheckpointError(f"{path}: tensor {tensor.name!r} has no place in the model its config describes "
+                                  f"({cfg.num_layers} layers, attention_bias={cfg.attention_bias})")
+        # A smaller tensor than the config implies would load partially, without an error, so check it all.
+        if tuple(tensor.shape) != want:
+            raise CheckpointError(f"{path}: tensor {tensor.name!r} has shape {tuple(tensor.shape)}, "
+                                  f"but the config implies {want}")
         param.weight_loader(param, tensor, shard_id)
         loaded.add((name, shard_id))
-    missing = sorted(f"{n}[{s}]" if s is not None else n for n, s in expected - loaded)
+    missing = sorted(_checkpoint_name(n, s) for n, s in expected - loaded)
     if missing:
-        raise CheckpointError(f"{path}: checkpoint lacks {len(missing)} tensors, e.g. {', '.join(missing[:5])}")
+        raise CheckpointError(f"{path}: checkpoint lacks {len(missing)} tensor(s): {', '.join(missing[:5])}"
+                              + (", ..." if len(missing) > 5 else ""))
     model.eval()
     log.info("loaded %s (%s, %.1fM params) rank %d/%d as %s on %s in %.2fs", cfg.name or path.name,
              cfg.architecture, cfg.num_params / 1e6, tp.rank, tp.world_size, dtype, device,
@@ -73,11 +92,25 @@ def load_model(path: Path, tp: TPGroup, dtype: torch.dtype = torch.float32, devi
     return model
 
 
-def _full_last_dim(param: torch.Tensor, name: str, tp: TPGroup) -> int:
-    """The checkpoint's last dim for this parameter: row-parallel weights are split along it."""
-    if name.endswith(("o_proj.weight", "down_proj.weight")):
-        return param.shape[-1] * tp.world_size
-    return param.shape[-1]
+def _checkpoint_shape(cfg: ModelConfig, name: str) -> tuple[int, ...] | None:
+    """The full, unsharded shape `cfg` implies for checkpoint tensor `name`; None if the model has no such module."""
+    h, inter, vocab = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    weights = {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q), "gate_proj": (inter, h),
+               "up_proj": (inter, h), "down_proj": (h, inter), "embed_tokens": (vocab, h), "lm_head": (vocab, h)}
+    module, kind = name.split(".")[-2:]
+    if module.endswith("norm"):
+        return (h,)
+    shape = weights.get(module)
+    return shape if shape is None or kind == "weight" else shape[:1]
+
+
+def _checkpoint_name(name: str, shard_id: object) -> str:
+    """The checkpoint's name for one shard of a parameter (`up_proj`, not the fused `gate_up_proj`)."""
+    for ckpt_key, (fused, shard) in LlamaForCausalLM.packed_modules_mapping.items():
+        if shard_id is not None and shard == shard_id and f".{fused}." in name:
+            return name.replace(fused, ckpt_key)
+    return name
 
 
 def _expected_shards(params: dict[str, torch.Tensor]) -> set[tuple[str, object]]:
