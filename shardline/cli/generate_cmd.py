@@ -1,0 +1,100 @@
+"""`shardline generate` (one shot) and `shardline chat` (interactive), in-process or against a stack."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Iterator
+
+
+def add_parsers(sub: argparse._SubParsersAction) -> None:
+    g = sub.add_parser("generate", help="generate a completion and print it")
+    g.add_argument("prompt")
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    _common(g)
+    g.set_defaults(func=run_generate)
+    c = sub.add_parser("chat", help="chat interactively (empty line or Ctrl-D to quit)")
+    c.add_argument("--system", default=None, help="system prompt")
+    _common(c)
+    c.set_defaults(func=run_chat)
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--url", default=None, help="gateway gRPC address (host:port); default: run in-process")
+    p.add_argument("--model", default=None, help="HF folder or .gguf (in-process) / served model name")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (in-process)")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--api-key", default=None)
+    p.add_argument("-v", "--verbose", action="store_true")
+
+
+class _Backend:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.params = {"max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p,
+                       "seed": args.seed}
+        if args.url:
+            from shardline.client import ShardlineClient
+
+            self.client = ShardlineClient(args.url, api_key=args.api_key)
+            self.local = None
+        else:
+            from shardline.cli.local_generator import LocalGenerator
+
+            self.client = None
+            self.local = LocalGenerator(args.model, args.tp)
+
+    def stream(self, prompt: str | None = None, messages: list[dict[str, str]] | None = None) -> Iterator[str]:
+        if self.local is not None:
+            yield from self.local.stream(prompt, messages, **self.params)
+            return
+        model = {"model": self.args.model} if self.args.model else {}
+        for chunk in self.client.stream(prompt, messages=messages, **model, **self.params):
+            yield chunk.text
+
+    def close(self) -> None:
+        if self.local is not None:
+            self.local.close()
+        if self.client is not None:
+            self.client.close()
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    backend = _Backend(args)
+    try:
+        messages = [{"role": "user", "content": args.prompt}] if args.chat else None
+        for text in backend.stream(None if args.chat else args.prompt, messages):
+            sys.stdout.write(text)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+    finally:
+        backend.close()
+    return 0
+
+
+def run_chat(args: argparse.Namespace) -> int:
+    backend = _Backend(args)
+    history: list[dict[str, str]] = [{"role": "system", "content": args.system}] if args.system else []
+    try:
+        while True:
+            try:
+                line = input("you> ").strip()
+            except EOFError:
+                break
+            if not line:
+                break
+            history.append({"role": "user", "content": line})
+            sys.stdout.write("assistant> ")
+            reply = []
+            for text in backend.stream(messages=history):
+                reply.append(text)
+                sys.stdout.write(text)
+                sys.stdout.flush()
+            sys.stdout.write("\n")
+            history.append({"role": "assistant", "content": "".join(reply)})
+    finally:
+        backend.close()
+    return 0

@@ -1,0 +1,53 @@
+"""In-process generation for `shardline generate` / `chat` when no stack URL is given."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+
+from gpu_worker_svc.engine.llm_engine import EngineConfig, LLMEngine
+from gpu_worker_svc.engine.model_runner import RunnerConfig
+from gpu_worker_svc.engine.sampling_params import SamplingParams
+from shardline.model_path import resolve_model_path
+from tokenizer_svc.chat_template import ChatTemplate
+from tokenizer_svc.detokenizer import IncrementalDetokenizer
+from tokenizer_svc.tokenizer import Tokenizer
+
+
+class LocalGenerator:
+    """The engine and tokenizer in this process: no services, no network."""
+
+    def __init__(self, model: str | None, tp: int = 1) -> None:
+        path = resolve_model_path(model)
+        self.tokenizer = Tokenizer.from_model_path(path)
+        self.template = ChatTemplate(self.tokenizer.chat_template or "", self.tokenizer.bos_token,
+                                     self.tokenizer.eos_token) if self.tokenizer.chat_template else None
+        self.engine = LLMEngine(EngineConfig(runner=RunnerConfig(model=str(path), tp_size=tp)))
+
+    def stream(self, prompt: str | None = None, messages: list[dict[str, str]] | None = None,
+               **params: object) -> Iterator[str]:
+        """Yield text as it is generated, from a raw prompt or chat messages."""
+        if messages is not None:
+            if self.template is None:
+                raise ValueError("this model has no chat template; give a plain prompt")
+            prompt = self.template.render(messages, add_generation_prompt=True)
+            ids = self.tokenizer.encode_batch([prompt], add_special_tokens=False)[0]
+        else:
+            ids = self.tokenizer.encode_batch([prompt or ""])[0]
+        eos = self.tokenizer.eos_token_ids
+        sp = SamplingParams(**{k: v for k, v in params.items() if v is not None})
+        sp.stop_token_ids = sorted(set(sp.stop_token_ids) | set(eos[1:]))
+        rid = f"local-{uuid.uuid4().hex[:8]}"
+        self.engine.add_request(rid, ids, sp, eos_token_id=eos[0] if eos else None)
+        detok = IncrementalDetokenizer(self.tokenizer)
+        while self.engine.has_unfinished:
+            for out in self.engine.step().outputs:
+                text = detok.add(out.new_token_ids)
+                if text:
+                    yield text
+        tail = detok.finish()
+        if tail:
+            yield tail
+
+    def close(self) -> None:
+        self.engine.shutdown()

@@ -1,0 +1,50 @@
+"""`shardline`: run the stack, one service, or generate from the command line."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+SERVICES = {
+    "gateway": "gateway.main",
+    "tokenizer": "tokenizer_svc.main",
+    "scheduler": "scheduler_svc.main",
+    "worker": "gpu_worker_svc.server.main",
+    "tracing": "tracing.main",
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["serve"]:
+        # Flags after the service name belong to that service's own parser.
+        if len(argv) < 2 or argv[1] not in SERVICES:
+            print(f"usage: shardline serve {{{','.join(SERVICES)}}} [service flags]", file=sys.stderr)
+            return 2
+        return importlib.import_module(SERVICES[argv[1]]).main(argv[2:])
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    logging.basicConfig(level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    return args.func(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from shardline.cli import bench_cmd, generate_cmd, up_cmd
+
+    parser = argparse.ArgumentParser(prog="shardline", description="Shardline: LLM serving in Python")
+    sub = parser.add_subparsers(metavar="command")
+    sub.add_parser("serve", help="start one service: " + ", ".join(SERVICES))
+    up_cmd.add_parser(sub)
+    generate_cmd.add_parsers(sub)
+    bench_cmd.add_parser(sub)
+    return parser
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,63 @@
+"""`shardline up`: the whole stack in the foreground, until Ctrl-C or SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+from shardline.stack import LocalStack, StackConfig
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("up", help="start redis, tokenizer, scheduler, workers and gateway on this machine")
+    p.add_argument("--model", default=None, help="HF folder or .gguf file (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--workers", type=int, default=1, help="number of GPU worker services")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size of each worker")
+    p.add_argument("--http-port", type=int, default=8000)
+    p.add_argument("--grpc-port", type=int, default=50051)
+    p.add_argument("--redis-url", default=None, help="external Redis (default: an embedded redis-server)")
+    p.add_argument("--data-dir", type=Path, default=Path(".shardline"), help="embedded Redis data (AOF)")
+    p.add_argument("--tracing", action="store_true", help="start the tracing service and export spans to it")
+    p.add_argument("--log-dir", type=Path, default=None, help="write each service's log to a file here")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    config = StackConfig(model=args.model, workers=args.workers, tp_size=args.tp, http_port=args.http_port,
+                         grpc_port=args.grpc_port, redis_url=args.redis_url, data_dir=args.data_dir,
+                         tracing=args.tracing, log_dir=args.log_dir)
+    stack = LocalStack(config)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    t0 = time.monotonic()
+    print(f"shardline: starting {args.workers} worker(s) at TP {args.tp} with "
+          f"{args.model or 'SmolLM2-135M-Instruct (default)'} ...", flush=True)
+    try:
+        stack.start(progress=lambda msg: print(f"  [{time.monotonic() - t0:5.1f}s] {msg}", flush=True))
+    except (RuntimeError, TimeoutError) as exc:
+        print(f"shardline: failed to start: {exc}", file=sys.stderr)
+        stack.stop()
+        return 1
+    print(f"""
+shardline is up ({time.monotonic() - t0:.1f}s):
+  OpenAI HTTP   http://127.0.0.1:{args.http_port}/v1   (curl .../v1/completions, .../v1/chat/completions)
+  gRPC          127.0.0.1:{args.grpc_port}           (shardline.client.ShardlineClient)
+  metrics       http://127.0.0.1:{args.http_port}/metrics
+  redis         {stack.redis_url}
+Ctrl-C stops everything.""", flush=True)
+    code = 0
+    while not stop.wait(1.0):
+        dead = stack.dead_children()
+        if dead:
+            print(f"shardline: {', '.join(f'{c.name} exited ({c.proc.returncode})' for c in dead)}; stopping",
+                  file=sys.stderr, flush=True)
+            code = 1
+            break
+    print("shardline: shutting down ...", flush=True)
+    stack.stop()
+    return code

@@ -1,0 +1,7 @@
+"""Shardline's client SDK: sync and asyncio clients for the gateway's gRPC API."""
+
+from shardline.client.async_client import AsyncShardlineClient
+from shardline.client.sync_client import ShardlineClient
+from shardline.client.types import Chunk, Completion, RequestInfo, TokenLogprob, Usage
+
+__all__ = ["AsyncShardlineClient", "Chunk", "Completion", "RequestInfo", "ShardlineClient", "TokenLogprob", "Usage"]

@@ -1,0 +1,96 @@
+"""asyncio client for Shardline's gRPC `Generation` API; the same calls as ShardlineClient, awaited."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+import grpc
+
+from shardline.client.sync_client import RETRYABLE
+from shardline.client.types import Chunk, Completion, RequestInfo, build_request
+from shardline.proto import common_pb2, generation_pb2, generation_pb2_grpc
+
+T = TypeVar("T")
+
+
+class AsyncShardlineClient:
+    """asyncio twin of ShardlineClient.
+
+    >>> async with AsyncShardlineClient("localhost:50051") as client:
+    ...     async for chunk in client.stream("Once upon a time", max_tokens=32):
+    ...         print(chunk.text, end="")
+    """
+
+    def __init__(self, target: str = "localhost:50051", *, api_key: str | None = None,
+                 timeout: float | None = None, retries: int = 3, backoff_s: float = 0.2) -> None:
+        self._channel = grpc.aio.insecure_channel(target)
+        self._stub = generation_pb2_grpc.GenerationStub(self._channel)
+        self._metadata = [("authorization", f"Bearer {api_key}")] if api_key else []
+        self.timeout = timeout
+        self.retries = retries
+        self.backoff_s = backoff_s
+
+    async def _call(self, fn: Callable[..., Awaitable[T]], request: Any, timeout: float | None) -> T:
+        for attempt in range(self.retries + 1):
+            try:
+                return await fn(request, timeout=timeout or self.timeout, metadata=self._metadata)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() not in RETRYABLE or attempt == self.retries:
+                    raise
+                await asyncio.sleep(self.backoff_s * 2**attempt)
+        raise AssertionError("unreachable")
+
+    async def generate(self, prompt: str | list[int] | None = None, *, messages: list[dict[str, str]] | None = None,
+                       timeout: float | None = None, **params: Any) -> Completion:
+        """Generate a whole completion (see ShardlineClient.generate for the parameters)."""
+        req = build_request(prompt, messages=messages, timeout=timeout, **params)
+        return Completion.from_proto(await self._call(self._stub.Generate, req, timeout))
+
+    def stream(self, prompt: str | list[int] | None = None, *, messages: list[dict[str, str]] | None = None,
+               timeout: float | None = None, **params: Any) -> AsyncIterator[Chunk]:
+        """Generate, yielding chunks as tokens arrive; the last carries finish_reason and usage."""
+        req = build_request(prompt, messages=messages, timeout=timeout, **params)
+        return self._stream(self._stub.GenerateStream, req, timeout)
+
+    def resume(self, request_id: str, offset: int = 0, *, timeout: float | None = None) -> AsyncIterator[Chunk]:
+        """Continue a request's stream from token `offset`."""
+        return self._stream(self._stub.Resume, generation_pb2.ResumeRequest(request_id=request_id, offset=offset),
+                            timeout)
+
+    async def _stream(self, fn: Callable[..., Any], req: Any, timeout: float | None) -> AsyncIterator[Chunk]:
+        for attempt in range(self.retries + 1):
+            started = False
+            try:
+                async for msg in fn(req, timeout=timeout or self.timeout, metadata=self._metadata):
+                    started = True
+                    yield Chunk.from_proto(msg)
+                return
+            except grpc.aio.AioRpcError as exc:
+                if started or exc.code() not in RETRYABLE or attempt == self.retries:
+                    raise
+                await asyncio.sleep(self.backoff_s * 2**attempt)
+
+    async def cancel(self, request_id: str) -> None:
+        """Stop a request; its worker frees the request's KV blocks."""
+        await self._call(self._stub.Cancel, common_pb2.CancelRequest(request_id=request_id), None)
+
+    async def get_request(self, request_id: str) -> RequestInfo:
+        """A request's status, worker, attempts, timings, usage and generated token ids."""
+        return RequestInfo.from_proto(await self._call(
+            self._stub.GetRequest, common_pb2.GetRequestRequest(request_id=request_id), None))
+
+    async def list_models(self) -> list[str]:
+        """Names of the models this gateway serves."""
+        resp = await self._call(self._stub.ListModels, generation_pb2.ListModelsRequest(), None)
+        return [m.name for m in resp.models]
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> AsyncShardlineClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()

@@ -1,0 +1,101 @@
+"""Blocking client for Shardline's gRPC `Generation` API."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+import grpc
+
+from shardline.client.types import Chunk, Completion, RequestInfo, build_request
+from shardline.proto import common_pb2, generation_pb2, generation_pb2_grpc
+
+T = TypeVar("T")
+RETRYABLE = (grpc.StatusCode.UNAVAILABLE,)
+
+
+class ShardlineClient:
+    """Talks to a Shardline gateway over gRPC.
+
+    >>> client = ShardlineClient("localhost:50051")
+    >>> print(client.generate("The capital of France is", max_tokens=8).text)
+
+    Calls that fail with UNAVAILABLE (a gateway restarting, say) are retried
+    `retries` times with exponential backoff; a stream is retried only until its
+    first chunk, and `resume()` continues one that broke later.
+    """
+
+    def __init__(self, target: str = "localhost:50051", *, api_key: str | None = None,
+                 timeout: float | None = None, retries: int = 3, backoff_s: float = 0.2) -> None:
+        self._channel = grpc.insecure_channel(target)
+        self._stub = generation_pb2_grpc.GenerationStub(self._channel)
+        self._metadata = [("authorization", f"Bearer {api_key}")] if api_key else []
+        self.timeout = timeout
+        self.retries = retries
+        self.backoff_s = backoff_s
+
+    def _call(self, fn: Callable[..., T], request: Any, timeout: float | None) -> T:
+        for attempt in range(self.retries + 1):
+            try:
+                return fn(request, timeout=timeout or self.timeout, metadata=self._metadata)
+            except grpc.RpcError as exc:
+                if exc.code() not in RETRYABLE or attempt == self.retries:
+                    raise
+                time.sleep(self.backoff_s * 2**attempt)
+        raise AssertionError("unreachable")
+
+    def generate(self, prompt: str | list[int] | None = None, *, messages: list[dict[str, str]] | None = None,
+                 timeout: float | None = None, **params: Any) -> Completion:
+        """Generate a whole completion. `params` are sampling parameters: max_tokens, temperature, top_p,
+        top_k, min_p, seed, stop, stop_token_ids, presence/frequency/repetition_penalty, ignore_eos,
+        top_logprobs, plus model, request_id and priority."""
+        req = build_request(prompt, messages=messages, timeout=timeout, **params)
+        return Completion.from_proto(self._call(self._stub.Generate, req, timeout))
+
+    def stream(self, prompt: str | list[int] | None = None, *, messages: list[dict[str, str]] | None = None,
+               timeout: float | None = None, **params: Any) -> Iterator[Chunk]:
+        """Generate, yielding chunks as tokens arrive; the last chunk carries finish_reason and usage."""
+        req = build_request(prompt, messages=messages, timeout=timeout, **params)
+        return self._stream(self._stub.GenerateStream, req, timeout)
+
+    def resume(self, request_id: str, offset: int = 0, *, timeout: float | None = None) -> Iterator[Chunk]:
+        """Continue a request's stream from token `offset` (replayed from the server's record, then live)."""
+        req = generation_pb2.ResumeRequest(request_id=request_id, offset=offset)
+        return self._stream(self._stub.Resume, req, timeout)
+
+    def _stream(self, fn: Callable[..., Any], req: Any, timeout: float | None) -> Iterator[Chunk]:
+        for attempt in range(self.retries + 1):
+            started = False
+            try:
+                for msg in fn(req, timeout=timeout or self.timeout, metadata=self._metadata):
+                    started = True
+                    yield Chunk.from_proto(msg)
+                return
+            except grpc.RpcError as exc:
+                if started or exc.code() not in RETRYABLE or attempt == self.retries:
+                    raise
+                time.sleep(self.backoff_s * 2**attempt)
+
+    def cancel(self, request_id: str) -> None:
+        """Stop a request; its worker frees the request's KV blocks."""
+        self._call(self._stub.Cancel, common_pb2.CancelRequest(request_id=request_id), None)
+
+    def get_request(self, request_id: str) -> RequestInfo:
+        """A request's status, worker, attempts, timings, usage and generated token ids."""
+        return RequestInfo.from_proto(self._call(self._stub.GetRequest,
+                                                 common_pb2.GetRequestRequest(request_id=request_id), None))
+
+    def list_models(self) -> list[str]:
+        """Names of the models this gateway serves."""
+        resp = self._call(self._stub.ListModels, generation_pb2.ListModelsRequest(), None)
+        return [m.name for m in resp.models]
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> ShardlineClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

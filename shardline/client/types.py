@@ -1,0 +1,145 @@
+"""Typed results of the Shardline client SDK."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from shardline.proto import common_pb2, generation_pb2, sampling_pb2
+
+_FINISH = {
+    sampling_pb2.FINISH_REASON_STOP: "stop",
+    sampling_pb2.FINISH_REASON_LENGTH: "length",
+    sampling_pb2.FINISH_REASON_ABORT: "abort",
+    sampling_pb2.FINISH_REASON_ERROR: "error",
+}
+_STATUS = {
+    sampling_pb2.REQUEST_STATUS_QUEUED: "queued",
+    sampling_pb2.REQUEST_STATUS_RUNNING: "running",
+    sampling_pb2.REQUEST_STATUS_FINISHED: "finished",
+    sampling_pb2.REQUEST_STATUS_CANCELLED: "cancelled",
+    sampling_pb2.REQUEST_STATUS_FAILED: "failed",
+}
+
+
+@dataclass(slots=True)
+class Usage:
+    """Token counts of a request."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens served from a worker's prefix cache
+
+    @classmethod
+    def from_proto(cls, u: sampling_pb2.Usage) -> Usage:
+        return cls(u.prompt_tokens, u.completion_tokens, u.total_tokens, u.cached_tokens)
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    """The log-probability of a generated token, with the top alternatives."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+    @classmethod
+    def from_proto(cls, lp: sampling_pb2.TokenLogprob) -> TokenLogprob:
+        return cls(lp.token_id, lp.logprob, [(t.token_id, t.logprob) for t in lp.top])
+
+
+@dataclass(slots=True)
+class Completion:
+    """A finished generation."""
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None  # "stop", "length", "abort", "error"
+    usage: Usage
+    logprobs: list[TokenLogprob] | None = None
+
+    @classmethod
+    def from_proto(cls, r: generation_pb2.GenerateResponse) -> Completion:
+        return cls(r.request_id, r.text, list(r.token_ids), _FINISH.get(r.finish_reason), Usage.from_proto(r.usage),
+                   [TokenLogprob.from_proto(lp) for lp in r.logprobs] or None)
+
+
+@dataclass(slots=True)
+class Chunk:
+    """One piece of a streamed generation: new text and the tokens behind it."""
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    offset: int  # index of the first token of this chunk in the whole output; resume from offset + len
+    finish_reason: str | None  # set on the last chunk
+    usage: Usage | None  # set on the last chunk
+    logprobs: list[TokenLogprob] | None = None
+
+    @classmethod
+    def from_proto(cls, r: generation_pb2.GenerateStreamResponse) -> Chunk:
+        finish = _FINISH.get(r.finish_reason)
+        return cls(r.request_id, r.text, list(r.token_ids), r.offset, finish,
+                   Usage.from_proto(r.usage) if finish else None,
+                   [TokenLogprob.from_proto(lp) for lp in r.logprobs] or None)
+
+
+@dataclass(slots=True)
+class RequestInfo:
+    """A request's record: status, worker, attempts, timings (unix seconds) and tokens."""
+
+    request_id: str
+    model: str
+    status: str
+    worker_id: str
+    attempt: int
+    finish_reason: str | None
+    error: str
+    usage: Usage
+    arrival_time: float | None
+    dispatch_time: float | None
+    first_token_time: float | None
+    finish_time: float | None
+    output_token_ids: list[int]
+
+    @classmethod
+    def from_proto(cls, r: common_pb2.RequestInfo) -> RequestInfo:
+        def ts(name: str) -> float | None:
+            return getattr(r, name).ToMicroseconds() / 1e6 if r.HasField(name) else None
+
+        return cls(r.request_id, r.model, _STATUS.get(r.status, "unknown"), r.worker_id, r.attempt,
+                   _FINISH.get(r.finish_reason), r.error, Usage.from_proto(r.usage), ts("arrival_time"),
+                   ts("dispatch_time"), ts("first_token_time"), ts("finish_time"), list(r.output_token_ids))
+
+
+def build_request(prompt: str | list[int] | None = None, *, messages: list[dict[str, str]] | None = None,
+                  model: str = "", request_id: str | None = None, priority: int = 0,
+                  timeout: float | None = None, **params: Any) -> generation_pb2.GenerateRequest:
+    """A GenerateRequest from a prompt (text or token ids) or chat messages plus sampling parameters."""
+    req = generation_pb2.GenerateRequest(model=model, priority=priority)
+    if messages is not None:
+        req.messages.messages.extend(sampling_pb2.ChatMessage(role=m["role"], content=m["content"])
+                                     for m in messages)
+    elif isinstance(prompt, str):
+        req.prompt = prompt
+    elif prompt is not None:
+        req.prompt_token_ids.ids.extend(prompt)
+    else:
+        raise ValueError("give a prompt (text or token ids) or messages")
+    if request_id:
+        req.request_id = request_id
+    if timeout is not None:
+        req.timeout.FromMilliseconds(int(timeout * 1000))
+    for name, value in params.items():
+        if value is None:
+            continue
+        if name in ("stop", "stop_token_ids"):
+            getattr(req.params, name).extend([value] if isinstance(value, str) else value)
+        elif name == "top_logprobs":
+            req.params.logprobs = True
+            req.params.top_logprobs = value
+        else:
+            setattr(req.params, name, value)  # AttributeError names an unknown parameter
+    return req

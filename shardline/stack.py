@@ -1,0 +1,195 @@
+"""Runs the whole stack on one machine as child processes: what `shardline up` and the e2e tests use.
+
+Each service is `python -m shardline.cli.main serve <service>`, configured through
+its SHARDLINE_* environment (the same settings compose passes), in its own process
+group so that stopping it also stops the tensor-parallel ranks it spawned.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from shardline.redis_server import EmbeddedRedis
+
+log = logging.getLogger(__name__)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass(slots=True)
+class StackConfig:
+    model: str | None = None  # HF folder or .gguf; None: the default model
+    workers: int = 1
+    tp_size: int = 1
+    http_port: int = 8000
+    grpc_port: int = 50051
+    tokenizer_port: int = 50052
+    scheduler_port: int = 50053
+    worker_base_port: int = 50060
+    redis_url: str | None = None  # None: start an embedded redis-server with AOF in data_dir
+    data_dir: Path | None = None
+    tracing: bool = False
+    log_dir: Path | None = None  # None: children log to this process's stderr
+    env: dict[str, str] = field(default_factory=dict)  # extra SHARDLINE_* settings for every service
+
+    @classmethod
+    def on_free_ports(cls, **kwargs) -> StackConfig:
+        ports = {k: free_port() for k in ("http_port", "grpc_port", "tokenizer_port", "scheduler_port")}
+        return cls(**{**ports, "worker_base_port": 0, **kwargs})
+
+
+@dataclass(slots=True)
+class Child:
+    name: str
+    proc: subprocess.Popen
+    health: str | None  # gRPC address whose health check says when it is ready
+
+
+class LocalStack:
+    def __init__(self, config: StackConfig) -> None:
+        self.config = config
+        self.redis: EmbeddedRedis | None = None
+        self.children: list[Child] = []
+        self._tmp: tempfile.TemporaryDirectory | None = None
+        self.redis_url = config.redis_url or ""
+        self.worker_ports: list[int] = []
+
+    # -- lifecycle ------------------------------------------------------------
+    def start(self, progress: Callable[[str], None] = lambda msg: None, timeout_s: float = 300.0) -> LocalStack:
+        c = self.config
+        if c.redis_url is None:
+            data_dir = c.data_dir
+            if data_dir is None:
+                self._tmp = tempfile.TemporaryDirectory(prefix="shardline-")
+                data_dir = Path(self._tmp.name)
+            self.redis = EmbeddedRedis(Path(data_dir) / "redis").start()
+            self.redis_url = self.redis.url
+            progress(f"redis      {self.redis_url} (embedded, AOF in {data_dir}/redis)")
+        self._spawn("tokenizer", {"PORT": c.tokenizer_port, "MODEL": c.model}, f"127.0.0.1:{c.tokenizer_port}")
+        self._spawn("scheduler", {"PORT": c.scheduler_port, "REDIS_URL": self.redis_url},
+                    f"127.0.0.1:{c.scheduler_port}")
+        for i in range(c.workers):
+            self.add_worker(i)
+        self._spawn("gateway", {"HTTP_PORT": c.http_port, "GRPC_PORT": c.grpc_port, "GATEWAY_ID": "gateway-0",
+                                "TOKENIZER_ADDRESS": f"127.0.0.1:{c.tokenizer_port}",
+                                "SCHEDULER_ADDRESS": f"127.0.0.1:{c.scheduler_port}"}, f"127.0.0.1:{c.grpc_port}")
+        self.wait_ready(progress, timeout_s)
+        return self
+
+    def add_worker(self, index: int) -> Child:
+        c = self.config
+        port = c.worker_base_port + index if c.worker_base_port else free_port()
+        self.worker_ports.append(port)
+        return self._spawn(f"worker-{index}", {
+            "PORT": port, "WORKER_ID": f"worker-{index}", "ADVERTISE_ADDRESS": f"127.0.0.1:{port}",
+            "SCHEDULER_ADDRESS": f"127.0.0.1:{c.scheduler_port}", "MODEL": c.model, "TP_SIZE": c.tp_size,
+        }, f"127.0.0.1:{port}", service="worker")
+
+    def _spawn(self, name: str, settings: dict[str, object], health: str | None, service: str | None = None) -> Child:
+        env = {**os.environ, "SHARDLINE_TRACING": "1" if self.config.tracing else "0",
+               "SHARDLINE_INSTANCE_ID": name, "PYTHONUNBUFFERED": "1"}
+        env.update({f"SHARDLINE_{k}": str(v) for k, v in self.config.env.items()})
+        env.update({f"SHARDLINE_{k}": str(v) for k, v in settings.items() if v is not None})
+        out = None
+        if self.config.log_dir is not None:
+            self.config.log_dir.mkdir(parents=True, exist_ok=True)
+            out = open(self.config.log_dir / f"{name}.log", "ab")
+        proc = subprocess.Popen([sys.executable, "-m", "shardline.cli.main", "serve", service or name], env=env,
+                                stdout=out, stderr=subprocess.STDOUT if out else None, start_new_session=True)
+        child = Child(name, proc, health)
+        self.children.append(child)
+        return child
+
+    def wait_ready(self, progress: Callable[[str], None], timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        pending = list(self.children)
+        while pending:
+            for child in list(pending):
+                if child.proc.poll() is not None:
+                    raise RuntimeError(f"{child.name} exited with code {child.proc.returncode} while starting")
+                if child.health is None or _healthy(child.health):
+                    progress(f"{child.name:<10} ready ({child.health})")
+                    pending.remove(child)
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"not ready after {timeout_s:.0f}s: {', '.join(c.name for c in pending)}")
+            time.sleep(0.2)
+        url = f"http://127.0.0.1:{self.config.http_port}/health"
+        while not _http_ok(url):  # the gateway is healthy once it reaches the scheduler and a worker is up
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"gateway /health not OK after {timeout_s:.0f}s")
+            time.sleep(0.2)
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        """Send a signal to one service's whole process group (tests use this to simulate a crash)."""
+        child = next(c for c in self.children if c.name == name)
+        os.killpg(child.proc.pid, sig)
+        child.proc.wait(timeout=30)
+
+    def dead_children(self) -> list[Child]:
+        return [c for c in self.children if c.proc.poll() is not None]
+
+    def stop(self, timeout_s: float = 20.0) -> None:
+        """SIGTERM in reverse start order, then SIGKILL whatever is left; no orphans."""
+        for child in reversed(self.children):
+            if child.proc.poll() is None:
+                _signal_group(child.proc, signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        for child in reversed(self.children):
+            try:
+                child.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("%s did not stop in time: killing it", child.name)
+            _signal_group(child.proc, signal.SIGKILL)  # its TP ranks too, if any outlived it
+            child.proc.wait()
+        if self.redis is not None:
+            self.redis.stop()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+
+    def __enter__(self) -> LocalStack:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _healthy(address: str) -> bool:
+    try:
+        with grpc.insecure_channel(address) as ch:
+            resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+            return resp.status == health_pb2.HealthCheckResponse.SERVING
+    except grpc.RpcError:
+        return False
+
+
+def _http_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as resp:
+            return resp.status == 200
+    except OSError:
+        return False
