@@ -1,0 +1,90 @@
+"""The gRPC API through the SDK, cancellation, and the request state kept in Redis."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import pytest
+
+from shardline.client import AsyncShardlineClient, ShardlineClient
+from shardline.proto import scheduler_pb2, scheduler_pb2_grpc
+from shardline.request_store import RequestStatus, RequestStore
+
+pytestmark = pytest.mark.slow
+
+
+def test_generate_and_stream_agree(grpc_target):
+    with ShardlineClient(grpc_target) as client:
+        whole = client.generate("The sky is", max_tokens=12, temperature=0.0, ignore_eos=True)
+        chunks = list(client.stream("The sky is", max_tokens=12, temperature=0.0, ignore_eos=True))
+    assert whole.finish_reason == "length" and len(whole.token_ids) == 12
+    assert "".join(c.text for c in chunks) == whole.text
+    assert [t for c in chunks for t in c.token_ids] == whole.token_ids
+    offsets = [c.offset for c in chunks if c.token_ids]
+    assert offsets == sorted(offsets) and offsets[0] == 0
+    assert chunks[-1].usage.completion_tokens == 12
+
+
+def test_async_client_and_resume(grpc_target):
+    async def run() -> tuple[list[int], list[int], list[int]]:
+        async with AsyncShardlineClient(grpc_target) as client:
+            full = await client.generate("Count: one, two,", max_tokens=10, temperature=0.0, ignore_eos=True)
+            resumed = [t async for c in client.resume(full.request_id, offset=4) for t in c.token_ids]
+            info = await client.get_request(full.request_id)
+            return full.token_ids, resumed, info.output_token_ids
+
+    full, resumed, stored = asyncio.run(run())
+    assert resumed == full[4:]
+    assert stored == full
+
+
+def test_bad_grpc_request_is_invalid_argument(grpc_target):
+    with ShardlineClient(grpc_target, retries=0) as client:
+        with pytest.raises(grpc.RpcError) as err:
+            client.generate("x", max_tokens=1, top_p=3.0)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "top_p" in err.value.details()
+
+
+def _kv_blocks_used(stack) -> int:
+    with grpc.insecure_channel(f"127.0.0.1:{stack.config.scheduler_port}") as ch:
+        workers = scheduler_pb2_grpc.SchedulerStub(ch).ListWorkers(scheduler_pb2.ListWorkersRequest()).workers
+    return sum(w.kv_blocks_used for w in workers)
+
+
+def test_cancel_mid_stream_frees_blocks(stack, grpc_target):
+    with ShardlineClient(grpc_target) as client:
+        stream = client.stream("Write a very long essay about the sea.", max_tokens=400, temperature=0.0,
+                               ignore_eos=True)
+        first = next(stream)
+        deadline = time.monotonic() + 10
+        while _kv_blocks_used(stack) == 0 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert _kv_blocks_used(stack) > 0
+        client.cancel(first.request_id)
+        rest = list(stream)
+        assert rest[-1].finish_reason == "abort"
+        deadline = time.monotonic() + 10
+        while _kv_blocks_used(stack) > 0 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert _kv_blocks_used(stack) == 0
+        info = client.get_request(first.request_id)
+    assert info.status == "cancelled"
+    assert len(info.output_token_ids) < 400
+
+
+def test_request_record_and_tokens_in_redis(stack, grpc_target):
+    with ShardlineClient(grpc_target) as client:
+        done = client.generate("Hello", max_tokens=6, temperature=0.0, ignore_eos=True)
+
+    async def read():
+        async with RequestStore(stack.redis_url) as store:
+            return await store.get(done.request_id), await store.get_tokens(done.request_id), \
+                await store.get_prompt(done.request_id)
+
+    record, tokens, prompt = asyncio.run(read())
+    assert record.status == RequestStatus.FINISHED and record.worker_id == "worker-0" and record.attempt == 1
+    assert tokens == done.token_ids and prompt and len(prompt) == done.usage.prompt_tokens
+    assert record.arrival_ts <= record.dispatch_ts <= record.first_token_ts <= record.finish_ts
+    assert record.params["max_tokens"] == 6

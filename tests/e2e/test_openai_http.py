@@ -1,0 +1,103 @@
+"""The OpenAI-compatible HTTP API of a real stack."""
+
+from __future__ import annotations
+
+import concurrent.futures
+
+import pytest
+
+from tests.e2e.http_client import get, post, sse
+
+pytestmark = pytest.mark.slow
+
+MODEL = "SmolLM2-135M-Instruct"
+
+
+def test_completion(http_url):
+    status, body = post(f"{http_url}/v1/completions", {"model": MODEL, "prompt": "The capital of France is",
+                                                       "max_tokens": 8, "temperature": 0})
+    assert status == 200, body
+    choice = body["choices"][0]
+    assert choice["text"] and choice["finish_reason"] in ("stop", "length")
+    assert body["usage"]["prompt_tokens"] == 5 and 0 < body["usage"]["completion_tokens"] <= 8
+    assert body["usage"]["total_tokens"] == body["usage"]["prompt_tokens"] + body["usage"]["completion_tokens"]
+
+
+def test_chat_completion(http_url):
+    status, body = post(f"{http_url}/v1/chat/completions", {
+        "model": MODEL, "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 16,
+        "temperature": 0})
+    assert status == 200, body
+    msg = body["choices"][0]["message"]
+    assert msg["role"] == "assistant" and msg["content"].strip()
+    assert body["usage"]["prompt_tokens"] > 10  # the chat template's system prompt is in there
+
+
+def test_streaming_sse_equals_non_streaming(http_url):
+    req = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 20, "temperature": 0, "ignore_eos": True}
+    _, whole = post(f"{http_url}/v1/completions", req)
+    events = list(sse(f"{http_url}/v1/completions", {**req, "stream_options": {"include_usage": True}}))
+    assert events[-1] == "[DONE]"
+    chunks = [e for e in events[:-1] if e["choices"]]
+    assert len(chunks) > 1
+    assert "".join(c["choices"][0]["text"] for c in chunks) == whole["choices"][0]["text"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert events[-2]["usage"]["completion_tokens"] == 20
+
+
+def test_stop_string_truncates(http_url):
+    req = {"model": MODEL, "prompt": "1, 2, 3, 4, 5,", "max_tokens": 30, "temperature": 0}
+    _, free = post(f"{http_url}/v1/completions", req)
+    text = free["choices"][0]["text"]
+    assert " 7" in text, text
+    _, stopped = post(f"{http_url}/v1/completions", {**req, "stop": [" 7"]})
+    assert stopped["choices"][0]["text"] == text[: text.index(" 7")]
+    assert stopped["choices"][0]["finish_reason"] == "stop"
+
+
+def test_seed_reproducible(http_url):
+    req = {"model": MODEL, "prompt": "My favourite colour is", "max_tokens": 16, "temperature": 1.0, "seed": 42}
+    texts = {post(f"{http_url}/v1/completions", req)[1]["choices"][0]["text"] for _ in range(2)}
+    assert len(texts) == 1
+    other = post(f"{http_url}/v1/completions", {**req, "seed": 43})[1]["choices"][0]["text"]
+    assert other not in texts
+
+
+def test_32_concurrent_streams(http_url):
+    def one(i: int) -> tuple[str, str | None]:
+        events = list(sse(f"{http_url}/v1/completions", {"model": MODEL, "prompt": f"Story number {i}:",
+                                                         "max_tokens": 12, "temperature": 0.7, "seed": i}))
+        chunks = [e for e in events if isinstance(e, dict) and e["choices"]]
+        return "".join(c["choices"][0]["text"] for c in chunks), chunks[-1]["choices"][0]["finish_reason"]
+
+    with concurrent.futures.ThreadPoolExecutor(32) as pool:
+        results = list(pool.map(one, range(32)))
+    assert len(results) == 32
+    assert all(text and reason in ("stop", "length") for text, reason in results)
+
+
+@pytest.mark.parametrize("body,field", [
+    ({"prompt": "x", "max_tokens": -1}, "max_tokens"),
+    ({"prompt": "x", "temperature": 5}, "temperature"),
+    ({"prompt": "x", "top_p": 0}, "top_p"),
+    ({"prompt": "x", "n": 2}, "n"),
+    ({"max_tokens": 4}, "prompt"),
+    ({"prompt": "x", "logprobs": 50}, "logprobs"),
+])
+def test_bad_parameters_are_400_naming_the_field(http_url, body, field):
+    status, resp = post(f"{http_url}/v1/completions", {"model": MODEL, **body})
+    assert status == 400
+    assert field in resp["error"]["message"] or resp["error"].get("param") == field
+
+
+def test_unknown_model_is_404(http_url):
+    status, resp = post(f"{http_url}/v1/completions", {"model": "no-such-model", "prompt": "x"})
+    assert status == 404 and "no-such-model" in resp["error"]["message"]
+
+
+def test_models_health_metrics(http_url):
+    status, body = get(f"{http_url}/v1/models")
+    assert status == 200 and MODEL.encode() in body
+    assert get(f"{http_url}/health")[0] == 200
+    status, metrics = get(f"{http_url}/metrics")
+    assert status == 200 and b"gen_ai_server_time_to_first_token_seconds" in metrics
