@@ -3,8 +3,9 @@
 Keys, all under `shardline:`:
 
 - `shardline:req:<id>`: hash with model, params (JSON), status, worker_id,
-  attempt, gateway_id, priority, prompt_len, finish_reason, error and the
-  timings arrival_ts, dispatch_ts, first_token_ts, finish_ts (unix seconds);
+  attempt, gateway_id, priority, prompt_len, finish_reason, error, the
+  timings arrival_ts, dispatch_ts, first_token_ts, finish_ts (unix seconds),
+  and what a re-dispatch needs: eos_token_ids (JSON), deadline_ts, traceparent;
 - `shardline:req:<id>:prompt`: prompt token ids, packed little-endian uint32;
 - `shardline:req:<id>:tokens`: generated token ids, packed the same way and
   grown with APPEND, so reading from an offset is one GETRANGE;
@@ -75,6 +76,9 @@ class RequestRecord:
     finish_ts: float | None = None  # reached a terminal status
     prompt_len: int = 0  # prompt tokens; create() sets it from the prompt
     num_output_tokens: int = 0  # tokens generated so far; read from the tokens key
+    eos_token_ids: list[int] = field(default_factory=list)  # tokens that end it, re-sent on every dispatch
+    deadline_ts: float | None = None  # abort it if unfinished by then; None means no deadline
+    traceparent: str | None = None  # W3C traceparent of its trace, so a re-dispatch joins it
 
 
 def pack_token_ids(token_ids: Sequence[int]) -> bytes:
@@ -142,6 +146,9 @@ def _encode(record: RequestRecord, prompt_len: int) -> list[str | int | float]:
         "arrival_ts": record.arrival_ts,
         "worker_id": record.worker_id,
         "dispatch_ts": record.dispatch_ts,
+        "eos_token_ids": json.dumps(record.eos_token_ids) if record.eos_token_ids else None,
+        "deadline_ts": record.deadline_ts,
+        "traceparent": record.traceparent or None,
     }
     return [item for name, value in fields.items() if value is not None for item in (name, value)]
 
@@ -169,6 +176,9 @@ def _decode(request_id: str, raw: dict[bytes, bytes], num_output_tokens: int) ->
         finish_ts=optional_float("finish_ts"),
         prompt_len=int(h["prompt_len"]),
         num_output_tokens=num_output_tokens,
+        eos_token_ids=json.loads(h.get("eos_token_ids", "[]")),
+        deadline_ts=optional_float("deadline_ts"),
+        traceparent=h.get("traceparent"),
     )
 
 
@@ -245,6 +255,22 @@ class RequestStore:
         now = time.time()
         fields = {"status": RequestStatus.RUNNING.name, "worker_id": worker_id, "attempt": attempt, "dispatch_ts": now}
         return await self._update_live(request_id, 0, fields)
+
+    async def mark_dispatched_many(self, dispatches: Sequence[tuple[str, str, int]]) -> list[bool]:
+        """mark_dispatched for many (request_id, worker_id, attempt) in ONE round trip,
+        for a dispatch round that hands several requests out at once."""
+        now = time.time()
+        pipe = self._redis.pipeline(transaction=False)
+        for request_id, worker_id, attempt in dispatches:
+            keys = [_hash_key(request_id), _prompt_key(request_id), _tokens_key(request_id), ACTIVE_KEY]
+            fields = ["status", RequestStatus.RUNNING.name, "worker_id", worker_id, "attempt", attempt, "dispatch_ts", now]
+            # Awaiting a script call on a pipeline only queues it; execute() sends them all.
+            await self._update_script(keys=keys, args=[request_id, 0, *fields], client=pipe)
+        return [bool(done) for done in await pipe.execute()] if dispatches else []
+
+    async def set_gateway(self, request_id: str, gateway_id: str) -> bool:
+        """Re-points a live request's output to another gateway (after a gateway loss); False if not live."""
+        return await self._update_live(request_id, 0, {"gateway_id": gateway_id})
 
     async def finish(
         self, request_id: str, status: RequestStatus, finish_reason: FinishReason, error: str | None = None

@@ -1,0 +1,253 @@
+"""Admission, the dispatch loop, and what happens when a worker comes or goes."""
+
+import asyncio
+import logging
+import time
+from collections import defaultdict
+from collections.abc import Coroutine
+
+import grpc
+from opentelemetry import trace
+
+from scheduler_svc.live_request import LiveRequest
+from scheduler_svc.relay import Relay
+from scheduler_svc.request_queue import RequestQueue
+from scheduler_svc.request_table import Outcome, RequestTable
+from scheduler_svc.router import Router
+from scheduler_svc.settings import SchedulerSettings
+from scheduler_svc.worker_registry import WorkerRegistry
+from scheduler_svc.worker_session import WorkerSession
+from shardline.errors import NotFound, ShardlineError
+from shardline.proto import worker_pb2
+from shardline.request_store import FinishReason, RequestStatus, RequestStore
+from tracing import attributes as attr
+from tracing.grpc_context import extract_context
+from tracing.metrics import QUEUE_DEPTH, RUNNING_REQUESTS
+
+log = logging.getLogger(__name__)
+
+
+class AlreadyExists(ShardlineError):
+    """A request id that is live or still retained was submitted again."""
+
+    code = grpc.StatusCode.ALREADY_EXISTS
+    http_status = 409
+
+
+class Dispatcher:
+    """Admits requests, hands them to workers with room, and takes them back from workers that die."""
+
+    def __init__(self, settings: SchedulerSettings, store: RequestStore, relay: Relay, tracer: trace.Tracer) -> None:
+        self._settings = settings
+        self._store = store
+        self._tracer = tracer
+        self._wake = asyncio.Event()  # set whenever a request or a worker slot may be dispatchable
+        self.queue = RequestQueue(settings.queue_capacity)
+        self.registry = WorkerRegistry(settings.dispatch_overcommit, settings.heartbeat_timeout_s)
+        self.requests = RequestTable(store, relay, self.registry, on_change=self._wake.set)
+        self._router = Router(settings.affinity_load_slack)
+        self._sessions: dict[str, WorkerSession] = {}
+        self._tasks: list[asyncio.Task] = []
+        self._background: set[asyncio.Task] = set()  # deadline cancels, kept referenced until done
+
+    async def start(self) -> None:
+        """Re-queues every unfinished request found in Redis, then starts dispatching."""
+        await self._recover()
+        self._tasks = [asyncio.create_task(self._dispatch_loop(), name="dispatch"),
+                       asyncio.create_task(self._watch_heartbeats(), name="heartbeats")]
+
+    async def stop(self) -> None:
+        """Stops dispatching and drops the worker streams; Redis keeps every request for the next start."""
+        for task in [*self._tasks, *self._background]:
+            task.cancel()
+        await asyncio.gather(*self._tasks, *self._background, return_exceptions=True)
+        await asyncio.gather(*(session.stop() for session in self._sessions.values()))
+        self._sessions.clear()
+
+    def running(self) -> int:
+        """Requests dispatched and not finished."""
+        return sum(len(worker.in_flight) for worker in self.registry)
+
+    async def submit(self, request: LiveRequest) -> int:
+        """Persists and queues a new request; returns how many requests are ahead of it."""
+        if request.request_id in self.requests:
+            raise AlreadyExists(f"request_id: {request.request_id!r} is already in use")
+        self.queue.reserve()  # before any write: a full queue leaves nothing behind in Redis
+        try:
+            created = await self._store.create(request.to_record(), request.prompt_token_ids)
+        except BaseException:
+            self.queue.release()
+            raise
+        if not created:
+            self.queue.release()
+            raise AlreadyExists(f"request_id: {request.request_id!r} is already in use")
+        self.requests.add(request)
+        self._open_queue_span(request)
+        position = self.queue.push(request)
+        self._arm_deadline(request)
+        self._wake.set()
+        return position
+
+    async def cancel(self, request_id: str) -> RequestStatus:
+        """Dequeues a queued request, or asks its worker to abort it; returns the status it ends in."""
+        request = self.requests.get(request_id)
+        if request is None:
+            record = await self._store.get(request_id)
+            if record is None:
+                raise NotFound(f"request_id: no request {request_id!r}")
+            return record.status
+        if self.queue.remove(request):
+            await self.requests.finish([Outcome(request, RequestStatus.CANCELLED, FinishReason.ABORT)], notify=True)
+        elif not request.cancelled:
+            # The worker frees its KV blocks and answers with an ABORT delta, which finishes it;
+            # if the worker dies first (or is dying now), the death handler finishes it instead.
+            request.cancelled = True
+            session = self._sessions.get(request.worker_id or "")
+            if session is not None:
+                session.send(worker_pb2.WorkerCommand(abort=[request_id]))
+        return RequestStatus.CANCELLED
+
+    async def attach(self, request_id: str, gateway_id: str) -> None:
+        """Sends a live request's later deltas to another gateway; a finished one is left as is."""
+        request = self.requests.get(request_id)
+        if request is not None:
+            # In memory first: the very next step already goes to the new gateway.
+            request.gateway_id = gateway_id
+            await self._store.set_gateway(request_id, gateway_id)
+
+    async def register_worker(self, info: worker_pb2.WorkerInfo) -> None:
+        """Adds a worker and opens its Session; a known id is a restarted worker, so its old run dies first."""
+        old = self._sessions.get(info.worker_id)
+        if old is not None:
+            log.warning("worker %s registered again: re-queueing what its previous run held", info.worker_id)
+            await old.close("its worker registered again")
+        self._sessions[info.worker_id] = await WorkerSession.open(
+            info, self.requests.handle_steps, self._on_worker_lost, self._settings.worker_connect_timeout_s)
+        self.registry.add(info)
+        log.info("worker %s registered at %s (%s, max_num_seqs=%d)",
+                 info.worker_id, info.address, info.model, info.max_num_seqs)
+        self._wake.set()
+
+    def heartbeat(self, worker_id: str, running: int, waiting: int, kv_blocks_used: int) -> bool:
+        """Records a worker's load; False when it is unknown and must register again."""
+        return self.registry.report(worker_id, running, waiting, kv_blocks_used)
+
+    async def _dispatch_loop(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            try:
+                await self._dispatch_ready()
+            except Exception:
+                # Only the Redis bookkeeping can fail here; the loop must outlive it.
+                log.exception("dispatch round failed")
+            QUEUE_DEPTH.set(len(self.queue))
+            RUNNING_REQUESTS.set(self.running())
+
+    async def _dispatch_ready(self) -> None:
+        """Hands queued requests to workers while any has room: one WorkerCommand per worker."""
+        adds: dict[str, list[worker_pb2.NewRequest]] = defaultdict(list)
+        dispatched: list[tuple[LiveRequest, trace.Span]] = []
+        while self.registry.has_room():
+            request = self.queue.pop(lambda r: bool(self.registry.with_room(r.model)))
+            if request is None:
+                break
+            worker = self._router.choose(request, self.registry.with_room(request.model))
+            worker.in_flight.add(request.request_id)
+            request.worker_id, request.attempt = worker.worker_id, request.attempt + 1
+            span = self._tracer.start_span(
+                "dispatch", context=extract_context({"traceparent": request.traceparent}),
+                attributes={attr.REQUEST_ID: request.request_id, "shardline.worker_id": worker.worker_id,
+                            "shardline.attempt": request.attempt})
+            adds[worker.worker_id].append(request.new_request())
+            # Redis has these; a later re-dispatch reads them back with whatever came after.
+            request.output_token_ids = []
+            if request.queue_span is not None:
+                request.queue_span.end()
+                request.queue_span = None
+            dispatched.append((request, span))
+        for worker_id, new_requests in adds.items():
+            self._sessions[worker_id].send(worker_pb2.WorkerCommand(add=new_requests))
+        if dispatched:
+            await self._store.mark_dispatched_many([(r.request_id, r.worker_id, r.attempt) for r, _ in dispatched])
+        for _, span in dispatched:
+            span.end()
+
+    async def _watch_heartbeats(self) -> None:
+        while True:
+            await asyncio.sleep(self._settings.heartbeat_interval_s)
+            for worker_id in self.registry.expired():
+                session = self._sessions.get(worker_id)
+                if session is not None:
+                    await session.close(f"silent for over {self._settings.heartbeat_timeout_s:.1f}s")
+
+    async def _on_worker_lost(self, worker_id: str, reason: str) -> None:
+        """Re-queues what a dead worker held, with the tokens it generated, or fails it after max_attempts."""
+        self._sessions.pop(worker_id, None)
+        worker = self.registry.remove(worker_id)
+        if worker is None:
+            return
+        held = [request for rid in worker.in_flight if (request := self.requests.get(rid)) is not None]
+        tokens = await asyncio.gather(*(self._store.get_tokens(request.request_id) for request in held))
+        outcomes, retry = [], []
+        for request, output in zip(held, tokens):
+            request.output_token_ids, request.num_output_tokens = output, len(output)
+            if request.cancelled:
+                outcomes.append(Outcome(request, RequestStatus.CANCELLED, FinishReason.ABORT))
+            elif request.attempt >= self._settings.max_attempts:
+                error = (f"worker {worker_id} lost ({reason}) on attempt {request.attempt} "
+                         f"of {self._settings.max_attempts}")
+                outcomes.append(Outcome(request, RequestStatus.FAILED, FinishReason.ERROR, error))
+            else:
+                retry.append(request)
+        log.warning("worker %s lost (%s): re-queueing %d requests, ending %d", worker_id, reason, len(retry),
+                    len(outcomes))
+        await self._requeue(retry)
+        await self.requests.finish(outcomes, notify=True)
+
+    async def _recover(self) -> None:
+        """Rebuilds the queue from Redis after a restart: every QUEUED or RUNNING request goes back in."""
+        records = await self._store.get_many(await self._store.list_active())
+        prompts = await asyncio.gather(*(self._store.get_prompt(record.request_id) for record in records))
+        outputs = await asyncio.gather(*(self._store.get_tokens(record.request_id) for record in records))
+        recovered = [LiveRequest.from_record(record, prompt, output)
+                     for record, prompt, output in zip(records, prompts, outputs) if prompt is not None]
+        for request in recovered:
+            self.requests.add(request)
+        await self._requeue(recovered)
+        if recovered:
+            log.info("recovered %d unfinished requests from Redis", len(recovered))
+
+    async def _requeue(self, requests: list[LiveRequest]) -> None:
+        # Latest arrival pushed first, so each class's front ends up in arrival order.
+        for request in sorted(requests, key=lambda r: r.arrival_ts, reverse=True):
+            request.worker_id = None
+            self._open_queue_span(request)
+            self.queue.push_front(request)
+            if request.deadline_timer is None:
+                self._arm_deadline(request)
+        self._wake.set()
+        await asyncio.gather(*(self._store.set_status(r.request_id, RequestStatus.QUEUED) for r in requests))
+
+    def _open_queue_span(self, request: LiveRequest) -> None:
+        request.queue_span = self._tracer.start_span(
+            "queue", context=extract_context({"traceparent": request.traceparent}),
+            attributes={attr.REQUEST_ID: request.request_id, attr.QUEUE_DEPTH: len(self.queue),
+                        attr.GEN_AI_REQUEST_MODEL: request.model})
+
+    def _arm_deadline(self, request: LiveRequest) -> None:
+        if request.deadline_ts is None:
+            return
+        delay = max(0.0, request.deadline_ts - time.time())
+        request_id = request.request_id
+        request.deadline_timer = asyncio.get_running_loop().call_later(
+            delay, lambda: self._spawn(self._expire(request_id)))
+
+    async def _expire(self, request_id: str) -> None:
+        log.info("request %s passed its deadline: cancelling it", request_id)
+        await self.cancel(request_id)
+
+    def _spawn(self, coroutine: Coroutine) -> None:
+        task = asyncio.create_task(coroutine)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)

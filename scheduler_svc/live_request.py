@@ -1,0 +1,83 @@
+"""An unfinished request as the scheduler holds it in memory; Redis has the durable copy."""
+
+import asyncio
+from dataclasses import dataclass, field
+
+from google.protobuf import json_format
+from opentelemetry import trace
+
+from shardline.proto import sampling_pb2, worker_pb2
+from shardline.request_store import RequestRecord
+
+
+@dataclass(slots=True)
+class LiveRequest:
+    """What dispatch, relay and recovery need about one request between Submit and its finish."""
+
+    request_id: str  # unique id, from the client or the gateway
+    gateway_id: str  # whose Subscribe stream receives its deltas; Attach changes it
+    model: str  # model that must serve it
+    priority: int  # priority class; lower is dispatched first
+    prompt_token_ids: list[int]  # the prompt, sent in full on every dispatch
+    params: sampling_pb2.SamplingParameters  # resolved sampling parameters, seed set
+    eos_token_ids: list[int]  # tokens that end it
+    arrival_ts: float  # when it arrived (unix seconds)
+    deadline_ts: float | None = None  # abort it if unfinished by then
+    traceparent: str = ""  # W3C traceparent of the Submit call, for the worker's spans
+    attempt: int = 0  # dispatches so far
+    worker_id: str | None = None  # worker running it; None while queued
+    output_token_ids: list[int] = field(default_factory=list)  # earlier attempts' tokens, prefilled on re-dispatch
+    num_output_tokens: int = 0  # tokens generated so far over all attempts
+    cancelled: bool = False  # an abort is on its way to the worker; its death must not re-queue it
+    queue_span: trace.Span | None = None  # the `queue` span, open from enqueue to dispatch
+    deadline_timer: asyncio.TimerHandle | None = None  # aborts it at deadline_ts
+
+    def to_record(self) -> RequestRecord:
+        """The record Submit persists."""
+        return RequestRecord(
+            request_id=self.request_id,
+            model=self.model,
+            params=json_format.MessageToDict(self.params, preserving_proto_field_name=True),
+            gateway_id=self.gateway_id,
+            priority=self.priority,
+            arrival_ts=self.arrival_ts,
+            eos_token_ids=self.eos_token_ids,
+            deadline_ts=self.deadline_ts,
+            traceparent=self.traceparent or None,
+        )
+
+    @classmethod
+    def from_record(cls, record: RequestRecord, prompt: list[int], tokens: list[int]) -> "LiveRequest":
+        """Rebuilds a request from Redis, with the tokens it has generated so far."""
+        return cls(
+            request_id=record.request_id,
+            gateway_id=record.gateway_id,
+            model=record.model,
+            priority=record.priority,
+            prompt_token_ids=prompt,
+            params=params_from_json(record.params),
+            eos_token_ids=record.eos_token_ids,
+            arrival_ts=record.arrival_ts,
+            deadline_ts=record.deadline_ts,
+            traceparent=record.traceparent or "",
+            attempt=record.attempt,
+            output_token_ids=tokens,
+            num_output_tokens=len(tokens),
+        )
+
+    def new_request(self) -> worker_pb2.NewRequest:
+        """The request as a worker receives it: prompt plus whatever earlier attempts generated."""
+        return worker_pb2.NewRequest(
+            request_id=self.request_id,
+            prompt_token_ids=self.prompt_token_ids,
+            output_token_ids=self.output_token_ids,
+            params=self.params,
+            eos_token_ids=self.eos_token_ids,
+            priority=self.priority,
+            traceparent=self.traceparent,
+        )
+
+
+def params_from_json(params: dict) -> sampling_pb2.SamplingParameters:
+    """Sampling parameters as persisted by to_record()."""
+    return json_format.ParseDict(params, sampling_pb2.SamplingParameters())

@@ -1,0 +1,160 @@
+"""Live requests, their step-by-step output, and how they end."""
+
+import asyncio
+import logging
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from scheduler_svc.live_request import LiveRequest
+from scheduler_svc.relay import Relay
+from scheduler_svc.worker_registry import WorkerRegistry
+from shardline.proto import common_pb2, sampling_pb2, scheduler_pb2, worker_pb2
+from shardline.request_store import FinishReason, RequestStatus, RequestStore
+
+log = logging.getLogger(__name__)
+
+# What a worker's finish reason means for the request's status.
+_STATUS_FOR_REASON = {
+    FinishReason.STOP: RequestStatus.FINISHED,
+    FinishReason.LENGTH: RequestStatus.FINISHED,
+    FinishReason.ABORT: RequestStatus.CANCELLED,
+    FinishReason.ERROR: RequestStatus.FAILED,
+}
+
+
+@dataclass(slots=True)
+class Outcome:
+    """How one request ends."""
+
+    request: LiveRequest  # the request
+    status: RequestStatus  # its terminal status
+    reason: FinishReason  # the finish reason its gateway sees
+    error: str | None = None  # why it failed, when it did
+
+
+class RequestTable:
+    """Every unfinished request the scheduler holds, queued or running.
+
+    It turns each batch of worker steps into one Redis pipeline and one
+    TokenBatch per gateway per step, and it is where requests end: their
+    terminal state goes to Redis and their worker slot is given back.
+    """
+
+    def __init__(self, store: RequestStore, relay: Relay, registry: WorkerRegistry,
+                 on_change: Callable[[], None]) -> None:
+        self._store = store
+        self._relay = relay
+        self._registry = registry
+        self._on_change = on_change  # wakes the dispatch loop: a slot freed up
+        self._live: dict[str, LiveRequest] = {}
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._live
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+    def get(self, request_id: str) -> LiveRequest | None:
+        return self._live.get(request_id)
+
+    def add(self, request: LiveRequest) -> None:
+        self._live[request.request_id] = request
+
+    async def handle_steps(self, worker_id: str, steps: list[worker_pb2.StepOutput]) -> None:
+        """Persists, relays and finalises what consecutive steps of one worker produced."""
+        now = time.time()
+        new_tokens: dict[str, list[int]] = defaultdict(list)
+        first_token_ts: dict[str, float] = {}
+        finished: list[Outcome] = []
+        kept_per_step: list[list[tuple[LiveRequest, common_pb2.RequestDelta]]] = []
+        for step in steps:
+            kept = []
+            for delta in step.deltas:
+                request = self._live.get(delta.request_id)
+                # A request re-dispatched elsewhere may still trail deltas from its old worker.
+                if request is None or request.worker_id != worker_id or not _drop_repeats(request, delta):
+                    continue
+                if delta.token_ids:
+                    if request.num_output_tokens == 0:
+                        first_token_ts[request.request_id] = now
+                    new_tokens[request.request_id].extend(delta.token_ids)
+                    request.num_output_tokens += len(delta.token_ids)
+                if delta.finish_reason:
+                    _fill_usage(request, delta.usage)
+                    reason = FinishReason(delta.finish_reason)
+                    finished.append(Outcome(request, _STATUS_FOR_REASON[reason], reason, delta.error or None))
+                kept.append((request, delta))
+            kept_per_step.append(kept)
+        stats = steps[-1].stats
+        self._registry.report(worker_id, stats.num_running, stats.num_waiting, stats.kv_blocks_used)
+        # Persist before relaying, so whatever a gateway has seen can be read back from Redis.
+        await self._store.append_step(new_tokens, first_token_ts)
+        await self.finish(finished, notify=False)
+        for step, kept in zip(steps, kept_per_step):
+            self._publish(worker_id, step.step, kept)
+
+    async def finish(self, outcomes: Iterable[Outcome], notify: bool) -> None:
+        """Ends requests: frees their worker slot and records their terminal state.
+
+        With `notify`, their gateways get a final delta too (one TokenBatch per
+        gateway); without it the caller relays the worker's own final delta.
+        """
+        outcomes = list(outcomes)
+        if not outcomes:
+            return
+        for outcome in outcomes:
+            self._forget(outcome.request)
+        await asyncio.gather(*(
+            self._store.finish(o.request.request_id, o.status, o.reason, o.error) for o in outcomes))
+        if notify:
+            finals = []
+            for outcome in outcomes:
+                delta = common_pb2.RequestDelta(
+                    request_id=outcome.request.request_id, offset=outcome.request.num_output_tokens,
+                    finish_reason=outcome.reason, error=outcome.error or "")
+                _fill_usage(outcome.request, delta.usage)
+                finals.append((outcome.request, delta))
+            # Not from any worker step: worker_id and step stay empty.
+            self._publish("", 0, finals)
+        self._on_change()
+
+    def _forget(self, request: LiveRequest) -> None:
+        self._live.pop(request.request_id, None)
+        worker = self._registry.get(request.worker_id or "")
+        if worker is not None:
+            worker.in_flight.discard(request.request_id)
+        if request.queue_span is not None:
+            request.queue_span.end()
+            request.queue_span = None
+        if request.deadline_timer is not None:
+            request.deadline_timer.cancel()
+
+    def _publish(self, worker_id: str, step: int,
+                 deltas: list[tuple[LiveRequest, common_pb2.RequestDelta]]) -> None:
+        by_gateway: dict[str, list[common_pb2.RequestDelta]] = defaultdict(list)
+        for request, delta in deltas:
+            by_gateway[request.gateway_id].append(delta)
+        for gateway_id, gateway_deltas in by_gateway.items():
+            self._relay.publish(gateway_id, scheduler_pb2.TokenBatch(worker_id=worker_id, step=step,
+                                                                     deltas=gateway_deltas))
+
+
+def _drop_repeats(request: LiveRequest, delta: common_pb2.RequestDelta) -> bool:
+    """Cuts tokens the request already has, which would corrupt its append-only output in
+    Redis; False when nothing is left to handle."""
+    repeated = min(request.num_output_tokens - delta.offset, len(delta.token_ids))
+    if repeated > 0:
+        log.warning("request %s: dropping %d repeated tokens at offset %d", request.request_id, repeated, delta.offset)
+        del delta.token_ids[:repeated]
+        del delta.logprobs[:repeated]
+        delta.offset += repeated
+    return bool(delta.token_ids or delta.finish_reason)
+
+
+def _fill_usage(request: LiveRequest, usage: sampling_pb2.Usage) -> None:
+    """Token counts over every attempt; the worker only knows its own (cached_tokens is kept)."""
+    usage.prompt_tokens = len(request.prompt_token_ids)
+    usage.completion_tokens = request.num_output_tokens
+    usage.total_tokens = usage.prompt_tokens + usage.completion_tokens

@@ -1,0 +1,77 @@
+"""Wiring: the store, the dispatcher, the gRPC server and the metrics endpoint of one scheduler."""
+
+import logging
+from dataclasses import dataclass
+from wsgiref.simple_server import WSGIServer
+
+from opentelemetry import trace
+
+from scheduler_svc.dispatcher import Dispatcher
+from scheduler_svc.relay import Relay
+from scheduler_svc.service import SchedulerService
+from scheduler_svc.settings import SchedulerSettings
+from shardline.grpc_server import GrpcService, RunningServer, start_grpc_server
+from shardline.proto import scheduler_pb2, scheduler_pb2_grpc
+from shardline.request_store import RequestStore
+from tracing.grpc_context import TracingServerInterceptor
+from tracing.metrics import start_metrics_server
+from tracing.otel_setup import setup_tracing
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name
+
+
+@dataclass(slots=True)
+class SchedulerServer:
+    """A running scheduler."""
+
+    grpc: RunningServer  # the gRPC server (Scheduler, health, reflection)
+    dispatcher: Dispatcher  # queue, workers and the dispatch loop
+    relay: Relay  # the gateways' Subscribe streams
+    store: RequestStore  # request state in Redis
+    metrics: WSGIServer | None  # the /metrics endpoint, when enabled
+
+    @property
+    def port(self) -> int:
+        return self.grpc.port
+
+    async def stop(self, grace_s: float = 1.0) -> None:
+        """Stops serving; unfinished requests stay in Redis, and the next start re-queues them."""
+        # Subscribe streams never end by themselves: close them so the grace period is not spent waiting.
+        self.relay.close_all()
+        await self.grpc.server.stop(grace_s)
+        await self.dispatcher.stop()
+        await self.store.close()
+        if self.metrics is not None:
+            self.metrics.shutdown()
+            self.metrics.server_close()
+            self.metrics = None
+
+
+async def start_scheduler(settings: SchedulerSettings, tracer: trace.Tracer | None = None) -> SchedulerServer:
+    """Starts a scheduler: recovers unfinished requests from Redis, then serves on settings.port."""
+    # A no-op tracer still passes the callers' trace context on to the workers.
+    tracer = tracer or trace.NoOpTracer()
+    store = RequestStore(settings.redis_url, retention_s=settings.request_retention_s)
+    relay = Relay(settings.subscriber_queue_size)
+    dispatcher = Dispatcher(settings, store, relay, tracer)
+    await dispatcher.start()
+    servicer = SchedulerService(settings, dispatcher, store, relay)
+    running = await start_grpc_server(
+        [GrpcService(servicer, scheduler_pb2_grpc.add_SchedulerServicer_to_server, SERVICE_NAME)],
+        settings.port, settings.host, interceptors=[TracingServerInterceptor(tracer)])
+    metrics = start_metrics_server(settings.metrics_port) if settings.metrics_port > 0 else None
+    log.info("scheduler serving on port %d (redis %s, queue capacity %d)",
+             running.port, settings.redis_url, settings.queue_capacity)
+    return SchedulerServer(running, dispatcher, relay, store, metrics)
+
+
+async def serve(settings: SchedulerSettings) -> None:
+    """Runs a scheduler until SIGTERM or SIGINT."""
+    tracing = setup_tracing("scheduler", settings.instance_id, enabled=settings.tracing)
+    server = await start_scheduler(settings, tracing.tracer)
+    try:
+        await server.grpc.wait_for_signal(on_stop=server.stop)
+    finally:
+        tracing.shutdown()

@@ -1,0 +1,160 @@
+"""The Scheduler gRPC servicer: validation and message conversion around the Dispatcher."""
+
+import re
+import secrets
+import time
+from collections.abc import AsyncIterator
+
+import grpc
+from google.protobuf import duration_pb2, timestamp_pb2
+
+from scheduler_svc.dispatcher import Dispatcher
+from scheduler_svc.live_request import LiveRequest, params_from_json
+from scheduler_svc.relay import Relay
+from scheduler_svc.settings import SchedulerSettings
+from shardline.errors import InvalidArgument, NotFound
+from shardline.proto import common_pb2, sampling_pb2, scheduler_pb2, scheduler_pb2_grpc
+from shardline.request_store import RequestRecord, RequestStore
+from tracing.grpc_context import inject_metadata
+
+# Printable ASCII without spaces: safe inside Redis keys, logs and URLs.
+_ID_PATTERN = re.compile(r"[!-~]{1,256}")
+
+
+def _require_id(value: str, field: str) -> str:
+    if not _ID_PATTERN.fullmatch(value):
+        raise InvalidArgument(field, f"must be 1 to 256 printable ASCII characters without spaces, got {value!r}")
+    return value
+
+
+def _seconds(ts: timestamp_pb2.Timestamp) -> float:
+    return ts.ToNanoseconds() / 1e9
+
+
+class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
+    """Serves shardline.v1.Scheduler; bad input raises shardline.errors, which the server maps to codes."""
+
+    def __init__(self, settings: SchedulerSettings, dispatcher: Dispatcher, store: RequestStore,
+                 relay: Relay) -> None:
+        self._settings = settings
+        self._dispatcher = dispatcher
+        self._store = store
+        self._relay = relay
+
+    async def Submit(self, request: scheduler_pb2.SubmitRequest, context: grpc.aio.ServicerContext
+                     ) -> scheduler_pb2.SubmitResponse:
+        _require_id(request.request_id, "request_id")
+        _require_id(request.gateway_id, "gateway_id")
+        if not request.prompt_token_ids:
+            raise InvalidArgument("prompt_token_ids", "must not be empty")
+        params = request.params
+        if params.HasField("max_tokens") and params.max_tokens == 0:
+            raise InvalidArgument("params.max_tokens", "must be at least 1")
+        if not params.HasField("seed"):
+            # Resuming after a worker failure replays (seed, index): the seed must be fixed now.
+            params.seed = secrets.randbits(63)
+        # The Submit call's context, so the worker's engine spans join the caller's trace.
+        traceparent = dict(inject_metadata()).get("traceparent", "")
+        live = LiveRequest(
+            request_id=request.request_id,
+            gateway_id=request.gateway_id,
+            model=request.model,
+            priority=request.priority,
+            prompt_token_ids=list(request.prompt_token_ids),
+            params=params,
+            eos_token_ids=list(request.eos_token_ids),
+            arrival_ts=_seconds(request.arrival_time) if request.HasField("arrival_time") else time.time(),
+            deadline_ts=_seconds(request.deadline) if request.HasField("deadline") else None,
+            traceparent=traceparent,
+        )
+        position = await self._dispatcher.submit(live)
+        return scheduler_pb2.SubmitResponse(queue_position=position)
+
+    async def Cancel(self, request: common_pb2.CancelRequest, context: grpc.aio.ServicerContext
+                     ) -> common_pb2.CancelResponse:
+        status = await self._dispatcher.cancel(_require_id(request.request_id, "request_id"))
+        return common_pb2.CancelResponse(status=int(status))
+
+    async def Subscribe(self, request: scheduler_pb2.SubscribeRequest, context: grpc.aio.ServicerContext
+                        ) -> AsyncIterator[scheduler_pb2.TokenBatch]:
+        subscription = self._relay.subscribe(_require_id(request.gateway_id, "gateway_id"))
+        try:
+            # Tells the gateway its stream is live, so it knows when submitting is safe.
+            await context.send_initial_metadata(())
+            async for batch in subscription:
+                yield batch
+        finally:
+            self._relay.unsubscribe(subscription)
+
+    async def Attach(self, request: scheduler_pb2.AttachRequest, context: grpc.aio.ServicerContext
+                     ) -> common_pb2.RequestInfo:
+        request_id = _require_id(request.request_id, "request_id")
+        await self._dispatcher.attach(request_id, _require_id(request.gateway_id, "gateway_id"))
+        return await self._request_info(request_id)
+
+    async def RegisterWorker(self, request: scheduler_pb2.RegisterWorkerRequest,
+                             context: grpc.aio.ServicerContext) -> scheduler_pb2.RegisterWorkerResponse:
+        info = request.worker
+        _require_id(info.worker_id, "worker.worker_id")
+        if not info.address:
+            raise InvalidArgument("worker.address", "must be the host:port of its Worker service")
+        if info.max_num_seqs == 0:
+            raise InvalidArgument("worker.max_num_seqs", "must be at least 1")
+        await self._dispatcher.register_worker(info)
+        interval = duration_pb2.Duration()
+        interval.FromNanoseconds(round(self._settings.heartbeat_interval_s * 1e9))
+        return scheduler_pb2.RegisterWorkerResponse(heartbeat_interval=interval)
+
+    async def Heartbeat(self, request: scheduler_pb2.HeartbeatRequest, context: grpc.aio.ServicerContext
+                        ) -> scheduler_pb2.HeartbeatResponse:
+        registered = self._dispatcher.heartbeat(
+            request.worker_id, request.running, request.waiting, request.kv_blocks_used)
+        return scheduler_pb2.HeartbeatResponse(registered=registered)
+
+    async def GetRequest(self, request: common_pb2.GetRequestRequest, context: grpc.aio.ServicerContext
+                         ) -> common_pb2.RequestInfo:
+        return await self._request_info(_require_id(request.request_id, "request_id"))
+
+    async def ListWorkers(self, request: scheduler_pb2.ListWorkersRequest, context: grpc.aio.ServicerContext
+                          ) -> scheduler_pb2.ListWorkersResponse:
+        states = []
+        for worker in self._dispatcher.registry:
+            state = scheduler_pb2.WorkerState(worker=worker.info, running=worker.running, waiting=worker.waiting,
+                                              kv_blocks_used=worker.kv_blocks_used, alive=True)
+            state.last_seen.FromNanoseconds(round(worker.last_seen_wall * 1e9))
+            states.append(state)
+        return scheduler_pb2.ListWorkersResponse(workers=states)
+
+    async def GetStats(self, request: scheduler_pb2.GetStatsRequest, context: grpc.aio.ServicerContext
+                       ) -> scheduler_pb2.SchedulerStats:
+        return scheduler_pb2.SchedulerStats(queue_depth=self._dispatcher.queue.depth_by_priority(),
+                                            running=self._dispatcher.running(),
+                                            workers=len(self._dispatcher.registry))
+
+    async def _request_info(self, request_id: str) -> common_pb2.RequestInfo:
+        record = await self._store.get(request_id)
+        if record is None:
+            raise NotFound(f"request_id: no request {request_id!r} (never submitted, or expired)")
+        return _to_request_info(record, await self._store.get_tokens(request_id))
+
+
+def _to_request_info(record: RequestRecord, tokens: list[int]) -> common_pb2.RequestInfo:
+    info = common_pb2.RequestInfo(
+        request_id=record.request_id,
+        model=record.model,
+        status=int(record.status),
+        priority=record.priority,
+        params=params_from_json(record.params),
+        worker_id=record.worker_id or "",
+        attempt=record.attempt,
+        finish_reason=int(record.finish_reason or 0),
+        error=record.error or "",
+        usage=sampling_pb2.Usage(prompt_tokens=record.prompt_len, completion_tokens=len(tokens),
+                               total_tokens=record.prompt_len + len(tokens)),
+        output_token_ids=tokens,
+    )
+    for name, ts in (("arrival_time", record.arrival_ts), ("dispatch_time", record.dispatch_ts),
+                     ("first_token_time", record.first_token_ts), ("finish_time", record.finish_ts)):
+        if ts is not None:
+            getattr(info, name).FromNanoseconds(round(ts * 1e9))
+    return info

@@ -1,0 +1,100 @@
+"""The worker pool: who is registered, what each one holds, and who has gone quiet."""
+
+import math
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+from shardline.proto import worker_pb2
+
+
+@dataclass(slots=True)
+class RegisteredWorker:
+    """One worker as the scheduler sees it."""
+
+    info: worker_pb2.WorkerInfo  # identity, address, model and capacity, as registered
+    capacity: int  # most requests the scheduler keeps in flight on it
+    last_seen: float  # monotonic time of its last heartbeat or step
+    last_seen_wall: float  # the same instant as unix time, for ListWorkers
+    in_flight: set[str] = field(default_factory=set)  # requests dispatched to it and not finished
+    running: int = 0  # requests it reported running
+    waiting: int = 0  # requests it reported waiting inside it
+    kv_blocks_used: int = 0  # KV blocks it reported in use
+
+    @property
+    def worker_id(self) -> str:
+        return self.info.worker_id
+
+    @property
+    def load(self) -> float:
+        """In-flight requests over max_num_seqs, so workers of different sizes compare."""
+        return len(self.in_flight) / max(1, self.info.max_num_seqs)
+
+    @property
+    def has_room(self) -> bool:
+        return len(self.in_flight) < self.capacity
+
+    def serves(self, model: str) -> bool:
+        """True when it serves `model`; an empty model name takes any worker."""
+        return not model or self.info.model == model
+
+
+class WorkerRegistry:
+    """Registered workers, with their in-flight requests and liveness.
+
+    A worker's capacity is max_num_seqs times `overcommit`: a few requests
+    beyond what it runs at once wait in its engine, so a freed slot is refilled
+    in the same engine step instead of after a round trip to the scheduler.
+    """
+
+    def __init__(self, overcommit: float, heartbeat_timeout_s: float,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._overcommit = overcommit
+        self._timeout_s = heartbeat_timeout_s
+        self._clock = clock
+        self._workers: dict[str, RegisteredWorker] = {}
+
+    def __iter__(self) -> Iterator[RegisteredWorker]:
+        return iter(list(self._workers.values()))
+
+    def __len__(self) -> int:
+        return len(self._workers)
+
+    def __contains__(self, worker_id: str) -> bool:
+        return worker_id in self._workers
+
+    def get(self, worker_id: str) -> RegisteredWorker | None:
+        return self._workers.get(worker_id)
+
+    def add(self, info: worker_pb2.WorkerInfo) -> RegisteredWorker:
+        """Registers a worker; the caller has removed any earlier one with the same id."""
+        capacity = max(1, math.ceil(info.max_num_seqs * self._overcommit))
+        worker = RegisteredWorker(info=info, capacity=capacity, last_seen=self._clock(), last_seen_wall=time.time())
+        self._workers[info.worker_id] = worker
+        return worker
+
+    def remove(self, worker_id: str) -> RegisteredWorker | None:
+        """Drops a worker; the requests in its in_flight are the caller's to re-queue."""
+        return self._workers.pop(worker_id, None)
+
+    def report(self, worker_id: str, running: int, waiting: int, kv_blocks_used: int) -> bool:
+        """Records a heartbeat's or step's load figures; False for an unknown worker."""
+        worker = self._workers.get(worker_id)
+        if worker is None:
+            return False
+        worker.running, worker.waiting, worker.kv_blocks_used = running, waiting, kv_blocks_used
+        worker.last_seen, worker.last_seen_wall = self._clock(), time.time()
+        return True
+
+    def expired(self) -> list[str]:
+        """Workers silent for longer than the heartbeat timeout."""
+        deadline = self._clock() - self._timeout_s
+        return [worker_id for worker_id, worker in self._workers.items() if worker.last_seen < deadline]
+
+    def with_room(self, model: str) -> list[RegisteredWorker]:
+        """Workers serving `model` that can take another request."""
+        return [worker for worker in self._workers.values() if worker.has_room and worker.serves(model)]
+
+    def has_room(self) -> bool:
+        """True when any worker can take another request."""
+        return any(worker.has_room for worker in self._workers.values())

@@ -1,0 +1,115 @@
+"""The scheduler's client end of one worker's `Worker.Session` stream."""
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+
+import grpc
+
+from shardline.errors import Unavailable
+from shardline.grpc_server import GRPC_OPTIONS
+from shardline.proto import worker_pb2, worker_pb2_grpc
+from tracing.grpc_context import aio_client_interceptors
+
+log = logging.getLogger(__name__)
+
+# Called with the worker id and the StepOutputs that arrived since the last call, in order.
+StepsHandler = Callable[[str, list[worker_pb2.StepOutput]], Awaitable[None]]
+# Called once with the worker id and why its stream ended, after every step received was handled.
+LostHandler = Callable[[str, str], Awaitable[None]]
+
+
+class WorkerSession:
+    """Streams WorkerCommands to a worker and hands its StepOutputs on.
+
+    Reading the stream never waits on Redis: a reader task only queues what
+    arrives, and a handler task drains the queue, passing every step that
+    piled up meanwhile in one call. The end of the stream (or an error on it)
+    is queued behind the steps, so the death handler runs only after every
+    token the worker sent has been persisted and relayed.
+    """
+
+    def __init__(self, worker_id: str, channel: grpc.aio.Channel, on_steps: StepsHandler,
+                 on_lost: LostHandler) -> None:
+        self.worker_id = worker_id
+        self._channel = channel
+        self._on_steps = on_steps
+        self._on_lost = on_lost
+        self._commands: asyncio.Queue[worker_pb2.WorkerCommand] = asyncio.Queue()
+        self._steps: asyncio.Queue[worker_pb2.StepOutput | str] = asyncio.Queue()
+        self._close_reason: str | None = None  # set when the scheduler itself ends the session
+        self._call = worker_pb2_grpc.WorkerStub(channel).Session()
+        self._writer = asyncio.create_task(self._write(), name=f"session-write-{worker_id}")
+        self._tasks = [self._writer, asyncio.create_task(self._read(), name=f"session-read-{worker_id}"),
+                       asyncio.create_task(self._handle(), name=f"session-handle-{worker_id}")]
+
+    @classmethod
+    async def open(cls, info: worker_pb2.WorkerInfo, on_steps: StepsHandler, on_lost: LostHandler,
+                   connect_timeout_s: float) -> "WorkerSession":
+        """Connects to the worker and opens its stream; Unavailable when the address does not answer,
+        so a worker that advertises a wrong address fails to register instead of burning dispatch attempts."""
+        channel = grpc.aio.insecure_channel(info.address, options=GRPC_OPTIONS, interceptors=aio_client_interceptors())
+        try:
+            await asyncio.wait_for(channel.channel_ready(), connect_timeout_s)
+        except TimeoutError:
+            await channel.close()
+            raise Unavailable(f"worker.address: cannot connect to {info.address} "
+                              f"within {connect_timeout_s:.1f}s") from None
+        return cls(info.worker_id, channel, on_steps, on_lost)
+
+    def send(self, command: worker_pb2.WorkerCommand) -> None:
+        """Queues a command; it is dropped if the stream has already ended."""
+        self._commands.put_nowait(command)
+
+    async def close(self, reason: str) -> None:
+        """Breaks the stream (the worker is declared dead) and waits for the death handler to finish."""
+        self._close_reason = reason
+        self._call.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def stop(self) -> None:
+        """Shutdown: drops the stream without running the death handler; Redis keeps the requests RUNNING
+        so the next scheduler re-queues them."""
+        for task in self._tasks:
+            task.cancel()
+        self._call.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._channel.close()
+
+    async def _write(self) -> None:
+        try:
+            while True:
+                await self._call.write(await self._commands.get())
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
+            pass  # the stream is gone: the reader reports why
+
+    async def _read(self) -> None:
+        reason = "the worker closed its Session stream"
+        try:
+            async for step in self._call:
+                self._steps.put_nowait(step)
+        except grpc.aio.AioRpcError as exc:
+            reason = f"Session stream failed: {exc.code().name}: {exc.details()}"
+        finally:
+            self._steps.put_nowait(self._close_reason or reason)
+
+    async def _handle(self) -> None:
+        while True:
+            batch = [await self._steps.get()]
+            while not self._steps.empty():
+                batch.append(self._steps.get_nowait())
+            steps = [item for item in batch if isinstance(item, worker_pb2.StepOutput)]
+            if steps:
+                try:
+                    await self._on_steps(self.worker_id, steps)
+                except Exception:
+                    # Losing one step's bookkeeping (Redis down, say) must not take the worker down with it.
+                    log.exception("worker %s: handling %d steps failed", self.worker_id, len(steps))
+            if isinstance(batch[-1], str):
+                self._writer.cancel()
+                await self._channel.close()
+                try:
+                    await self._on_lost(self.worker_id, batch[-1])
+                except Exception:
+                    log.exception("worker %s: re-queueing its requests failed", self.worker_id)
+                return

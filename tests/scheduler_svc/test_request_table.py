@@ -1,0 +1,58 @@
+"""RequestTable.handle_steps against a real Redis: batching, ownership and repeated tokens."""
+
+from scheduler_svc.live_request import LiveRequest
+from scheduler_svc.relay import Relay
+from scheduler_svc.request_table import RequestTable
+from scheduler_svc.worker_registry import WorkerRegistry
+from shardline.proto import common_pb2, sampling_pb2, worker_pb2
+from shardline.request_store import RequestStatus, RequestStore
+from tests.tracing.run_async import run_async
+
+
+def _delta(request_id: str, tokens: list[int], offset: int, finish: int = 0) -> common_pb2.RequestDelta:
+    return common_pb2.RequestDelta(request_id=request_id, token_ids=tokens, offset=offset, finish_reason=finish)
+
+
+@run_async
+async def test_steps_are_persisted_in_one_pipeline_and_relayed_per_step(redis_url: str) -> None:
+    async with RequestStore(redis_url) as store:
+        relay, registry = Relay(queue_size=16), WorkerRegistry(overcommit=1.0, heartbeat_timeout_s=10)
+        worker = registry.add(worker_pb2.WorkerInfo(worker_id="w0", max_num_seqs=4))
+        table = RequestTable(store, relay, registry, on_change=lambda: None)
+        for request_id in ("a", "b"):
+            request = LiveRequest(request_id=request_id, gateway_id="gw", model="m", priority=0,
+                                  prompt_token_ids=[1, 2], params=sampling_pb2.SamplingParameters(),
+                                  eos_token_ids=[], arrival_ts=0.0, worker_id="w0", attempt=1)
+            assert await store.create(request.to_record(), request.prompt_token_ids)
+            table.add(request)
+            worker.in_flight.add(request_id)
+        calls = []
+        append_step = store.append_step
+
+        async def counting_append_step(*args, **kwargs):
+            calls.append(args)
+            await append_step(*args, **kwargs)
+
+        store.append_step = counting_append_step
+        subscription = relay.subscribe("gw")
+        steps = [
+            worker_pb2.StepOutput(step=1, deltas=[_delta("a", [10, 11], 0), _delta("b", [20], 0)]),
+            # "a" repeats token 11; "ghost" belongs to no live request.
+            worker_pb2.StepOutput(step=2, deltas=[_delta("a", [11, 12], 1), _delta("ghost", [9], 0)]),
+            worker_pb2.StepOutput(step=3, deltas=[_delta("b", [21], 1, sampling_pb2.FINISH_REASON_STOP)]),
+        ]
+        await table.handle_steps("w0", steps)
+        relay.close_all()
+        batches = [batch async for batch in subscription]
+
+        assert len(calls) == 1  # three steps that piled up, one Redis round trip
+        assert await store.get_tokens("a") == [10, 11, 12]
+        assert await store.get_tokens("b") == [20, 21]
+        assert [batch.step for batch in batches] == [1, 2, 3]
+        assert [(d.request_id, list(d.token_ids), d.offset) for d in batches[1].deltas] == [("a", [12], 2)]
+        final = batches[2].deltas[0]
+        assert (final.usage.prompt_tokens, final.usage.completion_tokens) == (2, 2)
+        assert (await store.get("b")).status == RequestStatus.FINISHED
+        assert "b" not in table and worker.in_flight == {"a"}
+        record = await store.get("a")
+        assert record.first_token_ts is not None and record.status == RequestStatus.QUEUED
