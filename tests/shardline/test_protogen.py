@@ -149,6 +149,6 @@ def test_services_expose_the_contracted_rpcs(tmp_path: Path) -> None:
     }
     assert services["Scheduler"] == {
         "Submit": unary, "Cancel": unary, "Subscribe": server_stream, "RegisterWorker": unary,
-        "Heartbeat": unary, "GetRequest": unary, "ListWorkers": unary, "GetStats": unary,
+        "Heartbeat": unary, "GetRequest": unary, "ListWorkers": unary, "GetStats": unary, "Attach": unary,
     }
     assert services["Worker"] == {"Session": bidi, "GetInfo": unary}
