@@ -4,7 +4,7 @@ import hashlib
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from gpu_worker_svc.engine.block_pool import hash_block_tokens
+from shardline.prefix_hash import hash_block_tokens
 from scheduler_svc.live_request import LiveRequest
 from scheduler_svc.worker_registry import RegisteredWorker
 

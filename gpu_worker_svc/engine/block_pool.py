@@ -1,31 +1,16 @@
 """Ref-counted, fixed-size KV cache blocks with prefix caching by block hash."""
 
-import hashlib
-import struct
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from shardline.prefix_hash import hash_block_tokens
+
+__all__ = ["BlockPool", "NoFreeBlocksError", "hash_block_tokens"]
+
 
 class NoFreeBlocksError(RuntimeError):
     """Raised when an allocation needs more blocks than are free or evictable."""
-
-
-def hash_block_tokens(parent_hash: int | None, token_ids: Sequence[int]) -> int:
-    """Hash one block's tokens, chained to the hash of the block before it.
-
-    blake2b rather than hash(): the cluster scheduler recomputes these hashes in
-    other processes for prefix-affinity routing, so they must not depend on
-    PYTHONHASHSEED or the platform's byte order.
-    """
-    hasher = hashlib.blake2b(digest_size=8)
-    # A leading tag keeps "no parent" distinct from a parent whose hash is 0.
-    if parent_hash is None:
-        hasher.update(b"\x00")
-    else:
-        hasher.update(b"\x01" + parent_hash.to_bytes(8, "little"))
-    hasher.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
-    return int.from_bytes(hasher.digest(), "little")
 
 
 @dataclass(slots=True)
