@@ -1,0 +1,151 @@
+"""The public gRPC API, shardline.v1.Generation."""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import AsyncIterator
+
+import grpc
+
+from gateway.backends import RPC_TIMEOUT_S, upstream
+from gateway.request_runner import GenerationSpec, Prompt, RequestRunner
+from gateway.request_stream import RequestStream, StreamChunk, drain
+from gateway.stop_matcher import StopMatcher
+from shardline.errors import InvalidArgument, ShardlineError, Unavailable
+from shardline.proto import common_pb2, generation_pb2, generation_pb2_grpc, sampling_pb2, scheduler_pb2
+from tracing import attributes as attr
+
+_FINISH_REASONS = {
+    "stop": sampling_pb2.FINISH_REASON_STOP,
+    "length": sampling_pb2.FINISH_REASON_LENGTH,
+    "abort": sampling_pb2.FINISH_REASON_ABORT,
+    "error": sampling_pb2.FINISH_REASON_ERROR,
+}
+MAX_REQUEST_ID_LENGTH = 128
+
+
+class GenerationService(generation_pb2_grpc.GenerationServicer):
+    """Generate, stream, cancel, resume and inspect requests."""
+
+    def __init__(self, runner: RequestRunner) -> None:
+        self._runner = runner
+        self._tracer = runner.tracer
+        self._scheduler = runner.backends.scheduler
+        self._gateway_id = runner.settings.gateway_id
+
+    async def Generate(
+        self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> generation_pb2.GenerateResponse:
+        spec = self._spec(request)
+        with self._tracer.start_as_current_span("gateway.request") as span:
+            live = await self._runner.start(spec, span)
+            try:
+                completion = await live.collect()
+            finally:
+                live.close()
+        if completion.finish_reason == "error":
+            raise ShardlineError(f"generation failed: {completion.error}")
+        return generation_pb2.GenerateResponse(
+            request_id=spec.request_id, text=completion.text, token_ids=completion.token_ids,
+            logprobs=completion.logprobs, finish_reason=_FINISH_REASONS[completion.finish_reason or "abort"],
+            usage=completion.usage)
+
+    async def GenerateStream(
+        self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[generation_pb2.GenerateStreamResponse]:
+        spec = self._spec(request)
+        with self._tracer.start_as_current_span("gateway.request") as span:
+            live = await self._runner.start(spec, span)
+            try:
+                with self._tracer.start_as_current_span("stream_out", attributes={attr.REQUEST_ID: spec.request_id}):
+                    async for chunk in live.chunks():
+                        yield _stream_response(spec.request_id, chunk)
+            finally:
+                # Also reached when the client goes away mid-stream: close() cancels the request upstream.
+                live.close()
+
+    async def Cancel(
+        self, request: common_pb2.CancelRequest, context: grpc.aio.ServicerContext
+    ) -> common_pb2.CancelResponse:
+        with upstream("scheduler"):
+            return await self._scheduler.Cancel(request, timeout=RPC_TIMEOUT_S)
+
+    async def Resume(
+        self, request: generation_pb2.ResumeRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[generation_pb2.GenerateStreamResponse]:
+        """Replay the output from `offset` out of the request's record, then follow it live if it still runs."""
+        if not request.request_id:
+            raise InvalidArgument("request_id", "is required")
+        hub = self._runner.hub
+        with upstream("scheduler"):
+            info = await self._scheduler.GetRequest(
+                common_pb2.GetRequestRequest(request_id=request.request_id), timeout=RPC_TIMEOUT_S)
+        running = info.status < sampling_pb2.REQUEST_STATUS_FINISHED
+        if request.offset > len(info.output_token_ids):
+            raise InvalidArgument("offset", f"the request has generated {len(info.output_token_ids)} tokens so far")
+        if running and not await hub.wait_connected(RPC_TIMEOUT_S):
+            raise Unavailable("the scheduler is unreachable: no output subscription")
+        params = info.params
+        stop = StopMatcher(list(params.stop))
+        # Deltas wait in `buffered` until the record is in, so none is lost or doubled around Attach.
+        hub.register(RequestStream(
+            info.request_id, info.usage.prompt_tokens, params.skip_special_tokens, stop, buffered=[]))
+        try:
+            if running:
+                attach = scheduler_pb2.AttachRequest(request_id=info.request_id, gateway_id=self._gateway_id)
+                with upstream("scheduler"):
+                    info = await self._scheduler.Attach(attach, timeout=RPC_TIMEOUT_S)
+            stream = await hub.apply_record(info.request_id, info, request.offset)
+            async for chunk in drain(stream):
+                yield _stream_response(info.request_id, chunk)
+        finally:
+            # A client that leaves mid-stream cancels the request, as with GenerateStream.
+            hub.release(info.request_id)
+
+    async def GetRequest(
+        self, request: common_pb2.GetRequestRequest, context: grpc.aio.ServicerContext
+    ) -> common_pb2.RequestInfo:
+        with upstream("scheduler"):
+            return await self._scheduler.GetRequest(request, timeout=RPC_TIMEOUT_S)
+
+    async def ListModels(
+        self, request: generation_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
+    ) -> generation_pb2.ListModelsResponse:
+        return generation_pb2.ListModelsResponse(models=await self._runner.served_models())
+
+    def _spec(self, request: generation_pb2.GenerateRequest) -> GenerationSpec:
+        kind = request.WhichOneof("input")
+        if kind is None:
+            raise InvalidArgument("input", "set one of prompt, messages or prompt_token_ids")
+        prompt = {
+            "prompt": lambda: Prompt(text=request.prompt),
+            "messages": lambda: Prompt(messages=list(request.messages.messages), field="messages"),
+            "prompt_token_ids": lambda: Prompt(
+                token_ids=list(request.prompt_token_ids.ids), field="prompt_token_ids"),
+        }[kind]()
+        if request.HasField("request_id"):
+            request_id = request.request_id
+            if not 0 < len(request_id) <= MAX_REQUEST_ID_LENGTH or not request_id.isprintable() or " " in request_id:
+                raise InvalidArgument(
+                    "request_id", f"must be 1 to {MAX_REQUEST_ID_LENGTH} printable characters, no spaces")
+        else:
+            request_id = f"{'chatcmpl' if kind == 'messages' else 'cmpl'}-{secrets.token_hex(16)}"
+        timeout_s = request.timeout.ToTimedelta().total_seconds() if request.HasField("timeout") else None
+        if timeout_s is not None and timeout_s <= 0:
+            raise InvalidArgument("timeout", "must be positive")
+        return GenerationSpec(
+            request_id=request_id, model=request.model, prompt=prompt, params=request.params,
+            default_max_tokens=self._runner.settings.default_max_tokens, priority=request.priority,
+            timeout_s=timeout_s, field_prefix="params.")
+
+
+def _stream_response(request_id: str, chunk: StreamChunk) -> generation_pb2.GenerateStreamResponse:
+    if chunk.finish_reason == "error":
+        raise ShardlineError(f"generation failed: {chunk.error}")
+    response = generation_pb2.GenerateStreamResponse(
+        request_id=request_id, text=chunk.text, token_ids=chunk.token_ids, offset=chunk.offset,
+        logprobs=chunk.logprobs)
+    if chunk.finish_reason is not None:
+        response.finish_reason = _FINISH_REASONS[chunk.finish_reason]
+        response.usage.CopyFrom(chunk.usage)
+    return response

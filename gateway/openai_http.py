@@ -1,0 +1,142 @@
+"""The OpenAI-compatible HTTP API (aiohttp): completions, chat completions, models, health, metrics."""
+
+from __future__ import annotations
+
+import json
+import logging
+import secrets
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+
+from gateway.auth import ApiKeys, http_auth_middleware
+from gateway.openai_request import parse_request
+from gateway.openai_response import ResponseFormatter, error_body
+from gateway.params import OPENAI_COMPLETIONS_DEFAULT_MAX_TOKENS
+from gateway.request_runner import GenerationSpec, LiveRequest, RequestRunner
+from shardline.errors import InvalidArgument, ShardlineError
+from tracing import attributes as attr
+from tracing.grpc_context import start_http_server_span
+from tracing.metrics import metrics_handler
+
+logger = logging.getLogger(__name__)
+
+_DONE = b"data: [DONE]\n\n"
+
+
+def error_response(status: int, message: str, param: str | None = None) -> web.Response:
+    return web.json_response(error_body(status, message, param), status=status)
+
+
+@web.middleware
+async def openai_errors(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    """Every failure as an OpenAI-style JSON error with the matching status."""
+    try:
+        return await handler(request)
+    except ShardlineError as exc:
+        return error_response(exc.http_status, str(exc), getattr(exc, "field", None))
+    except web.HTTPException as exc:  # unknown route, wrong method, body over client_max_size (413)
+        if exc.status < 400:
+            raise
+        return error_response(exc.status, exc.text or exc.reason)
+    except ConnectionResetError:
+        raise  # the client left mid-stream; nothing can be sent
+    except Exception:
+        logger.exception("unhandled error in %s %s", request.method, request.path)
+        return error_response(500, "internal server error")
+
+
+class OpenAIHttpApi:
+    """Routes and handlers of the OpenAI-compatible API."""
+
+    def __init__(self, runner: RequestRunner, keys: ApiKeys) -> None:
+        self._runner = runner
+        self._keys = keys
+        self._tracer = runner.tracer
+        self._started = int(time.time())
+
+    def application(self) -> web.Application:
+        app = web.Application(
+            client_max_size=self._runner.settings.max_body_bytes,
+            middlewares=[openai_errors, http_auth_middleware(self._keys)])
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", metrics_handler)
+        return app
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=False)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=True)
+
+    async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        arrival_s = time.perf_counter()
+        parsed = parse_request(await _json_body(request), chat)
+        request_id = f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(16)}"
+        default_max_tokens = self._runner.settings.default_max_tokens if chat else OPENAI_COMPLETIONS_DEFAULT_MAX_TOKENS
+        spec = GenerationSpec(
+            request_id=request_id, model=parsed.model, prompt=parsed.prompt, params=parsed.params,
+            default_max_tokens=default_max_tokens, priority=parsed.priority, arrival_s=arrival_s)
+        span_attributes = {"http.request.method": request.method, "url.path": request.path}
+        with start_http_server_span(self._tracer, "gateway.request", request.headers, span_attributes) as span:
+            live = await self._runner.start(spec, span)
+            formatter = ResponseFormatter(request_id, live.model, chat, parsed.include_usage)
+            try:
+                if parsed.stream:
+                    return await self._stream(request, live, formatter)
+                completion = await live.collect()
+            finally:
+                # Also reached when the client disconnects (the handler is cancelled): cancels upstream.
+                live.close()
+        if completion.finish_reason == "error":
+            raise ShardlineError(f"generation failed: {completion.error}")
+        return web.json_response(formatter.whole(completion), headers={"X-Request-Id": request_id})
+
+    async def _stream(
+        self, request: web.Request, live: LiveRequest, formatter: ResponseFormatter
+    ) -> web.StreamResponse:
+        response = web.StreamResponse(headers={
+            "Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Request-Id": live.request_id})
+        await response.prepare(request)
+        with self._tracer.start_as_current_span("stream_out", attributes={attr.REQUEST_ID: live.request_id}):
+            async for chunk in live.chunks():
+                if chunk.finish_reason == "error":
+                    events = [error_body(500, f"generation failed: {chunk.error}")]
+                else:
+                    events = formatter.events(chunk)
+                if events:
+                    await response.write(b"".join(_sse(event) for event in events))
+            await response.write(_DONE)
+        await response.write_eof()
+        return response
+
+    async def models(self, request: web.Request) -> web.Response:
+        models = await self._runner.served_models()
+        data = [{"id": m.name, "object": "model", "created": self._started, "owned_by": "shardline",
+                 "max_model_len": m.max_context_length} for m in models]
+        return web.json_response({"object": "list", "data": data})
+
+    async def health(self, request: web.Request) -> web.Response:
+        dependencies = await self._runner.backends.health()
+        healthy = all(dependencies.values())
+        body = {"status": "ok" if healthy else "unavailable", **dependencies, "subscribed": self._runner.hub.connected}
+        return web.json_response(body, status=200 if healthy else 503)
+
+
+async def _json_body(request: web.Request) -> Any:
+    raw = await request.read()  # over client_max_size this raises HTTPRequestEntityTooLarge: a 413
+    try:
+        return json.loads(raw)
+    except ValueError as exc:
+        raise InvalidArgument("body", f"is not valid JSON ({exc})") from exc
+
+
+def _sse(event: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(event, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"

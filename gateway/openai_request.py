@@ -1,0 +1,85 @@
+"""OpenAI /v1/completions and /v1/chat/completions request bodies, parsed into a GenerationSpec's parts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from gateway.params import json_field, sampling_from_openai
+from gateway.request_runner import Prompt
+from shardline.errors import InvalidArgument
+from shardline.proto import sampling_pb2
+
+# OpenAI's newer "developer" role is the system prompt under another name; templates know only "system".
+_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
+
+
+@dataclass(slots=True)
+class OpenAIRequest:
+    """A completions or chat completions request, parsed and type-checked (ranges are checked later)."""
+
+    chat: bool  # /v1/chat/completions rather than /v1/completions
+    model: str  # requested model
+    prompt: Prompt  # prompt text, token ids or chat messages
+    params: sampling_pb2.SamplingParameters  # the sampling fields, unresolved
+    priority: int  # lower is served first (a vLLM extension)
+    stream: bool  # answer with server-sent events
+    include_usage: bool  # stream_options.include_usage: end the stream with a usage chunk
+
+
+def parse_request(body: Any, chat: bool) -> OpenAIRequest:
+    """The request in an OpenAI JSON body; InvalidArgument names the first bad field."""
+    if not isinstance(body, dict):
+        raise InvalidArgument("body", "must be a JSON object")
+    model = json_field(body, "model", str) or ""
+    prompt = _messages(body) if chat else _prompt(body)
+    params, priority = sampling_from_openai(body, chat)
+    stream = bool(json_field(body, "stream", bool))
+    options = json_field(body, "stream_options", dict)
+    if options is not None and not stream:
+        raise InvalidArgument("stream_options", "is only allowed when stream is true")
+    include_usage = bool(json_field(options or {}, "include_usage", bool))
+    return OpenAIRequest(chat, model, prompt, params, priority, stream, include_usage)
+
+
+def _prompt(body: dict[str, Any]) -> Prompt:
+    prompt = body.get("prompt")
+    # OpenAI also takes a batch (a list of prompts); a batch of one is the same request.
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return Prompt(text=prompt)
+    if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return Prompt(token_ids=prompt)
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        raise InvalidArgument("prompt", "only one prompt per request is supported")
+    raise InvalidArgument("prompt", "must be a string or a list of token ids")
+
+
+def _messages(body: dict[str, Any]) -> Prompt:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise InvalidArgument("messages", "must be a non-empty array of messages")
+    turns = []
+    for index, message in enumerate(messages):
+        field = f"messages[{index}]"
+        if not isinstance(message, dict):
+            raise InvalidArgument(field, "must be an object with role and content")
+        role = message.get("role")
+        if role not in _ROLES:
+            raise InvalidArgument(f"{field}.role", f"must be one of {', '.join(_ROLES)}")
+        turns.append(sampling_pb2.ChatMessage(role=_ROLES[role], content=_content(message.get("content"), field)))
+    return Prompt(messages=turns, field="messages")
+
+
+def _content(content: Any, field: str) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                raise InvalidArgument(f"{field}.content", "only text parts are supported")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise InvalidArgument(f"{field}.content", "must be a string or an array of text parts")

@@ -1,0 +1,122 @@
+"""OpenAI response bodies: whole completions, streamed chunks, logprobs, usage and errors."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from gateway.request_runner import Completion
+from gateway.request_stream import StreamChunk
+from shardline.proto import sampling_pb2
+
+# HTTP status -> OpenAI error `type` and default `code`.
+_ERROR_KINDS = {
+    400: ("invalid_request_error", None),
+    401: ("authentication_error", "invalid_api_key"),
+    404: ("invalid_request_error", "not_found"),
+    405: ("invalid_request_error", "method_not_allowed"),
+    413: ("invalid_request_error", "request_too_large"),
+    429: ("rate_limit_error", "rate_limit_exceeded"),
+    503: ("service_unavailable_error", "service_unavailable"),
+}
+
+
+def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
+    """`{"error": {...}}` as the OpenAI API sends it."""
+    kind, code = _ERROR_KINDS.get(status, ("server_error", "internal_error"))
+    if status == 404 and param == "model":
+        code = "model_not_found"
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def usage_body(usage: sampling_pb2.Usage | None) -> dict[str, int] | None:
+    if usage is None:
+        return None
+    body = {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
+            "total_tokens": usage.total_tokens}
+    if usage.cached_tokens:
+        body["prompt_tokens_details"] = {"cached_tokens": usage.cached_tokens}
+    return body
+
+
+class ResponseFormatter:
+    """Builds one request's response bodies; keeps what a stream needs between chunks."""
+
+    def __init__(self, request_id: str, model: str, chat: bool, include_usage: bool = False) -> None:
+        self.request_id = request_id
+        self.model = model
+        self.chat = chat
+        self.include_usage = include_usage
+        self.created = int(time.time())
+        self._text_offset = 0  # characters sent so far, for completions' logprobs.text_offset
+        self._sent_role = False
+
+    def whole(self, completion: Completion) -> dict[str, Any]:
+        """The non-streamed response."""
+        logprobs = self._logprobs(completion.logprobs, completion.token_texts)
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": completion.text},
+                      "logprobs": logprobs, "finish_reason": completion.finish_reason}
+        else:
+            choice = {"index": 0, "text": completion.text, "logprobs": logprobs,
+                      "finish_reason": completion.finish_reason}
+        return {**self._head(chunk=False), "choices": [choice], "usage": usage_body(completion.usage)}
+
+    def events(self, chunk: StreamChunk) -> list[dict[str, Any]]:
+        """The server-sent events for one chunk; none for a chunk with nothing to tell."""
+        events = []
+        if self.chat and not self._sent_role:
+            # OpenAI opens every chat stream with the role, before any content.
+            self._sent_role = True
+            events.append(self._chunk({"role": "assistant", "content": ""}, None, None))
+        if chunk.text or chunk.logprobs or chunk.finish_reason:
+            logprobs = self._logprobs(chunk.logprobs, chunk.token_texts, chunk.text)
+            body = {"content": chunk.text} if chunk.text else {}
+            events.append(self._chunk(body if self.chat else chunk.text, logprobs, chunk.finish_reason))
+        if chunk.finish_reason and self.include_usage:
+            events.append({**self._head(chunk=True), "choices": [], "usage": usage_body(chunk.usage)})
+        return events
+
+    def _chunk(self, content: Any, logprobs: dict[str, Any] | None, finish_reason: str | None) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": 0, "logprobs": logprobs, "finish_reason": finish_reason}
+        choice["delta" if self.chat else "text"] = content
+        body = {**self._head(chunk=True), "choices": [choice]}
+        if self.include_usage:
+            body["usage"] = None
+        return body
+
+    def _head(self, chunk: bool) -> dict[str, Any]:
+        if self.chat:
+            kind = "chat.completion.chunk" if chunk else "chat.completion"
+        else:
+            kind = "text_completion"
+        return {"id": self.request_id, "object": kind, "created": self.created, "model": self.model}
+
+    def _logprobs(self, logprobs: list[sampling_pb2.TokenLogprob], texts: dict[int, str],
+                  sent_text: str | None = None) -> dict[str, Any] | None:
+        if not logprobs:
+            return None
+        if self.chat:
+            return {"content": [
+                {**_token_entry(lp.token_id, lp.logprob, texts),
+                 "top_logprobs": [_token_entry(alt.token_id, alt.logprob, texts) for alt in lp.top]}
+                for lp in logprobs
+            ]}
+        offsets = []
+        for lp in logprobs:
+            offsets.append(self._text_offset)
+            self._text_offset += len(texts[lp.token_id])
+        if sent_text is not None:
+            # Streams advance by the text actually sent (stop strings and held-back characters differ).
+            self._text_offset = offsets[0] + len(sent_text)
+        return {
+            "tokens": [texts[lp.token_id] for lp in logprobs],
+            "token_logprobs": [lp.logprob for lp in logprobs],
+            "top_logprobs": [{texts[alt.token_id]: alt.logprob for alt in lp.top} for lp in logprobs],
+            "text_offset": offsets,
+        }
+
+
+def _token_entry(token_id: int, logprob: float, texts: dict[int, str]) -> dict[str, Any]:
+    text = texts[token_id]
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode())}

@@ -1,0 +1,240 @@
+"""One request's way through the gateway, shared by the gRPC and HTTP front ends.
+
+Resolve the model and parameters, tokenize (chat template included), register with the stream hub,
+Submit; then hand the consumer its chunks, and at the end cancel upstream if the consumer left early
+and record the request's metrics and detokenize span.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from google.protobuf.timestamp_pb2 import Timestamp
+from opentelemetry import trace
+
+from gateway.backends import RPC_TIMEOUT_S, Backends, upstream
+from gateway.params import ModelLimits, resolve_max_tokens, validate_sampling
+from gateway.request_stream import RequestStream, StreamChunk, usage_of
+from gateway.settings import GatewaySettings
+from gateway.stop_matcher import StopMatcher
+from gateway.stream_hub import StreamHub
+from shardline.errors import InvalidArgument, NotFound, Unavailable
+from shardline.proto import generation_pb2, sampling_pb2, scheduler_pb2, tokenizer_pb2
+from tracing import attributes as attr
+from tracing.metrics import REQUEST_DURATION, TIME_PER_OUTPUT_TOKEN, TIME_TO_FIRST_TOKEN
+
+logger = logging.getLogger(__name__)
+
+# How long a request waits for the scheduler subscription to (re)open before answering 503: one
+# reconnect at the hub's longest backoff.
+SUBSCRIPTION_WAIT_S = 2.0
+# The scheduler aborts a request at its deadline; the gateway gives it this long to say so.
+DEADLINE_GRACE_S = 5.0
+
+
+class ModelNotFound(NotFound):
+    """The request names a model this gateway does not serve."""
+
+    field = "model"
+
+
+@dataclass(slots=True)
+class Prompt:
+    """What to continue: exactly one of text, messages and token_ids is set."""
+
+    text: str | None = None  # raw prompt text, tokenized with the tokenizer's special tokens
+    messages: list[sampling_pb2.ChatMessage] | None = None  # a conversation, rendered by the chat template
+    token_ids: list[int] | None = None  # an already tokenized prompt
+    field: str = "prompt"  # the request field it came from, named in errors
+
+
+@dataclass(slots=True)
+class GenerationSpec:
+    """A parsed request, ready to validate, tokenize and submit."""
+
+    request_id: str  # cmpl-..., chatcmpl-... or the client's own
+    model: str  # requested model; empty picks the served one
+    prompt: Prompt
+    params: sampling_pb2.SamplingParameters  # as the client sent them, not yet validated
+    default_max_tokens: int  # max_tokens when the client gave none
+    priority: int = 0  # lower is served first
+    timeout_s: float | None = None  # the client's own budget, within the gateway's
+    field_prefix: str = ""  # put before parameter names in errors ("params." over gRPC)
+    arrival_s: float = field(default_factory=time.perf_counter)  # for TTFT and duration
+    arrival_time: Timestamp = field(default_factory=lambda: _now_timestamp(0.0))  # sent to the scheduler
+
+
+@dataclass(slots=True)
+class Completion:
+    """A whole generation, gathered from its chunks."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[sampling_pb2.TokenLogprob] = field(default_factory=list)
+    token_texts: dict[int, str] = field(default_factory=dict)
+    finish_reason: str | None = None
+    usage: sampling_pb2.Usage | None = None
+    error: str = ""
+
+    def add(self, chunk: StreamChunk) -> None:
+        self.text += chunk.text
+        self.token_ids += chunk.token_ids
+        self.logprobs += chunk.logprobs
+        self.token_texts.update(chunk.token_texts)
+        self.finish_reason, self.usage, self.error = chunk.finish_reason, chunk.usage, chunk.error
+
+
+class LiveRequest:
+    """A submitted request: its chunks, and the bookkeeping when its consumer is done."""
+
+    def __init__(self, runner: RequestRunner, spec: GenerationSpec, model: str, stream: RequestStream,
+                 span: trace.Span, deadline_s: float) -> None:
+        self.request_id = spec.request_id
+        self.model = model
+        self.prompt_tokens = stream.prompt_tokens
+        self._runner = runner
+        self._spec = spec
+        self._stream = stream
+        self._span = span
+        self._deadline_s = deadline_s
+        self._last: StreamChunk | None = None
+
+    async def chunks(self) -> AsyncIterator[StreamChunk]:
+        """The output as it is produced; the last chunk has finish_reason and usage."""
+        while self._last is None or self._last.finish_reason is None:
+            try:
+                async with asyncio.timeout(max(0.0, self._deadline_s - time.perf_counter()) + DEADLINE_GRACE_S):
+                    chunk = await self._stream.queue.get()
+            except TimeoutError:
+                logger.warning("%s: no end from the scheduler past the deadline; aborting", self.request_id)
+                self._runner.hub.release(self.request_id)
+                completed = self._stream.next_offset
+                chunk = StreamChunk("", [], completed, finish_reason="abort", error="request timed out",
+                                    usage=usage_of(self.prompt_tokens, completed))
+            self._last = chunk
+            yield chunk
+
+    async def collect(self) -> Completion:
+        """The whole output, once the request finishes."""
+        completion = Completion()
+        async for chunk in self.chunks():
+            completion.add(chunk)
+        return completion
+
+    def close(self) -> None:
+        """The consumer is done or gone: cancel upstream if unfinished, record metrics and spans."""
+        self._runner.hub.release(self.request_id)
+        timing, now = self._stream.timing, time.perf_counter()
+        finished = self._last is not None and self._last.finish_reason is not None
+        usage = self._last.usage if finished else usage_of(self.prompt_tokens, self._stream.next_offset)
+        labels = {"gen_ai_request_model": self.model}
+        if timing.first_token_s is not None:
+            TIME_TO_FIRST_TOKEN.labels(**labels).observe(timing.first_token_s - self._spec.arrival_s)
+            if usage.completion_tokens > 1 and timing.last_token_s is not None:
+                per_token = (timing.last_token_s - timing.first_token_s) / (usage.completion_tokens - 1)
+                TIME_PER_OUTPUT_TOKEN.labels(**labels).observe(per_token)
+        REQUEST_DURATION.labels(**labels).observe(now - self._spec.arrival_s)
+        self._span.set_attribute(attr.GEN_AI_USAGE_INPUT_TOKENS, usage.prompt_tokens)
+        self._span.set_attribute(attr.GEN_AI_USAGE_OUTPUT_TOKENS, usage.completion_tokens)
+        reason = self._last.finish_reason if finished else "abort"
+        self._span.set_attribute(attr.GEN_AI_RESPONSE_FINISH_REASONS, [reason])
+        if timing.detokenize_calls:
+            # One span per request for all its per-step detokenize calls, which are batched across requests.
+            span = self._runner.tracer.start_span(
+                "detokenize", context=trace.set_span_in_context(self._span), start_time=timing.detokenize_start_ns,
+                attributes={attr.REQUEST_ID: self.request_id, "shardline.detokenize_calls": timing.detokenize_calls})
+            span.end(end_time=timing.detokenize_end_ns)
+
+
+class RequestRunner:
+    """Validates, tokenizes and submits requests, and answers the model questions both front ends ask."""
+
+    def __init__(self, settings: GatewaySettings, backends: Backends, hub: StreamHub, tracer: trace.Tracer) -> None:
+        self.settings = settings
+        self.backends = backends
+        self.hub = hub
+        self.tracer = tracer
+
+    async def start(self, spec: GenerationSpec, span: trace.Span) -> LiveRequest:
+        """Submit `spec`; call inside `span` (current), so the Submit rpc carries the request's trace."""
+        span.set_attribute(attr.REQUEST_ID, spec.request_id)
+        info = await self.backends.tokenizer_info()
+        if spec.model not in ("", info.model):
+            raise ModelNotFound(f"model {spec.model!r} is not served here; this gateway serves {info.model!r}")
+        limits = self.limits(info)
+        params = validate_sampling(spec.params, limits, spec.field_prefix)
+        with self.tracer.start_as_current_span("tokenize", attributes={attr.REQUEST_ID: spec.request_id}) as tokenize:
+            prompt_ids = await self._tokenize(spec.prompt, info)
+            tokenize.set_attribute(attr.NUM_TOKENS, len(prompt_ids))
+        if not prompt_ids:
+            raise InvalidArgument(spec.prompt.field, "the prompt is empty")
+        if len(prompt_ids) > limits.max_prompt_tokens:
+            raise InvalidArgument(
+                spec.prompt.field, f"the prompt has {len(prompt_ids)} tokens; at most {limits.max_prompt_tokens} fit")
+        resolve_max_tokens(params, len(prompt_ids), limits, spec.default_max_tokens, spec.field_prefix)
+        span.set_attributes({
+            attr.GEN_AI_REQUEST_MODEL: info.model, attr.GEN_AI_REQUEST_MAX_TOKENS: params.max_tokens,
+            attr.GEN_AI_REQUEST_TEMPERATURE: params.temperature, attr.GEN_AI_REQUEST_TOP_P: params.top_p,
+        })
+        if not await self.hub.wait_connected(SUBSCRIPTION_WAIT_S):
+            raise Unavailable("the scheduler is unreachable: no output subscription")
+        timeout_s = min(spec.timeout_s or self.settings.request_timeout_s, self.settings.request_timeout_s)
+        stop = StopMatcher(list(params.stop))
+        stream = RequestStream(spec.request_id, len(prompt_ids), params.skip_special_tokens, stop)
+        self.hub.register(stream)
+        submit = scheduler_pb2.SubmitRequest(
+            request_id=spec.request_id, gateway_id=self.settings.gateway_id, model=info.model,
+            prompt_token_ids=prompt_ids, params=params, eos_token_ids=info.eos_token_ids, priority=spec.priority,
+            arrival_time=spec.arrival_time, deadline=_now_timestamp(timeout_s))
+        try:
+            with upstream("scheduler"):
+                await self.backends.scheduler.Submit(submit, timeout=RPC_TIMEOUT_S)
+        except BaseException as exc:
+            # A Submit interrupted by a client that left may still have landed: cancel it to be sure.
+            self.hub.release(spec.request_id, cancel=isinstance(exc, asyncio.CancelledError))
+            raise
+        return LiveRequest(self, spec, info.model, stream, span, spec.arrival_s + timeout_s)
+
+    async def served_models(self) -> list[generation_pb2.ModelInfo]:
+        """This gateway's model, when at least one live worker serves it (the tokenizer fixes the model)."""
+        info = await self.backends.tokenizer_info()
+        with upstream("scheduler"):
+            pool = await self.backends.scheduler.ListWorkers(scheduler_pb2.ListWorkersRequest(), timeout=RPC_TIMEOUT_S)
+        workers = sum(1 for state in pool.workers if state.alive and state.worker.model == info.model)
+        if not workers:
+            return []
+        context = info.max_context_length
+        return [generation_pb2.ModelInfo(name=info.model, max_context_length=context, num_workers=workers)]
+
+    def limits(self, info: tokenizer_pb2.TokenizerInfo) -> ModelLimits:
+        context = info.max_context_length
+        return ModelLimits(
+            vocab_size=info.vocab_size,
+            max_context_length=context,
+            max_prompt_tokens=min(self.settings.max_prompt_tokens or context - 1, context - 1),
+            max_tokens_limit=min(self.settings.max_tokens_limit or context, context),
+        )
+
+    async def _tokenize(self, prompt: Prompt, info: tokenizer_pb2.TokenizerInfo) -> list[int]:
+        if prompt.token_ids is not None:
+            outside = [t for t in prompt.token_ids if not 0 <= t < info.vocab_size]
+            if outside:
+                raise InvalidArgument(prompt.field, f"token id {outside[0]} is outside the vocabulary")
+            return prompt.token_ids
+        with upstream("tokenizer"):
+            if prompt.messages is not None:
+                request = tokenizer_pb2.ApplyChatTemplateRequest(messages=prompt.messages, add_generation_prompt=True)
+                reply = await self.backends.tokenizer.ApplyChatTemplate(request, timeout=RPC_TIMEOUT_S)
+                return list(reply.prompt_token_ids)
+            tokens = await self.backends.tokenizer.Tokenize(
+                tokenizer_pb2.TokenizeRequest(texts=[prompt.text or ""]), timeout=RPC_TIMEOUT_S)
+            return list(tokens.token_ids[0].ids)
+
+def _now_timestamp(after_s: float) -> Timestamp:
+    stamp = Timestamp()
+    stamp.FromNanoseconds(time.time_ns() + int(after_s * 1e9))
+    return stamp

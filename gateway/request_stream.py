@@ -1,0 +1,68 @@
+"""What the gateway keeps per streamed request, and the chunks its consumer receives."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from gateway.stop_matcher import StopMatcher
+from shardline.proto import common_pb2, sampling_pb2
+
+
+@dataclass(slots=True)
+class StreamChunk:
+    """One piece of a request's output, as its consumer receives it."""
+
+    text: str  # new text since the previous chunk, stop string and anything after it cut out
+    token_ids: list[int]  # tokens generated since the previous chunk
+    offset: int  # index in the request's output of token_ids[0]
+    logprobs: list[sampling_pb2.TokenLogprob] = field(default_factory=list)  # per token, when asked for
+    token_texts: dict[int, str] = field(default_factory=dict)  # text of each token named in logprobs
+    finish_reason: str | None = None  # "stop", "length", "abort" or "error" on the last chunk only
+    usage: sampling_pb2.Usage | None = None  # token accounting, on the last chunk only
+    error: str = ""  # why the request failed, with finish_reason "error"
+
+
+@dataclass(slots=True)
+class StreamTiming:
+    """When a request's output arrived: its metrics and its detokenize span are made from this."""
+
+    first_token_s: float | None = None  # perf_counter when its first generated token arrived
+    last_token_s: float | None = None  # perf_counter when its latest token arrived
+    detokenize_calls: int = 0  # batched Detokenize calls that carried its tokens
+    detokenize_start_ns: int = 0  # wall clock at the start of the first of those calls
+    detokenize_end_ns: int = 0  # wall clock at the end of the latest one
+
+
+@dataclass(slots=True)
+class RequestStream:
+    """The hub's state for one request whose output it streams."""
+
+    request_id: str  # the request
+    prompt_tokens: int  # prompt length, for the usage of a request finished by a stop string
+    skip_special_tokens: bool  # the request's resolved setting
+    stop: StopMatcher  # its stop strings and any text held back while they might match
+    queue: asyncio.Queue[StreamChunk] = field(default_factory=asyncio.Queue)  # chunks for the consumer
+    prefix: list[int] = field(default_factory=list)  # last tokens turned into text: detokenize context
+    pending: list[int] = field(default_factory=list)  # tokens not yet turned into text (partial characters)
+    next_offset: int = 0  # output index of the next token expected
+    buffered: list[common_pb2.RequestDelta] | None = None  # deltas held while a Resume awaits the record
+    finished: bool = False  # its last chunk has been queued
+    timing: StreamTiming = field(default_factory=StreamTiming)
+
+
+async def drain(stream: RequestStream) -> AsyncIterator[StreamChunk]:
+    """The stream's chunks as they come, up to and including the last one."""
+    while True:
+        chunk = await stream.queue.get()
+        yield chunk
+        if chunk.finish_reason is not None:
+            return
+
+
+def usage_of(prompt_tokens: int, completion_tokens: int) -> sampling_pb2.Usage:
+    """OpenAI-style token accounting."""
+    return sampling_pb2.Usage(
+        prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+        total_tokens=prompt_tokens + completion_tokens)

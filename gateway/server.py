@@ -1,0 +1,83 @@
+"""Wiring of the gateway: dependencies, stream hub, gRPC Generation service and OpenAI HTTP API."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+from aiohttp import web
+from opentelemetry import trace
+
+from gateway.auth import ApiKeys, GrpcAuthInterceptor
+from gateway.backends import Backends
+from gateway.generation_service import GenerationService
+from gateway.openai_http import OpenAIHttpApi
+from gateway.request_runner import RequestRunner
+from gateway.settings import GatewaySettings
+from gateway.stream_hub import StreamHub
+from shardline.grpc_server import GrpcService, RunningServer, start_grpc_server
+from shardline.proto import generation_pb2, generation_pb2_grpc
+from tracing.grpc_context import TracingServerInterceptor
+from tracing.otel_setup import setup_tracing
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
+# A fresh gateway waits this long for its scheduler subscription before it takes traffic anyway.
+STARTUP_SUBSCRIBE_WAIT_S = 5.0
+
+
+@dataclass(slots=True)
+class GatewayServer:
+    """A running gateway; `stop()` ends it."""
+
+    settings: GatewaySettings  # what it was started with (ports as requested)
+    backends: Backends  # its links to the tokenizer and scheduler
+    hub: StreamHub  # its Subscribe stream
+    grpc: RunningServer  # the Generation gRPC server; grpc.port is the bound port
+    http: web.AppRunner  # the OpenAI HTTP server
+    http_port: int  # the bound HTTP port
+
+    async def stop(self, grace_s: float = 5.0) -> None:
+        await self.grpc.set_serving(False)
+        await self.http.cleanup()
+        await self.grpc.stop(grace_s)
+        await self.hub.stop()
+        await self.backends.close()
+
+
+async def start_gateway(settings: GatewaySettings, tracer: trace.Tracer | None = None) -> GatewayServer:
+    """Start both front ends; ports 0 pick free ones."""
+    tracer = tracer or trace.get_tracer("shardline.gateway")
+    backends = Backends(settings.tokenizer_address, settings.scheduler_address)
+    hub = StreamHub(settings.gateway_id, backends)
+    hub.start()
+    if not await hub.wait_connected(STARTUP_SUBSCRIBE_WAIT_S):
+        logger.warning("scheduler at %s not reachable yet; requests get 503 until it is", settings.scheduler_address)
+    runner = RequestRunner(settings, backends, hub, tracer)
+    keys = ApiKeys(settings.api_keys)
+    service = GrpcService(GenerationService(runner), generation_pb2_grpc.add_GenerationServicer_to_server, SERVICE_NAME)
+    grpc_server = await start_grpc_server(
+        [service], settings.grpc_port, host=settings.host,
+        interceptors=[TracingServerInterceptor(tracer), GrpcAuthInterceptor(keys, SERVICE_NAME)])
+    # handler_cancellation: a client that disconnects cancels its handler, which cancels the request upstream.
+    http = web.AppRunner(OpenAIHttpApi(runner, keys).application(), handler_cancellation=True, access_log=None)
+    await http.setup()
+    site = web.TCPSite(http, settings.host, settings.http_port)
+    await site.start()
+    http_port = http.addresses[0][1]
+    logger.info("gateway %s: HTTP on %d, gRPC on %d", settings.gateway_id, http_port, grpc_server.port)
+    return GatewayServer(settings, backends, hub, grpc_server, http, http_port)
+
+
+async def serve(settings: GatewaySettings) -> None:
+    """Run until SIGTERM/SIGINT."""
+    tracing = setup_tracing("gateway", settings.gateway_id, enabled=settings.tracing)
+    gateway = await start_gateway(settings, tracing.tracer)
+    try:
+        await gateway.grpc.wait_for_signal(on_stop=gateway.http.cleanup)
+    finally:
+        await gateway.hub.stop()
+        await gateway.backends.close()
+        await asyncio.to_thread(tracing.shutdown)

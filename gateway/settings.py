@@ -1,0 +1,50 @@
+"""The one place where the gateway reads its environment."""
+
+from __future__ import annotations
+
+import secrets
+from typing import Annotated
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+
+def _random_gateway_id() -> str:
+    return f"gateway-{secrets.token_hex(4)}"
+
+
+class GatewaySettings(BaseSettings):
+    """Gateway knobs, from ``SHARDLINE_<FIELD>`` environment variables; `main` flags override them."""
+
+    model_config = SettingsConfigDict(env_prefix="SHARDLINE_")
+
+    # Interface, OpenAI-compatible HTTP port and Generation gRPC port; port 0 picks a free one.
+    host: str = "0.0.0.0"
+    http_port: int = Field(8000, ge=0, le=65535)
+    grpc_port: int = Field(50051, ge=0, le=65535)
+    # Where the tokenizer and scheduler services listen.
+    tokenizer_address: str = "localhost:50052"
+    scheduler_address: str = "localhost:50053"
+    # This gateway's Subscribe identity; unique per process so two gateways never steal each other's output.
+    gateway_id: str = Field(default_factory=_random_gateway_id)
+    # Accepted API keys (comma-separated in SHARDLINE_API_KEYS); empty turns authentication off.
+    api_keys: Annotated[list[str], NoDecode] = []
+    # Longest prompt accepted, in tokens; None means the model's context length minus one.
+    max_prompt_tokens: int | None = Field(None, ge=1)
+    # Largest max_tokens a request may ask for; None means the model's context length.
+    max_tokens_limit: int | None = Field(None, ge=1)
+    # max_tokens when a chat or gRPC request leaves it unset (/v1/completions uses OpenAI's 16).
+    default_max_tokens: int = Field(256, ge=1)
+    # Wall-clock budget of a request from arrival; the scheduler aborts it at the deadline.
+    request_timeout_s: float = Field(600.0, gt=0)
+    # Largest HTTP request body; beyond it the gateway answers 413.
+    max_body_bytes: int = Field(4 << 20, ge=1024)
+    # Export spans over OTLP (SHARDLINE_TRACING=0 turns it off); trace context is propagated either way.
+    tracing: bool = True
+
+    @field_validator("api_keys", mode="before")
+    @classmethod
+    def _split_keys(cls, value: object) -> object:
+        if isinstance(value, str):
+            return [key.strip() for key in value.split(",") if key.strip()]
+        return value

@@ -1,0 +1,43 @@
+"""Stop strings, matched on streamed text that arrives in arbitrary pieces."""
+
+from __future__ import annotations
+
+
+class StopMatcher:
+    """Finds the first stop string in a request's text, across the pieces it arrives in.
+
+    Text that could be the start of a stop string is held back until the next piece decides it,
+    so a client never receives the first half of a stop string that the second half then ends.
+    """
+
+    __slots__ = ("_stops", "_held")
+
+    def __init__(self, stops: list[str]) -> None:
+        self._stops = [stop for stop in stops if stop]
+        self._held = ""
+
+    def feed(self, text: str, final: bool = False) -> tuple[str, bool]:
+        """(text safe to send now, whether a stop string matched); the match and all after it are cut.
+
+        `final` releases the held-back text: no further piece can complete a stop string.
+        """
+        buffer = self._held + text
+        self._held = ""
+        matches = [index for stop in self._stops if (index := buffer.find(stop)) >= 0]
+        if matches:
+            return buffer[: min(matches)], True
+        if final:
+            return buffer, False
+        keep = self._longest_partial_match(buffer)
+        self._held = buffer[len(buffer) - keep :]
+        return buffer[: len(buffer) - keep], False
+
+    def _longest_partial_match(self, buffer: str) -> int:
+        # The longest end of the buffer that is a proper prefix of a stop string.
+        longest = 0
+        for stop in self._stops:
+            for size in range(min(len(stop) - 1, len(buffer)), longest, -1):
+                if buffer.endswith(stop[:size]):
+                    longest = size
+                    break
+        return longest

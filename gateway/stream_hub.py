@@ -1,0 +1,288 @@
+"""The gateway's one Subscribe stream: every request's output, detokenized in one call per engine step.
+
+The scheduler sends ONE TokenBatch per worker step with the deltas of this gateway's requests. The
+hub turns all of them into text with ONE batched Tokenizer.Detokenize call, keeping each request's
+detokenize context (prefix) and unconsumed tokens (pending) itself, since the tokenizer service is
+stateless. It then matches stop strings and hands each request's consumer a StreamChunk.
+
+If the scheduler restarts or drops a slow subscriber, the hub reconnects with backoff and catches up
+every live request from its persisted record (Scheduler.GetRequest); offsets make duplicates harmless.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+import grpc
+
+from gateway.backends import RPC_TIMEOUT_S, Backends, upstream
+from gateway.request_stream import RequestStream, StreamChunk, StreamTiming, usage_of
+from shardline.errors import InvalidArgument, ShardlineError
+from shardline.proto import common_pb2, sampling_pb2, scheduler_pb2, tokenizer_pb2
+
+logger = logging.getLogger(__name__)
+
+FINISH_REASONS = {
+    sampling_pb2.FINISH_REASON_STOP: "stop",
+    sampling_pb2.FINISH_REASON_LENGTH: "length",
+    sampling_pb2.FINISH_REASON_ABORT: "abort",
+    sampling_pb2.FINISH_REASON_ERROR: "error",
+}
+_FIRST_BACKOFF_S = 0.05
+_MAX_BACKOFF_S = 2.0
+
+
+@dataclass(slots=True)
+class _Work:
+    stream: RequestStream
+    delta: common_pb2.RequestDelta
+    new: list[int]  # the delta's tokens not seen before
+    logprobs: list[sampling_pb2.TokenLogprob]
+    offset: int  # output index of new[0]
+    final: bool  # the delta ends the request
+
+
+class StreamHub:
+    """Consumes this gateway's Subscribe stream and feeds each live request's queue."""
+
+    def __init__(self, gateway_id: str, backends: Backends) -> None:
+        self._gateway_id = gateway_id
+        self._backends = backends
+        self._streams: dict[str, RequestStream] = {}
+        # One batch (or one Resume record) at a time: each changes the prefix and pending of its requests.
+        self._lock = asyncio.Lock()
+        self._connected = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._background: set[asyncio.Task[None]] = set()
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._subscribe_forever(), name="stream-hub")
+
+    async def stop(self) -> None:
+        tasks = [task for task in (self._task, *self._background) if task is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    @property
+    def connected(self) -> bool:
+        return self._connected.is_set()
+
+    async def wait_connected(self, timeout_s: float) -> bool:
+        """Whether the subscription is (or becomes, within `timeout_s`) open."""
+        try:
+            await asyncio.wait_for(self._connected.wait(), timeout_s)
+        except TimeoutError:
+            return False
+        return True
+
+    def register(self, stream: RequestStream) -> None:
+        """Start routing `stream.request_id`'s deltas to `stream.queue`; call before Submit or Attach."""
+        if stream.request_id in self._streams:
+            raise InvalidArgument("request_id", f"{stream.request_id} is already streaming from this gateway")
+        self._streams[stream.request_id] = stream
+
+    def release(self, request_id: str, cancel: bool = True) -> None:
+        """The consumer is gone: stop routing, and cancel the request upstream if it is still running."""
+        stream = self._streams.pop(request_id, None)
+        if stream is not None and not stream.finished and cancel:
+            self._cancel_upstream(request_id)
+
+    async def apply_record(self, request_id: str, info: common_pb2.RequestInfo, offset: int) -> RequestStream:
+        """Start a registered, resumed stream at output `offset` from the request's record, then let
+        the deltas held meanwhile in."""
+        async with self._lock:
+            stream = self._streams[request_id]
+            tokenizer = await self._backends.tokenizer_info()
+            before = list(info.output_token_ids[:offset])
+            if stream.skip_special_tokens:
+                before = [t for t in before if t not in tokenizer.special_token_ids]
+            stream.prefix = _tail(before, tokenizer.detokenize_prefix_window)
+            stream.next_offset = offset
+            deltas = [_record_delta(info, offset), *(stream.buffered or ())]
+            stream.buffered = None
+            await self._handle(deltas)
+            return stream
+
+    async def _subscribe_forever(self) -> None:
+        backoff = _FIRST_BACKOFF_S
+        request = scheduler_pb2.SubscribeRequest(gateway_id=self._gateway_id)
+        while True:
+            await self._backends.scheduler_ready()
+            # A server-streaming call reports nothing until the scheduler sends its first batch, so the
+            # subscription counts as open once it is sent on a connected channel; a failure ends it below.
+            call = self._backends.scheduler.Subscribe(request)
+            try:
+                self._connected.set()
+                logger.info("subscribed to the scheduler as %s", self._gateway_id)
+                backoff = _FIRST_BACKOFF_S
+                await self._catch_up()
+                async for batch in call:
+                    async with self._lock:
+                        await self._handle(batch.deltas)
+                logger.warning("the scheduler closed the subscription; reconnecting")
+            except grpc.aio.AioRpcError as exc:
+                logger.warning("subscription lost (%s: %s); reconnecting", exc.code().name, exc.details())
+            except Exception:
+                # A bug must not end the only stream every request depends on: log it, resubscribe, catch up.
+                logger.exception("stream hub failed; resubscribing")
+            finally:
+                self._connected.clear()
+                call.cancel()
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, _MAX_BACKOFF_S)
+
+    async def _catch_up(self) -> None:
+        # Tokens persisted while the stream was down never reach it: read them from the records.
+        ids = [rid for rid, stream in self._streams.items() if stream.buffered is None]
+        records = await asyncio.gather(*(self._record(rid) for rid in ids), return_exceptions=True)
+        deltas = []
+        for rid, record in zip(ids, records):
+            stream = self._streams.get(rid)
+            if stream is None or isinstance(record, BaseException):
+                continue
+            if record is None:
+                deltas.append(common_pb2.RequestDelta(
+                    request_id=rid, offset=stream.next_offset, finish_reason=sampling_pb2.FINISH_REASON_ERROR,
+                    error="the scheduler has no record of this request any more"))
+            else:
+                deltas.append(_record_delta(record, stream.next_offset))
+        async with self._lock:
+            await self._handle(deltas)
+
+    async def _record(self, request_id: str) -> common_pb2.RequestInfo | None:
+        try:
+            return await self._backends.scheduler.GetRequest(
+                common_pb2.GetRequestRequest(request_id=request_id), timeout=RPC_TIMEOUT_S)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.NOT_FOUND:
+                return None
+            raise
+
+    async def _handle(self, deltas: list[common_pb2.RequestDelta]) -> None:
+        work: list[_Work] = []
+        for delta in deltas:
+            stream = self._streams.get(delta.request_id)
+            if stream is None or stream.finished:
+                continue  # cancelled, or owned by a gateway this one replaced
+            if stream.buffered is not None:
+                stream.buffered.append(delta)
+                continue
+            skip = max(0, stream.next_offset - delta.offset)
+            if delta.offset > stream.next_offset:
+                logger.warning("%s: tokens %d..%d were lost", delta.request_id, stream.next_offset, delta.offset)
+            final = delta.finish_reason != sampling_pb2.FINISH_REASON_UNSPECIFIED
+            new = list(delta.token_ids[skip:])
+            if new or final:
+                work.append(_Work(stream, delta, new, list(delta.logprobs[skip:]), delta.offset + skip, final))
+        if work:
+            await self._detokenize(work)
+
+    async def _detokenize(self, work: list[_Work]) -> None:
+        items = [
+            tokenizer_pb2.DetokenizeItem(
+                prefix_token_ids=w.stream.prefix, new_token_ids=w.stream.pending + w.new, final=w.final,
+                skip_special_tokens=w.stream.skip_special_tokens)
+            for w in work
+        ]
+        # Logprobs name tokens by id; their texts ride in the same call, one final item per distinct id.
+        named = sorted({t for w in work for t in _named_tokens(w.logprobs)})
+        items += [tokenizer_pb2.DetokenizeItem(new_token_ids=[t], final=True) for t in named]
+        start_ns = time.time_ns()
+        try:
+            tokenizer = await self._backends.tokenizer_info()
+            with upstream("tokenizer"):
+                reply = await self._backends.tokenizer.Detokenize(
+                    tokenizer_pb2.DetokenizeRequest(items=items), timeout=RPC_TIMEOUT_S)
+        except ShardlineError as exc:
+            logger.error("detokenize failed for %d requests: %s", len(work), exc)
+            for w in work:
+                chunk = StreamChunk("", w.new, w.offset, error=f"detokenize failed: {exc}")
+                self._finish(w.stream, chunk, "error", cancel=not w.final)
+            return
+        end_ns, now = time.time_ns(), time.perf_counter()
+        texts = dict(zip(named, (result.text for result in reply.results[len(work) :])))
+        specials = frozenset(tokenizer.special_token_ids)
+        for w, result in zip(work, reply.results):
+            stream = w.stream
+            sent = stream.pending + w.new
+            consumed = sent[: result.num_consumed]
+            stream.pending = sent[result.num_consumed :]
+            if stream.skip_special_tokens:
+                consumed = [t for t in consumed if t not in specials]
+            stream.prefix = _tail(stream.prefix + consumed, tokenizer.detokenize_prefix_window)
+            stream.next_offset = w.offset + len(w.new)
+            _record_timing(stream.timing, bool(w.new), now, start_ns, end_ns)
+            text, stopped = stream.stop.feed(result.text, final=w.final)
+            chunk = StreamChunk(text, w.new, w.offset, w.logprobs)
+            if w.logprobs:
+                chunk.token_texts = {t: texts[t] for t in _named_tokens(w.logprobs)}
+            if stopped:
+                self._finish(stream, chunk, "stop", cancel=not w.final)
+            elif w.final:
+                reason = FINISH_REASONS.get(w.delta.finish_reason, "error")
+                chunk.error = w.delta.error if reason == "error" else ""
+                usage = w.delta.usage if w.delta.HasField("usage") else None
+                self._finish(stream, chunk, reason, cancel=False, usage=usage)
+            else:
+                stream.queue.put_nowait(chunk)
+
+    def _finish(self, stream: RequestStream, chunk: StreamChunk, reason: str, cancel: bool,
+                usage: sampling_pb2.Usage | None = None) -> None:
+        # `cancel`: the gateway ends a request the scheduler still runs (a stop string, a failure here).
+        chunk.finish_reason = reason
+        chunk.usage = usage or usage_of(stream.prompt_tokens, stream.next_offset)
+        stream.finished = True
+        self._streams.pop(stream.request_id, None)
+        stream.queue.put_nowait(chunk)
+        if cancel:
+            self._cancel_upstream(stream.request_id)
+
+    def _cancel_upstream(self, request_id: str) -> None:
+        task = asyncio.create_task(self._cancel(request_id))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _cancel(self, request_id: str) -> None:
+        try:
+            await self._backends.scheduler.Cancel(
+                common_pb2.CancelRequest(request_id=request_id), timeout=RPC_TIMEOUT_S)
+        except grpc.aio.AioRpcError as exc:
+            logger.warning("cancel of %s failed: %s %s", request_id, exc.code().name, exc.details())
+
+
+def _tail(ids: list[int], size: int) -> list[int]:
+    return ids[max(0, len(ids) - size) :]
+
+
+def _named_tokens(logprobs: list[sampling_pb2.TokenLogprob]) -> list[int]:
+    return [t for lp in logprobs for t in (lp.token_id, *(alt.token_id for alt in lp.top))]
+
+
+def _record_timing(timing: StreamTiming, has_tokens: bool, now: float, start_ns: int, end_ns: int) -> None:
+    if has_tokens:
+        timing.first_token_s = timing.first_token_s or now
+        timing.last_token_s = now
+    if timing.detokenize_calls == 0:
+        timing.detokenize_start_ns = start_ns
+    timing.detokenize_calls += 1
+    timing.detokenize_end_ns = end_ns
+
+
+def _record_delta(info: common_pb2.RequestInfo, offset: int) -> common_pb2.RequestDelta:
+    """A delta holding a request record's tokens from `offset` on, final when the record is."""
+    delta = common_pb2.RequestDelta(
+        request_id=info.request_id, token_ids=info.output_token_ids[offset:], offset=offset)
+    if info.status == sampling_pb2.REQUEST_STATUS_FINISHED:
+        delta.finish_reason = info.finish_reason or sampling_pb2.FINISH_REASON_STOP
+    elif info.status == sampling_pb2.REQUEST_STATUS_CANCELLED:
+        delta.finish_reason = sampling_pb2.FINISH_REASON_ABORT
+    elif info.status == sampling_pb2.REQUEST_STATUS_FAILED:
+        delta.finish_reason = sampling_pb2.FINISH_REASON_ERROR
+        delta.error = info.error
+    if delta.finish_reason:
+        delta.usage.CopyFrom(info.usage)
+    return delta

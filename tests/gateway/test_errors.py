@@ -1,0 +1,221 @@
+"""Bad input, unknown models, a full queue and missing keys: clear errors over HTTP and gRPC."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import grpc
+import openai
+import pytest
+
+from shardline.proto import generation_pb2, sampling_pb2
+from tests.gateway.harness import Stack, run_on_stack
+from tests.gateway.scripted_scheduler import MODEL, Script
+
+COMPLETION = {"model": MODEL, "prompt": "Hello"}
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hello"}]}
+
+# (endpoint, fields merged into a valid body, the field the 400 must name)
+BAD_BODIES = [
+    ("completions", {"temperature": 2.5}, "temperature"),
+    ("completions", {"temperature": "hot"}, "temperature"),
+    ("completions", {"top_p": 0}, "top_p"),
+    ("completions", {"top_p": 1.5}, "top_p"),
+    ("completions", {"top_k": -2}, "top_k"),
+    ("completions", {"top_k": 10**6}, "top_k"),
+    ("completions", {"min_p": 1.5}, "min_p"),
+    ("completions", {"presence_penalty": 2.5}, "presence_penalty"),
+    ("completions", {"frequency_penalty": -3}, "frequency_penalty"),
+    ("completions", {"repetition_penalty": 0}, "repetition_penalty"),
+    ("completions", {"max_tokens": 0}, "max_tokens"),
+    ("completions", {"max_tokens": -5}, "max_tokens"),
+    ("completions", {"max_tokens": 9000}, "max_tokens"),
+    ("completions", {"max_tokens": 8190, "prompt": "one two three four five"}, "max_tokens"),
+    ("completions", {"min_tokens": 20, "max_tokens": 10}, "min_tokens"),
+    ("completions", {"seed": "lucky"}, "seed"),
+    ("completions", {"seed": 1 << 70}, "seed"),
+    ("completions", {"stop": 5}, "stop"),
+    ("completions", {"stop": [""]}, "stop"),
+    ("completions", {"stop": [f"s{i}" for i in range(17)]}, "stop"),
+    ("completions", {"stop_token_ids": [49152]}, "stop_token_ids"),
+    ("completions", {"stop_token_ids": ["x"]}, "stop_token_ids"),
+    ("completions", {"logprobs": 21}, "logprobs"),
+    ("completions", {"ignore_eos": "yes"}, "ignore_eos"),
+    ("completions", {"priority": "high"}, "priority"),
+    ("completions", {"n": 2}, "n"),
+    ("completions", {"best_of": 3}, "best_of"),
+    ("completions", {"echo": True}, "echo"),
+    ("completions", {"logit_bias": {"5": 10}}, "logit_bias"),
+    ("completions", {"stream_options": {"include_usage": True}}, "stream_options"),
+    ("completions", {"prompt": None}, "prompt"),
+    ("completions", {"prompt": ""}, "prompt"),
+    ("completions", {"prompt": ["a", "b"]}, "prompt"),
+    ("completions", {"prompt": [1, 49152]}, "prompt"),
+    ("chat/completions", {"messages": []}, "messages"),
+    ("chat/completions", {"messages": [{"role": "robot", "content": "hi"}]}, "messages[0].role"),
+    ("chat/completions", {"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+    ("chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content"),
+    ("chat/completions", {"top_logprobs": 3}, "top_logprobs"),
+    ("chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ("chat/completions", {"n": 4}, "n"),
+    ("chat/completions", {"tools": [{"type": "function"}]}, "tools"),
+]
+
+
+def test_every_bad_parameter_is_a_400_naming_its_field(tokenizer_address, text_ids) -> None:
+    async def body(stack: Stack) -> None:
+        async with aiohttp.ClientSession() as http:
+            for endpoint, fields, param in BAD_BODIES:
+                base = CHAT if endpoint.startswith("chat") else COMPLETION
+                async with http.post(f"{stack.base_url}/v1/{endpoint}", json={**base, **fields}) as response:
+                    error = (await response.json())["error"]
+                    assert (response.status, error["param"]) == (400, param), (fields, error)
+                    assert error["type"] == "invalid_request_error" and error["message"].startswith(param)
+            async with http.post(f"{stack.base_url}/v1/completions", data=b"{not json") as response:
+                assert response.status == 400 and (await response.json())["error"]["param"] == "body"
+        assert stack.scheduler.submitted == []
+        with pytest.raises(openai.BadRequestError) as caught:
+            await openai.AsyncOpenAI(base_url=f"{stack.base_url}/v1", api_key="x").completions.create(
+                model=MODEL, prompt="hi", temperature=3)
+        assert caught.value.body["param"] == "temperature"
+
+    run_on_stack(tokenizer_address, Script(text_ids), body)
+
+
+def test_prompt_and_body_limits(tokenizer_address, text_ids) -> None:
+    async def body(stack: Stack) -> None:
+        async with aiohttp.ClientSession() as http:
+            long_prompt = {**COMPLETION, "prompt": "one two three four five six seven"}
+            async with http.post(f"{stack.base_url}/v1/completions", json=long_prompt) as response:
+                assert response.status == 400 and (await response.json())["error"]["param"] == "prompt"
+            huge = {**COMPLETION, "prompt": "x" * 5000}
+            async with http.post(f"{stack.base_url}/v1/completions", json=huge) as response:
+                error = (await response.json())["error"]
+                assert response.status == 413 and error["code"] == "request_too_large"
+
+    run_on_stack(tokenizer_address, Script(text_ids), body, max_prompt_tokens=5, max_body_bytes=4096)
+
+
+def test_invalid_arguments_over_grpc(tokenizer_address, text_ids) -> None:
+    cases = [
+        (generation_pb2.GenerateRequest(prompt="hi", params=sampling_pb2.SamplingParameters(temperature=9)),
+         "params.temperature"),
+        (generation_pb2.GenerateRequest(prompt="hi", params=sampling_pb2.SamplingParameters(top_p=0)), "params.top_p"),
+        (generation_pb2.GenerateRequest(prompt="hi", params=sampling_pb2.SamplingParameters(stop=["a"] * 17)),
+         "params.stop"),
+        (generation_pb2.GenerateRequest(prompt="hi", params=sampling_pb2.SamplingParameters(max_tokens=0)),
+         "params.max_tokens"),
+        (generation_pb2.GenerateRequest(prompt="hi", params=sampling_pb2.SamplingParameters(top_logprobs=2)),
+         "params.top_logprobs"),
+        (generation_pb2.GenerateRequest(), "input"),
+        (generation_pb2.GenerateRequest(prompt=""), "prompt"),
+        (generation_pb2.GenerateRequest(prompt="hi", request_id="has space"), "request_id"),
+        (generation_pb2.GenerateRequest(prompt_token_ids={"ids": [49152]}), "prompt_token_ids"),
+        (generation_pb2.GenerateRequest(messages={"messages": [{"role": "", "content": "x"}]}), "messages[0].role"),
+    ]
+
+    async def body(stack: Stack) -> None:
+        for request, field in cases:
+            for call in (stack.generation.Generate(request), _drain(stack.generation.GenerateStream(request))):
+                with pytest.raises(grpc.aio.AioRpcError) as caught:
+                    await call
+                assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (field, caught.value.details())
+                assert caught.value.details().startswith(f"{field}:"), caught.value.details()
+
+    run_on_stack(tokenizer_address, Script(text_ids), body)
+
+
+async def _drain(call) -> None:
+    async for _ in call:
+        pass
+
+
+def test_unknown_model_is_404_and_not_found(tokenizer_address, text_ids) -> None:
+    async def body(stack: Stack) -> None:
+        async with aiohttp.ClientSession() as http:
+            for endpoint, base in (("completions", COMPLETION), ("chat/completions", CHAT)):
+                async with http.post(f"{stack.base_url}/v1/{endpoint}", json={**base, "model": "gpt-9"}) as response:
+                    error = (await response.json())["error"]
+                    assert response.status == 404
+                    assert (error["param"], error["code"]) == ("model", "model_not_found")
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await stack.generation.Generate(generation_pb2.GenerateRequest(model="gpt-9", prompt="hi"))
+        assert caught.value.code() == grpc.StatusCode.NOT_FOUND
+
+    run_on_stack(tokenizer_address, Script(text_ids), body)
+
+
+def test_a_full_scheduler_queue_is_429_and_resource_exhausted(tokenizer_address, text_ids) -> None:
+    async def body(stack: Stack) -> None:
+        stack.scheduler.reject_with = grpc.StatusCode.RESOURCE_EXHAUSTED
+        with pytest.raises(openai.RateLimitError) as caught:
+            await openai.AsyncOpenAI(base_url=f"{stack.base_url}/v1", api_key="x", max_retries=0).completions.create(
+                model=MODEL, prompt="hi")
+        assert caught.value.body["type"] == "rate_limit_error"
+        with pytest.raises(grpc.aio.AioRpcError) as grpc_caught:
+            await stack.generation.Generate(generation_pb2.GenerateRequest(prompt="hi"))
+        assert grpc_caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        stack.scheduler.reject_with = None
+        # The refused requests left nothing behind: the same client id can be used again.
+        reply = await stack.generation.Generate(generation_pb2.GenerateRequest(prompt="hi", request_id="mine-1"))
+        assert reply.request_id == "mine-1"
+
+    run_on_stack(tokenizer_address, Script(text_ids), body)
+
+
+def test_api_keys_over_http_and_grpc(tokenizer_address, text_ids) -> None:
+    async def body(stack: Stack) -> None:
+        async with aiohttp.ClientSession() as http:
+            url = f"{stack.base_url}/v1/completions"
+            for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic k1"}):
+                async with http.post(url, json=COMPLETION, headers=headers) as response:
+                    error = (await response.json())["error"]
+                    assert response.status == 401 and error["type"] == "authentication_error"
+            async with http.get(f"{stack.base_url}/v1/models") as response:
+                assert response.status == 401
+            async with http.get(f"{stack.base_url}/health") as response:
+                assert response.status == 200
+        good = openai.AsyncOpenAI(base_url=f"{stack.base_url}/v1", api_key="k2", max_retries=0)
+        assert (await good.completions.create(model=MODEL, prompt="hi")).choices[0].finish_reason
+        with pytest.raises(openai.AuthenticationError):
+            await openai.AsyncOpenAI(base_url=f"{stack.base_url}/v1", api_key="k3", max_retries=0).models.list()
+        request = generation_pb2.GenerateRequest(prompt="hi")
+        for call in (stack.generation.Generate(request), _drain(stack.generation.GenerateStream(request))):
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await call
+            assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        reply = await stack.generation.Generate(request, metadata=[("authorization", "Bearer k1")])
+        assert reply.finish_reason == sampling_pb2.FINISH_REASON_STOP
+
+    run_on_stack(tokenizer_address, Script(text_ids), body, api_keys="k1, k2")
+
+
+def test_scheduler_unavailable_is_503(tokenizer_address, text_ids) -> None:
+    async def body(stack: Stack) -> None:
+        await stack.scheduler_server.stop(0)
+        async with aiohttp.ClientSession() as http:
+            async with http.get(f"{stack.base_url}/health") as response:
+                assert response.status == 503
+                assert (await response.json())["scheduler"] is False
+            await asyncio.sleep(0.1)
+            async with http.post(f"{stack.base_url}/v1/completions", json=COMPLETION) as response:
+                assert response.status == 503
+
+    run_on_stack(tokenizer_address, Script(text_ids), body)
+
+
+def test_a_failed_generation_is_reported(tokenizer_address, text_ids) -> None:
+    async def body(stack: Stack) -> None:
+        async with aiohttp.ClientSession() as http:
+            async with http.post(f"{stack.base_url}/v1/completions", json=COMPLETION) as response:
+                assert response.status == 500
+                assert "worker-0 failed" in (await response.json())["error"]["message"]
+            async with http.post(f"{stack.base_url}/v1/completions", json={**COMPLETION, "stream": True}) as response:
+                lines = [line async for line in response.content if line.startswith(b"data: ")]
+            assert b"worker-0 failed" in lines[-2] and lines[-1] == b"data: [DONE]\n"
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await stack.generation.Generate(generation_pb2.GenerateRequest(prompt="hi"))
+        assert caught.value.code() == grpc.StatusCode.INTERNAL and "worker-0 failed" in caught.value.details()
+
+    run_on_stack(tokenizer_address, Script(text_ids[:3], finish_reason=sampling_pb2.FINISH_REASON_ERROR), body)

@@ -1,0 +1,181 @@
+"""The OpenAI-compatible HTTP API, with the official openai client and with raw SSE parsing."""
+
+from __future__ import annotations
+
+import json
+
+import aiohttp
+import openai
+import pytest
+
+from tests.gateway.conftest import TEXT
+from tests.gateway.harness import Stack, run_on_stack
+from tests.gateway.scripted_scheduler import MODEL, Script
+from tokenizer_svc.chat_template import ChatTemplate
+from tokenizer_svc.tokenizer import Tokenizer
+
+PROMPT = "Write one sentence about a fox."
+
+
+def client(stack: Stack, api_key: str = "none") -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{stack.base_url}/v1", api_key=api_key, max_retries=0)
+
+
+async def sse_events(response: aiohttp.ClientResponse) -> list[dict | str]:
+    """The `data:` payloads of a server-sent event stream, JSON-decoded except [DONE]."""
+    assert response.headers["Content-Type"].startswith("text/event-stream")
+    events = []
+    async for line in response.content:
+        line = line.decode().rstrip("\n")
+        if line.startswith("data: "):
+            payload = line[len("data: "):]
+            events.append(payload if payload == "[DONE]" else json.loads(payload))
+        else:
+            assert line == "", line
+    return events
+
+
+def test_completion_with_the_openai_client(tokenizer_address, text_ids, tokenizer: Tokenizer) -> None:
+    async def body(stack: Stack) -> None:
+        result = await client(stack).completions.create(model=MODEL, prompt=PROMPT, max_tokens=100, seed=7)
+        assert result.id.startswith("cmpl-")
+        assert result.choices[0].text == TEXT
+        assert result.choices[0].finish_reason == "stop"
+        prompt_ids = tokenizer.encode_batch([PROMPT])[0]
+        assert (result.usage.prompt_tokens, result.usage.completion_tokens) == (len(prompt_ids), len(text_ids))
+        assert result.usage.total_tokens == len(prompt_ids) + len(text_ids)
+        submitted = stack.scheduler.submitted[0]
+        assert list(submitted.prompt_token_ids) == prompt_ids
+        assert submitted.request_id == result.id and submitted.gateway_id == stack.gateway.settings.gateway_id
+        params = submitted.params
+        assert (params.max_tokens, params.seed, params.temperature, params.top_p) == (100, 7, 1.0, 1.0)
+        assert params.skip_special_tokens and list(submitted.eos_token_ids) == [2]
+
+    run_on_stack(tokenizer_address, Script(text_ids), body)
+
+
+def test_completions_default_to_16_tokens_and_report_length(tokenizer_address, text_ids, tokenizer) -> None:
+    async def body(stack: Stack) -> None:
+        result = await client(stack).completions.create(model=MODEL, prompt=PROMPT)
+        assert stack.scheduler.submitted[0].params.max_tokens == 16
+        short = await client(stack).completions.create(model=MODEL, prompt=PROMPT, max_tokens=3)
+        assert short.choices[0].finish_reason == "length"
+        assert short.choices[0].text == tokenizer.decode(text_ids[:3])
+        assert short.usage.completion_tokens == 3
+        assert len(text_ids) > 16
+        assert result.choices[0].finish_reason == "length"
+        assert result.choices[0].text == tokenizer.decode(text_ids[:16])
+
+    run_on_stack(tokenizer_address, Script(text_ids), body)
+
+
+def test_chat_completion_applies_the_template(tokenizer_address, text_ids, tokenizer: Tokenizer) -> None:
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": PROMPT}]
+
+    async def body(stack: Stack) -> None:
+        result = await client(stack).chat.completions.create(model=MODEL, messages=messages)
+        assert result.id.startswith("chatcmpl-")
+        assert result.choices[0].message.role == "assistant"
+        assert result.choices[0].message.content == TEXT
+        template = ChatTemplate(tokenizer.chat_template, tokenizer.bos_token, tokenizer.eos_token)
+        prompt_ids = tokenizer.encode_batch([template.render(messages)], add_special_tokens=False)[0]
+        assert list(stack.scheduler.submitted[0].prompt_token_ids) == prompt_ids
+        assert result.usage.prompt_tokens == len(prompt_ids)
+        assert stack.scheduler.submitted[0].params.max_tokens == 256
+
+    run_on_stack(tokenizer_address, Script(text_ids), body)
+
+
+def test_chat_stream_with_the_openai_client_and_usage(tokenizer_address, text_ids) -> None:
+    async def body(stack: Stack) -> None:
+        stream = await client(stack).chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": PROMPT}], stream=True,
+            stream_options={"include_usage": True})
+        chunks = [chunk async for chunk in stream]
+        assert chunks[0].choices[0].delta.role == "assistant"
+        content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert content == TEXT
+        finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+        assert finishes == ["stop"]
+        assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(text_ids)
+        assert all(c.usage is None for c in chunks[:-1])
+        assert len({c.id for c in chunks}) == 1
+
+    run_on_stack(tokenizer_address, Script(text_ids, tokens_per_step=2), body)
+
+
+def test_raw_sse_completion_stream(tokenizer_address, text_ids) -> None:
+    async def body(stack: Stack) -> None:
+        async with aiohttp.ClientSession() as http:
+            request = {"model": MODEL, "prompt": PROMPT, "max_tokens": 64, "stream": True}
+            async with http.post(f"{stack.base_url}/v1/completions", json=request) as response:
+                assert response.status == 200
+                events = await sse_events(response)
+        assert events[-1] == "[DONE]"
+        chunks = events[:-1]
+        assert all(c["object"] == "text_completion" and c["id"] == response.headers["X-Request-Id"] for c in chunks)
+        assert "".join(c["choices"][0]["text"] for c in chunks) == TEXT
+        assert [c["choices"][0]["finish_reason"] for c in chunks][-1] == "stop"
+        assert all("usage" not in c for c in chunks)  # only with stream_options.include_usage
+        # Partial characters are held back: no chunk carries a broken one.
+        assert all("\ufffd" not in c["choices"][0]["text"] for c in chunks)
+
+    run_on_stack(tokenizer_address, Script(text_ids), body)
+
+
+@pytest.mark.parametrize("tokens_per_step", [1, 3])
+def test_stop_string_across_tokens_truncates_and_cancels(tokenizer_address, text_ids, tokens_per_step) -> None:
+    # "ick bro" starts inside the token " quick" and ends inside " brown".
+    async def body(stack: Stack) -> None:
+        async with aiohttp.ClientSession() as http:
+            request = {"model": MODEL, "prompt": PROMPT, "stream": True, "stop": ["zzz", "ick bro"], "max_tokens": 64}
+            async with http.post(f"{stack.base_url}/v1/completions", json=request) as response:
+                events = await sse_events(response)
+        chunks = events[:-1]
+        assert "".join(c["choices"][0]["text"] for c in chunks) == " The qu"
+        assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+        request_id = response.headers["X-Request-Id"]
+        await stack.scheduler.wait_cancelled(request_id)
+        whole = await client(stack).completions.create(model=MODEL, prompt=PROMPT, stop="lazy")
+        assert whole.choices[0].text == " The quick brown fox jumps over the "
+        assert whole.choices[0].finish_reason == "stop"
+        await stack.scheduler.wait_cancelled(whole.id)
+
+    run_on_stack(tokenizer_address, Script(text_ids, tokens_per_step=tokens_per_step), body)
+
+
+def test_client_disconnect_cancels_upstream(tokenizer_address, text_ids) -> None:
+    async def body(stack: Stack) -> None:
+        async with aiohttp.ClientSession() as http:
+            request = {"model": MODEL, "prompt": PROMPT, "stream": True}
+            async with http.post(f"{stack.base_url}/v1/completions", json=request) as response:
+                request_id = response.headers["X-Request-Id"]
+                await response.content.readline()  # the first event arrived: generation is under way
+        await stack.scheduler.wait_cancelled(request_id)
+        # A non-streamed request whose client gives up is cancelled too.
+        timeout = aiohttp.ClientTimeout(total=0.5)
+        async with aiohttp.ClientSession(timeout=timeout) as http:
+            with pytest.raises(TimeoutError):
+                await http.post(f"{stack.base_url}/v1/completions", json={"model": MODEL, "prompt": PROMPT})
+        await stack.scheduler.wait_cancelled(stack.scheduler.submitted[1].request_id)
+
+    run_on_stack(tokenizer_address, Script(text_ids, hold_after=2), body)
+
+
+def test_logprobs_in_completions_and_chat(tokenizer_address, text_ids, tokenizer: Tokenizer) -> None:
+    async def body(stack: Stack) -> None:
+        result = await client(stack).completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, logprobs=2)
+        logprobs = result.choices[0].logprobs
+        assert logprobs.tokens == [tokenizer.decode([t], skip_special_tokens=False) for t in text_ids[:4]]
+        assert logprobs.token_logprobs == [-0.25] * 4
+        assert logprobs.text_offset[0] == 0 and logprobs.text_offset[1] == len(logprobs.tokens[0])
+        assert len(logprobs.top_logprobs[0]) == 2
+        chat = await client(stack).chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2, logprobs=True, top_logprobs=2)
+        content = chat.choices[0].logprobs.content
+        assert [c.token for c in content] == logprobs.tokens[:2]
+        assert [len(c.top_logprobs) for c in content] == [2, 2]
+        assert content[0].bytes == list(content[0].token.encode())
+        assert stack.scheduler.submitted[1].params.top_logprobs == 2
+
+    run_on_stack(tokenizer_address, Script(text_ids, logprobs=True), body)

@@ -1,0 +1,48 @@
+"""Parameter resolution and the gateway's settings, without servers."""
+
+from __future__ import annotations
+
+import pytest
+
+from gateway.main import parse_settings
+from gateway.params import ModelLimits, resolve_max_tokens, sampling_from_openai, validate_sampling
+from shardline.errors import InvalidArgument
+from shardline.proto import sampling_pb2
+
+LIMITS = ModelLimits(vocab_size=49152, max_context_length=8192, max_prompt_tokens=8191, max_tokens_limit=8192)
+
+
+def test_unset_fields_are_resolved_for_the_workers() -> None:
+    resolved = validate_sampling(sampling_pb2.SamplingParameters(), LIMITS)
+    assert (resolved.temperature, resolved.top_p, resolved.repetition_penalty) == (1.0, 1.0, 1.0)
+    assert resolved.HasField("seed") and resolved.skip_special_tokens
+    assert not resolved.HasField("max_tokens")
+    resolve_max_tokens(resolved, 8000, LIMITS, default=256)
+    assert resolved.max_tokens == 192  # a default shrinks to the room left in the context
+    explicit = validate_sampling(sampling_pb2.SamplingParameters(max_tokens=500, temperature=0, seed=3), LIMITS)
+    assert (explicit.temperature, explicit.seed) == (0.0, 3)
+    with pytest.raises(InvalidArgument) as caught:
+        resolve_max_tokens(explicit, 8000, LIMITS, default=256, prefix="params.")
+    assert caught.value.field == "params.max_tokens"
+
+
+def test_openai_fields_map_onto_sampling_parameters() -> None:
+    params, priority = sampling_from_openai({
+        "max_completion_tokens": 12, "max_tokens": 99, "temperature": 0.7, "top_k": -1, "seed": -1,
+        "stop": "END", "stop_token_ids": [7], "logprobs": True, "top_logprobs": 3, "priority": -2,
+        "ignore_eos": True, "skip_special_tokens": False, "user": "ignored"}, chat=True)
+    assert (params.max_tokens, params.top_k, params.seed, list(params.stop)) == (12, 0, 2**64 - 1, ["END"])
+    assert (params.logprobs, params.top_logprobs, params.ignore_eos, params.skip_special_tokens) == (True, 3, True, False)
+    assert abs(params.temperature - 0.7) < 1e-6 and priority == -2
+    completions, _ = sampling_from_openai({"logprobs": 0}, chat=False)
+    assert (completions.logprobs, completions.top_logprobs) == (True, 0)
+
+
+def test_gateway_flags_override_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SHARDLINE_API_KEYS", "a, b,,c")
+    monkeypatch.setenv("SHARDLINE_HTTP_PORT", "9000")
+    settings = parse_settings([])
+    assert (settings.api_keys, settings.http_port, settings.grpc_port) == (["a", "b", "c"], 9000, 50051)
+    assert settings.gateway_id.startswith("gateway-") and settings.gateway_id != parse_settings([]).gateway_id
+    settings = parse_settings(["--http-port", "0", "--api-keys", "k", "--scheduler-address", "sched:1"])
+    assert (settings.http_port, settings.api_keys, settings.scheduler_address) == (0, ["k"], "sched:1")

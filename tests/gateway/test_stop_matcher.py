@@ -1,0 +1,41 @@
+"""Stop strings over text that arrives in pieces."""
+
+from gateway.stop_matcher import StopMatcher
+
+
+def feed_all(matcher: StopMatcher, pieces: list[str]) -> tuple[list[str], bool]:
+    sent, stopped = [], False
+    for n, piece in enumerate(pieces):
+        text, stopped = matcher.feed(piece, final=n == len(pieces) - 1)
+        sent.append(text)
+        if stopped:
+            break
+    return sent, stopped
+
+
+def test_a_stop_split_over_pieces_is_cut_and_never_half_sent() -> None:
+    sent, stopped = feed_all(StopMatcher(["STOP"]), ["Hello S", "T", "OP and more"])
+    assert stopped
+    assert sent == ["Hello ", "", ""]
+
+
+def test_a_false_start_is_released_when_the_next_piece_rules_it_out() -> None:
+    sent, stopped = feed_all(StopMatcher(["STOP"]), ["go ST", "ART now"])
+    assert not stopped
+    assert sent == ["go ", "START now"]
+
+
+def test_the_earliest_of_several_stops_wins() -> None:
+    sent, stopped = feed_all(StopMatcher(["world", "lo w"]), ["hello world"])
+    assert stopped and sent == ["hel"]
+
+
+def test_final_flushes_held_text_and_no_stops_passes_everything() -> None:
+    matcher = StopMatcher(["\n\n"])
+    assert matcher.feed("line\n") == ("line", False)
+    assert matcher.feed("", final=True) == ("\n", False)
+    assert StopMatcher([]).feed("any text") == ("any text", False)
+
+
+def test_a_stop_at_the_very_start() -> None:
+    assert StopMatcher(["<"]).feed("<tag>") == ("", True)

@@ -1,0 +1,121 @@
+"""The stream hub's batching, reconnection and bookkeeping: traces, metrics, models and health."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+
+import aiohttp
+import grpc
+import openai
+from opentelemetry import trace
+
+from shardline.proto import generation_pb2, sampling_pb2
+from tests.gateway.conftest import TEXT
+from tests.gateway.harness import Stack, run_on_stack
+from tests.gateway.scripted_scheduler import MODEL, Script
+from tracing import attributes as attr
+
+TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
+
+
+def test_one_detokenize_call_per_token_batch_for_all_requests(tokenizer_address, text_ids) -> None:
+    async def body(stack: Stack) -> None:
+        stub = stack.gateway.backends.tokenizer
+        detokenize, items_per_call = stub.Detokenize, []
+
+        def counting(request, **kwargs):
+            items_per_call.append(len(request.items))
+            return detokenize(request, **kwargs)
+
+        stub.Detokenize = counting
+        oai = openai.AsyncOpenAI(base_url=f"{stack.base_url}/v1", api_key="x")
+        requests = [asyncio.create_task(oai.completions.create(model=MODEL, prompt=f"Prompt {i}", max_tokens=50))
+                    for i in range(3)]
+        while len(stack.scheduler.submitted) < 3 or any(len(r.output) < 1 for r in stack.scheduler.records.values()):
+            await asyncio.sleep(0.01)
+        stack.scheduler.release()
+        results = await asyncio.gather(*requests)
+        assert [r.choices[0].text for r in results] == [TEXT] * 3
+        # Every TokenBatch costs exactly one Detokenize call, whatever the number of requests in it.
+        assert len(items_per_call) == stack.scheduler.batches_sent
+        assert max(items_per_call) == 3
+        assert sum(items_per_call) == 3 * len(text_ids)  # one delta per token per request
+
+    run_on_stack(tokenizer_address, Script(text_ids, hold_after=1), body)
+
+
+def test_lost_subscription_reconnects_and_catches_up(tokenizer_address, text_ids) -> None:
+    async def body(stack: Stack) -> None:
+        call = stack.generation.GenerateStream(generation_pb2.GenerateRequest(prompt="hi"))
+        first = await call.read()
+        while len(stack.scheduler.records[first.request_id].output) < 5:
+            await asyncio.sleep(0.01)
+        stack.scheduler.drop_subscribers()  # as a scheduler restart would
+        stack.scheduler.release()  # the rest is generated while no one listens, then read from the record
+        chunks = [first]
+        while (chunk := await call.read()) is not grpc.aio.EOF:
+            chunks.append(chunk)
+        assert "".join(c.text for c in chunks) == TEXT
+        assert [t for c in chunks for t in c.token_ids] == text_ids
+        assert chunks[-1].finish_reason == sampling_pb2.FINISH_REASON_STOP
+        assert stack.gateway.hub.connected
+
+    run_on_stack(tokenizer_address, Script(text_ids, hold_after=5), body)
+
+
+def test_request_span_honours_traceparent_and_reaches_submit(tokenizer_address, text_ids) -> None:
+    async def body(stack: Stack) -> None:
+        headers = {"traceparent": f"00-{TRACE_ID}-00f067aa0ba902b7-01"}
+        request = {"model": MODEL, "prompt": "hi", "max_tokens": 8, "temperature": 0.5, "stream": True}
+        async with aiohttp.ClientSession() as http:
+            async with http.post(f"{stack.base_url}/v1/completions", json=request, headers=headers) as response:
+                await response.read()
+        spans = {span.name: span for span in stack.spans.get_finished_spans()}
+        root = spans["gateway.request"]
+        assert format(root.context.trace_id, "032x") == TRACE_ID and root.kind == trace.SpanKind.SERVER
+        assert root.attributes[attr.GEN_AI_REQUEST_MODEL] == MODEL
+        assert root.attributes[attr.GEN_AI_REQUEST_MAX_TOKENS] == 8
+        assert root.attributes[attr.GEN_AI_REQUEST_TEMPERATURE] == 0.5
+        assert root.attributes[attr.GEN_AI_REQUEST_TOP_P] == 1.0
+        assert root.attributes[attr.GEN_AI_USAGE_INPUT_TOKENS] == 1
+        assert root.attributes[attr.GEN_AI_USAGE_OUTPUT_TOKENS] == 8
+        assert root.attributes[attr.GEN_AI_RESPONSE_FINISH_REASONS] == ("length",)
+        assert root.attributes[attr.REQUEST_ID] == response.headers["X-Request-Id"]
+        for name in ("tokenize", "detokenize", "stream_out"):
+            assert spans[name].parent.span_id == root.context.span_id, name
+        assert spans["detokenize"].attributes["shardline.detokenize_calls"] == 8
+        traceparent = stack.scheduler.submit_metadata[0]["traceparent"]
+        assert traceparent.split("-")[1] == TRACE_ID
+
+    run_on_stack(tokenizer_address, Script(text_ids), body)
+
+
+def _sample(metrics: str, name: str) -> float:
+    found = re.search(rf'^{name}\{{gen_ai_request_model="{MODEL}"\}} (\S+)$', metrics, re.MULTILINE)
+    return float(found.group(1)) if found else 0.0
+
+
+def test_metrics_models_and_health(tokenizer_address, text_ids) -> None:
+    names = ["gen_ai_server_time_to_first_token_seconds_count", "gen_ai_server_time_per_output_token_seconds_count",
+             "gen_ai_server_request_duration_seconds_count"]
+
+    async def body(stack: Stack) -> None:
+        async with aiohttp.ClientSession() as http:
+            async with http.get(f"{stack.base_url}/metrics") as response:
+                before = [_sample(await response.text(), name) for name in names]
+            oai = openai.AsyncOpenAI(base_url=f"{stack.base_url}/v1", api_key="x")
+            await oai.completions.create(model=MODEL, prompt="hi", max_tokens=10)
+            async with http.get(f"{stack.base_url}/metrics") as response:
+                after = [_sample(await response.text(), name) for name in names]
+            assert [a - b for a, b in zip(after, before)] == [1, 1, 1]  # per request, not per token
+            models = await oai.models.list()
+            assert [(m.id, m.owned_by) for m in models.data] == [(MODEL, "shardline")]
+            async with http.get(f"{stack.base_url}/health") as response:
+                assert response.status == 200
+                assert await response.json() == {"status": "ok", "tokenizer": True, "scheduler": True,
+                                                 "subscribed": True}
+            async with http.get(f"{stack.base_url}/v1/nothing") as response:
+                assert response.status == 404 and "error" in await response.json()
+
+    run_on_stack(tokenizer_address, Script(text_ids), body)

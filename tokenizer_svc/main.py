@@ -1,0 +1,39 @@
+"""`shardline serve tokenizer`: run the Tokenizer gRPC service until SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+
+from shardline.model_path import ModelNotFoundError
+from tokenizer_svc.server import serve
+from tokenizer_svc.settings import TokenizerSettings
+from tokenizer_svc.tokenizer import TokenizerError
+
+logger = logging.getLogger(__name__)
+
+
+def parse_settings(argv: list[str] | None) -> TokenizerSettings:
+    """Settings from the environment, with the command-line flags that were given on top."""
+    parser = argparse.ArgumentParser(prog="shardline serve tokenizer", description=__doc__)
+    parser.add_argument("--port", type=int, help="gRPC port (default 50052; 0 picks a free one)")
+    parser.add_argument("--model", help="Hugging Face folder or .gguf file (default: SmolLM2-135M-Instruct)")
+    args = parser.parse_args(argv)
+    return TokenizerSettings(**{key: value for key, value in vars(args).items() if value is not None})
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    settings = parse_settings(argv)
+    try:
+        asyncio.run(serve(settings))
+    except (ModelNotFoundError, TokenizerError, OSError) as exc:
+        logger.error("tokenizer service cannot start: %s", exc)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

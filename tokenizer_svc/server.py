@@ -1,0 +1,75 @@
+"""Wiring of the tokenizer service: load the model's tokenizer, serve it over gRPC, stop on SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import socket
+from pathlib import Path
+
+from opentelemetry import trace
+
+from shardline.gguf_file import GGUFError, GGUFFile
+from shardline.grpc_server import GrpcService, RunningServer, start_grpc_server
+from shardline.model_path import model_name, resolve_model_path
+from shardline.proto import tokenizer_pb2, tokenizer_pb2_grpc
+from tokenizer_svc.service import TokenizerService
+from tokenizer_svc.settings import TokenizerSettings
+from tokenizer_svc.tokenizer import Tokenizer, TokenizerError
+from tracing.grpc_context import TracingServerInterceptor
+from tracing.otel_setup import setup_tracing
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = tokenizer_pb2.DESCRIPTOR.services_by_name["Tokenizer"].full_name
+
+
+def max_context_length(path: Path) -> int:
+    """Longest prompt plus output the model was trained for, from its GGUF or config.json metadata."""
+    if path.is_dir():
+        config_file = path / "config.json"
+        try:
+            config = json.loads(config_file.read_text(encoding="utf-8")) if config_file.is_file() else {}
+        except (OSError, ValueError) as exc:
+            raise TokenizerError(f"{config_file}: unreadable model config ({exc})") from exc
+        length = config.get("max_position_embeddings") or config.get("n_positions")
+    else:
+        try:
+            gguf = GGUFFile(path)
+        except GGUFError as exc:
+            raise TokenizerError(str(exc)) from exc
+        metadata = gguf.metadata
+        gguf.close()
+        length = metadata.get(f"{metadata.get('general.architecture')}.context_length")
+    if not isinstance(length, int) or length <= 0:
+        raise TokenizerError(f"{path}: the model metadata gives no context length")
+    return length
+
+
+def build_service(model: str | None) -> TokenizerService:
+    """The servicer for `model` (None: the default model); loading takes about a second."""
+    path = resolve_model_path(model)
+    return TokenizerService(Tokenizer.from_model_path(path), model_name(path), max_context_length(path))
+
+
+async def start_tokenizer_server(
+    service: TokenizerService, port: int, tracer: trace.Tracer | None = None
+) -> RunningServer:
+    """Serve `service` (with health and reflection) on `port`; 0 picks a free port."""
+    interceptors = [TracingServerInterceptor(tracer)] if tracer is not None else []
+    registered = GrpcService(service, tokenizer_pb2_grpc.add_TokenizerServicer_to_server, SERVICE_NAME)
+    return await start_grpc_server([registered], port, interceptors=interceptors)
+
+
+async def serve(settings: TokenizerSettings) -> None:
+    """Run until SIGTERM/SIGINT."""
+    service = await asyncio.to_thread(build_service, settings.model)
+    instance_id = f"tokenizer-{socket.gethostname()}:{settings.port}"
+    tracing = setup_tracing("tokenizer", instance_id, enabled=settings.tracing)
+    server = await start_tokenizer_server(service, settings.port, tracing.tracer)
+    logger.info("tokenizer service listening on port %d", server.port)
+    try:
+        await server.wait_for_signal()
+    finally:
+        await asyncio.to_thread(tracing.shutdown)

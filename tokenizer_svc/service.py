@@ -1,0 +1,104 @@
+"""The Tokenizer gRPC servicer: batched encode, chat templates, batched incremental detokenize.
+
+Every rpc is stateless, so any replica can answer any call. The Rust tokenizer work runs in a
+worker thread (asyncio.to_thread) so one large batch never stalls the other rpcs on the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+
+import grpc
+
+from shardline.errors import InvalidArgument
+from shardline.proto import common_pb2, tokenizer_pb2, tokenizer_pb2_grpc
+from tokenizer_svc.chat_template import ChatTemplate, ChatTemplateError
+from tokenizer_svc.detokenizer import PREFIX_WINDOW, DetokenizeItem, detokenize_batch
+from tokenizer_svc.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+# ChatTemplateError messages name the offending message as "messages[3].content"; the gateway
+# turns that into the `param` of its error, so it is lifted out of the text.
+_MESSAGE_FIELD = re.compile(r"messages\[\d+\](?:\.\w+)?")
+
+
+class TokenizerService(tokenizer_pb2_grpc.TokenizerServicer):
+    """Serves one model's tokenizer."""
+
+    def __init__(self, tokenizer: Tokenizer, model_name: str, max_context_length: int) -> None:
+        self._tokenizer = tokenizer
+        self._info = tokenizer_pb2.TokenizerInfo(
+            model=model_name,
+            vocab_size=tokenizer.vocab_size,
+            eos_token_ids=tokenizer.eos_token_ids,
+            max_context_length=max_context_length,
+            special_token_ids=sorted(tokenizer.special_token_ids),
+            detokenize_prefix_window=PREFIX_WINDOW,
+        )
+        if tokenizer.bos_token_id is not None:
+            self._info.bos_token_id = tokenizer.bos_token_id
+        self._template: ChatTemplate | None = None
+        # Kept so ApplyChatTemplate can say why there is no template (none, or one that does not compile).
+        self._template_problem = ""
+        try:
+            self._template = ChatTemplate(tokenizer.chat_template, tokenizer.bos_token, tokenizer.eos_token)
+        except ChatTemplateError as exc:
+            self._template_problem = str(exc)
+            logger.warning("%s: chat completions are unavailable (%s)", model_name, exc)
+        self._info.has_chat_template = self._template is not None
+
+    async def Tokenize(
+        self, request: tokenizer_pb2.TokenizeRequest, context: grpc.aio.ServicerContext
+    ) -> tokenizer_pb2.TokenizeResponse:
+        add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
+        ids = await asyncio.to_thread(self._tokenizer.encode_batch, list(request.texts), add_special)
+        return tokenizer_pb2.TokenizeResponse(token_ids=[common_pb2.TokenIds(ids=seq) for seq in ids])
+
+    async def ApplyChatTemplate(
+        self, request: tokenizer_pb2.ApplyChatTemplateRequest, context: grpc.aio.ServicerContext
+    ) -> tokenizer_pb2.ApplyChatTemplateResponse:
+        if self._template is None:
+            raise InvalidArgument("messages", self._template_problem)
+        messages = [{"role": m.role, "content": m.content} for m in request.messages]
+        prompt, ids = await asyncio.to_thread(self._render, messages, request.add_generation_prompt)
+        return tokenizer_pb2.ApplyChatTemplateResponse(prompt=prompt, prompt_token_ids=ids)
+
+    def _render(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> tuple[str, list[int]]:
+        assert self._template is not None
+        try:
+            prompt = self._template.render(messages, add_generation_prompt=add_generation_prompt)
+        except ChatTemplateError as exc:
+            found = _MESSAGE_FIELD.search(str(exc))
+            raise InvalidArgument(found.group(0) if found else "messages", str(exc)) from exc
+        # The template writes the special tokens itself (BOS included, where the model has one).
+        return prompt, self._tokenizer.encode_batch([prompt], add_special_tokens=False)[0]
+
+    async def Detokenize(
+        self, request: tokenizer_pb2.DetokenizeRequest, context: grpc.aio.ServicerContext
+    ) -> tokenizer_pb2.DetokenizeResponse:
+        items = [self._item(i, item) for i, item in enumerate(request.items)]
+        results = await asyncio.to_thread(detokenize_batch, self._tokenizer, items)
+        return tokenizer_pb2.DetokenizeResponse(
+            results=[tokenizer_pb2.DetokenizeResult(text=text, num_consumed=n) for text, n in results]
+        )
+
+    def _item(self, index: int, item: tokenizer_pb2.DetokenizeItem) -> DetokenizeItem:
+        # The Rust decoder silently drops unknown ids, which would hide a caller's bug as missing text.
+        vocab = self._tokenizer.vocab_size
+        for field in ("prefix_token_ids", "new_token_ids"):
+            ids = getattr(item, field)
+            if ids and max(ids) >= vocab:
+                raise InvalidArgument(
+                    f"items[{index}].{field}", f"token id {max(ids)} is outside the vocabulary (size {vocab})"
+                )
+        return DetokenizeItem(
+            list(item.prefix_token_ids), list(item.new_token_ids), item.skip_special_tokens, item.final
+        )
+
+    async def GetInfo(
+        self, request: tokenizer_pb2.GetTokenizerInfoRequest, context: grpc.aio.ServicerContext
+    ) -> tokenizer_pb2.TokenizerInfo:
+        return self._info

@@ -1,0 +1,16 @@
+"""The one place where the tokenizer service reads its environment."""
+
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class TokenizerSettings(BaseSettings):
+    """Tokenizer service knobs, from ``SHARDLINE_<FIELD>`` variables; `main` flags override them."""
+
+    model_config = SettingsConfigDict(env_prefix="SHARDLINE_")
+
+    # gRPC port of the Tokenizer service; 0 picks a free one.
+    port: int = 50052
+    # A Hugging Face folder or a .gguf file; None serves the default model (SmolLM2-135M-Instruct).
+    model: str | None = None
+    # Export spans over OTLP (SHARDLINE_TRACING=0 turns it off).
+    tracing: bool = True
