@@ -89,7 +89,7 @@ class LLMEngine:
 
         Lets an idle worker notice a lost rank without waiting for a request to fail.
         """
-        return self.runner._dead.is_set()
+        return self.runner.is_dead
 
     # -- the loop -----------------------------------------------------------
     def step(self) -> StepOutput:

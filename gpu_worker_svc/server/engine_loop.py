@@ -1,0 +1,236 @@
+"""The engine thread: the only code that touches the LLMEngine.
+
+Commands from the Session stream queue up in an inbox and are applied in a
+batch before each step. Each step becomes ONE StepOutput message (none for a
+step that ran nothing and reported nothing), handed to the asyncio side with
+`call_soon_threadsafe`, so the loop never waits on the network. When there is
+no work the thread sleeps on the inbox.
+
+One Session is live at a time and owns every request in the engine: a new
+session, or the end of the current one, aborts them without a final delta
+(the scheduler re-dispatches them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from gpu_worker_svc.engine.llm_engine import LLMEngine
+from gpu_worker_svc.engine.model_runner import EngineDeadError
+from gpu_worker_svc.server.request_params import engine_request
+from gpu_worker_svc.server.step_message import error_delta, request_delta, step_stats
+from gpu_worker_svc.server.telemetry import StepTelemetry
+from shardline.proto import common_pb2, worker_pb2
+
+log = logging.getLogger(__name__)
+
+# How often an idle engine checks that its tensor-parallel ranks are alive.
+_IDLE_CHECK_S = 0.5
+
+
+@dataclass(slots=True)
+class SessionEnd:
+    """Queued last on a session's stream: why the worker ends it (None: the client ended it)."""
+
+    error: str | None
+
+
+@dataclass(slots=True)
+class SessionLink:
+    """The asyncio end of one Session stream, reachable from the engine thread."""
+
+    id: int  # unique per stream
+    loop: asyncio.AbstractEventLoop  # the loop serving the stream
+    queue: asyncio.Queue  # StepOutput messages, then one SessionEnd
+
+    def send(self, item: worker_pb2.StepOutput | SessionEnd) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the event loop is closed: the process is exiting anyway
+            pass
+
+
+@dataclass(slots=True, frozen=True)
+class WorkerLoad:
+    """Occupancy after the latest step, for heartbeats; replaced whole, so reads need no lock."""
+
+    running: int = 0
+    waiting: int = 0
+    kv_blocks_used: int = 0
+
+
+@dataclass(slots=True)
+class _Open:
+    link: SessionLink
+
+
+@dataclass(slots=True)
+class _Close:
+    session_id: int
+
+
+@dataclass(slots=True)
+class _Commands:
+    session_id: int
+    command: worker_pb2.WorkerCommand
+
+
+class _Stop:
+    pass
+
+
+class Inbox:
+    """Items for the engine thread, taken all at once."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._items: list[object] = []
+
+    def put(self, item: object) -> None:
+        with self._cond:
+            self._items.append(item)
+            self._cond.notify()
+
+    def drain(self, wait_s: float) -> list[object]:
+        """Everything queued; when empty, waits up to `wait_s` for the first item."""
+        with self._cond:
+            if not self._items and wait_s > 0:
+                self._cond.wait(wait_s)
+            items, self._items = self._items, []
+        return items
+
+
+class EngineLoop:
+    """Runs the engine in one dedicated thread; every other method is safe to call from any thread."""
+
+    def __init__(self, engine: LLMEngine, telemetry: StepTelemetry, max_model_len: int,
+                 on_fatal: Callable[[BaseException], None]) -> None:
+        self._engine = engine
+        self._telemetry = telemetry
+        self._max_model_len = max_model_len
+        self._on_fatal = on_fatal
+        self._inbox = Inbox()
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._session: SessionLink | None = None
+        self._requests: set[str] = set()  # ids in the engine, all owned by the live session
+        self._errors: list[common_pb2.RequestDelta] = []  # refused requests, sent with the next step
+        self._step = 0
+        self.load = WorkerLoad()
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def open_session(self, link: SessionLink) -> None:
+        self._inbox.put(_Open(link))
+
+    def close_session(self, session_id: int) -> None:
+        self._inbox.put(_Close(session_id))
+
+    def submit(self, session_id: int, command: worker_pb2.WorkerCommand) -> None:
+        self._inbox.put(_Commands(session_id, command))
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Abort every request, end the live session and wait for the thread to exit."""
+        self._inbox.put(_Stop())
+        self._thread.join(timeout_s)
+
+    # -- the engine thread -----------------------------------------------------
+    def _run(self) -> None:
+        try:
+            self._loop()
+        except Exception as exc:  # EngineDeadError, or a bug: either way the engine's state is lost
+            log.exception("engine loop died")
+            try:
+                self._end_session(f"engine died: {exc}")
+            finally:
+                self._on_fatal(exc)  # whatever happens, the process must exit
+            return
+        self._drop_requests()
+        self._end_session("worker is shutting down")
+
+    def _loop(self) -> None:
+        while True:
+            idle = not (self._engine.has_unfinished or self._errors)
+            for item in self._inbox.drain(_IDLE_CHECK_S if idle else 0.0):
+                if isinstance(item, _Stop):
+                    return
+                self._apply(item)
+            if self._engine.is_dead:
+                raise EngineDeadError("a tensor-parallel rank died")
+            if self._engine.has_unfinished or self._errors:
+                self._step_once()
+
+    def _step_once(self) -> None:
+        start_ns = time.time_ns()
+        out = self._engine.step()
+        end_ns = time.time_ns()
+        deltas, self._errors = self._errors, []
+        deltas += [request_delta(o) for o in out.outputs]
+        self._requests.difference_update(o.request_id for o in out.outputs if o.finish_reason)
+        if self._session is not None and (deltas or out.stats is not None):
+            self._session.send(worker_pb2.StepOutput(step=self._step, deltas=deltas,
+                                                     stats=step_stats(self._engine, out.stats)))
+        self._refresh_load()
+        self._telemetry.step(self._step, out, start_ns, end_ns)
+        self._step += 1
+
+    def _apply(self, item: object) -> None:
+        match item:
+            case _Open(link):
+                if self._session is not None:
+                    log.warning("session %d replaced by session %d", self._session.id, link.id)
+                    self._drop_requests()
+                    self._end_session("replaced by a newer session")
+                self._session = link
+            case _Close(session_id) if self._session is not None and self._session.id == session_id:
+                self._drop_requests()
+                self._session = None
+            case _Commands(session_id, command) if self._session is not None and self._session.id == session_id:
+                for new in command.add:
+                    self._add(new)
+                for request_id in command.abort:
+                    self._engine.abort_request(request_id)  # its final delta comes with the next step
+
+    def _add(self, new: worker_pb2.NewRequest) -> None:
+        if new.request_id in self._requests:
+            log.warning("request %s is already running: duplicate add ignored", new.request_id)
+            return
+        try:
+            req = engine_request(new, self._max_model_len)
+            self._engine.add_request(new.request_id, list(new.prompt_token_ids), req.params, priority=new.priority,
+                                     output_token_ids=list(new.output_token_ids), eos_token_id=req.eos_token_id)
+        except ValueError as exc:
+            log.warning("request %s refused: %s", new.request_id, exc)
+            self._errors.append(error_delta(new, str(exc)))
+            return
+        self._requests.add(new.request_id)
+        self._telemetry.request_added(new.request_id, new.traceparent, len(new.prompt_token_ids),
+                                      req.params.max_tokens, req.params.temperature)
+
+    def _drop_requests(self) -> None:
+        """Abort every request without final deltas: their session is gone."""
+        if self._requests:
+            log.info("aborting %d requests of a closed session", len(self._requests))
+        now_ns = time.time_ns()
+        for request_id in self._requests:
+            self._engine.abort_request(request_id, report=False)
+            self._telemetry.request_dropped(request_id, now_ns)
+        self._requests.clear()
+        self._errors.clear()
+        self._refresh_load()
+
+    def _end_session(self, reason: str) -> None:
+        if self._session is not None:
+            self._session.send(SessionEnd(reason))
+            self._session = None
+
+    def _refresh_load(self) -> None:
+        engine = self._engine
+        self.load = WorkerLoad(engine.scheduler.num_running, engine.scheduler.num_waiting,
+                               engine.block_pool.num_used_blocks)
+        self._telemetry.occupancy(self.load.running, self.load.kv_blocks_used, engine.block_pool.num_blocks)

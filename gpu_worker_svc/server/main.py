@@ -1,0 +1,173 @@
+"""Runs one GPU worker: `python -m gpu_worker_svc.server.main [flags]` (or `shardline serve worker`).
+
+Startup order: load the engine (spawning the tensor-parallel ranks), start the
+gRPC server (healthy from then on), register with the scheduler, heartbeat.
+SIGTERM aborts the requests, shuts the ranks down and exits 0; a dead engine
+marks the worker NOT_SERVING and exits 1, so the scheduler re-dispatches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from collections.abc import Callable
+
+import torch
+
+from gpu_worker_svc.engine.batch_scheduler import SchedulerConfig
+from gpu_worker_svc.engine.llm_engine import EngineConfig, LLMEngine
+from gpu_worker_svc.engine.model_runner import RunnerConfig
+from gpu_worker_svc.model.dummy import is_dummy
+from gpu_worker_svc.model.loader import MAX_ROTARY_POSITIONS, parse_dtype
+from gpu_worker_svc.server.engine_loop import EngineLoop
+from gpu_worker_svc.server.registration import SchedulerRegistration
+from gpu_worker_svc.server.servicer import WorkerServicer
+from gpu_worker_svc.server.settings import WorkerSettings
+from gpu_worker_svc.server.telemetry import StepTelemetry
+from gpu_worker_svc.server.utilization import StepCostModel, device_peak
+from shardline.grpc_server import GrpcService, RunningServer, start_grpc_server
+from shardline.model_path import model_name, resolve_model_path
+from shardline.proto import worker_pb2, worker_pb2_grpc
+from tracing.grpc_context import TracingServerInterceptor
+from tracing.metrics import start_metrics_server
+from tracing.otel_setup import TracingHandle, setup_tracing
+
+log = logging.getLogger("gpu_worker_svc")
+
+SERVICE_NAME = "shardline.v1.Worker"
+_STOP_GRACE_S = 5.0
+
+
+def parse_args(argv: list[str] | None) -> WorkerSettings:
+    """Flags override the SHARDLINE_* environment; unset flags leave it alone."""
+    p = argparse.ArgumentParser(prog="gpu_worker", description=__doc__,
+                                argument_default=argparse.SUPPRESS)
+    p.add_argument("--worker-id", dest="worker_id")
+    p.add_argument("--port", type=int)
+    p.add_argument("--host")
+    p.add_argument("--advertise-address", dest="advertise_address")
+    p.add_argument("--scheduler", dest="scheduler_address", help="scheduler host:port")
+    p.add_argument("--model", help="HF folder, .gguf file or dummy:<shape>; default: SmolLM2-135M-Instruct")
+    p.add_argument("--tp", dest="tp_size", type=int, help="tensor-parallel size")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--block-size", dest="block_size", type=int)
+    p.add_argument("--kv-cache-bytes", dest="kv_cache_bytes", type=int, help="KV budget per rank on CPU")
+    p.add_argument("--gpu-memory-utilization", dest="gpu_memory_utilization", type=float)
+    p.add_argument("--max-num-seqs", dest="max_num_seqs", type=int)
+    p.add_argument("--max-num-batched-tokens", dest="max_num_batched_tokens", type=int)
+    p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    p.add_argument("--torch-threads", dest="torch_threads", type=int)
+    p.add_argument("--metrics-port", dest="metrics_port", type=int)
+    p.add_argument("--no-tracing", dest="tracing", action="store_false")
+    p.add_argument("--peak-tflops", dest="peak_tflops", type=float, help="one device's peak, for MFU")
+    p.add_argument("--peak-bandwidth-gbs", dest="peak_bandwidth_gbs", type=float, help="for MBU")
+    return WorkerSettings(**vars(p.parse_args(argv)))
+
+
+def build_engine(s: WorkerSettings) -> LLMEngine:
+    runner = RunnerConfig(model=s.model, tp_size=s.tp_size, dtype=s.resolved_dtype, device=s.resolved_device,
+                          block_size=s.block_size, cpu_kv_bytes=s.kv_cache_bytes,
+                          gpu_memory_utilization=s.gpu_memory_utilization)
+    engine = LLMEngine(EngineConfig(runner, SchedulerConfig(s.max_num_seqs, s.max_num_batched_tokens),
+                                    s.enable_prefix_caching))
+    if s.torch_threads > 0:  # after the runner, which sets its own default on CPU
+        torch.set_num_threads(s.torch_threads)
+    return engine
+
+
+def worker_info(s: WorkerSettings, engine: LLMEngine, address: str) -> worker_pb2.WorkerInfo:
+    name = s.model if is_dummy(s.model) else model_name(resolve_model_path(s.model))
+    return worker_pb2.WorkerInfo(worker_id=s.resolved_worker_id, address=address, model=name, tp_size=s.tp_size,
+                                 kv_blocks_total=engine.block_pool.num_blocks, block_size=s.block_size,
+                                 max_num_seqs=s.max_num_seqs)
+
+
+def engine_loop_for(s: WorkerSettings, engine: LLMEngine, tracing: TracingHandle, model: str,
+                    on_fatal: Callable[[BaseException], None]) -> EngineLoop:
+    cfg = engine.model_config
+    peak = device_peak(s.resolved_device, s.peak_tflops, s.peak_bandwidth_gbs, s.cpu_peak_tflops,
+                       s.cpu_peak_bandwidth_gbs)
+    dtype_bytes = parse_dtype(s.resolved_dtype, "cpu" if s.resolved_device == "cpu" else "cuda").itemsize
+    cost = StepCostModel.for_model(cfg, dtype_bytes, peak, s.tp_size)
+    # The longest sequence the worker can hold: the model's context, the rotary table and the KV cache.
+    max_model_len = min(cfg.max_position_embeddings, MAX_ROTARY_POSITIONS,
+                        engine.block_pool.num_blocks * s.block_size)
+    return EngineLoop(engine, StepTelemetry(tracing.tracer, cost, model, tracing.enabled), max_model_len, on_fatal)
+
+
+async def serve(s: WorkerSettings) -> int:
+    """Run the worker until SIGTERM (returns 0) or until its engine dies (returns 1)."""
+    loop = asyncio.get_running_loop()
+    stop_requested = asyncio.Event()  # a signal during the (uninterruptible) model load
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop_requested.set)
+    tracing = setup_tracing("gpu_worker", s.resolved_worker_id, rank=0, enabled=s.tracing)
+    log.info("loading %s: tp=%d, %s on %s", s.model or "the default model", s.tp_size, s.resolved_dtype,
+             s.resolved_device)
+    engine = await asyncio.to_thread(build_engine, s)
+    log.info("engine ready: %d KV blocks of %d tokens", engine.block_pool.num_blocks, s.block_size)
+    try:
+        if stop_requested.is_set():
+            return 0
+        return await _serve_engine(s, engine, tracing, stop_requested)
+    finally:
+        await asyncio.to_thread(engine.shutdown)
+        await asyncio.to_thread(tracing.shutdown)
+        log.info("worker stopped")
+
+
+async def _serve_engine(s: WorkerSettings, engine: LLMEngine, tracing: TracingHandle,
+                        stop_requested: asyncio.Event) -> int:
+    loop = asyncio.get_running_loop()
+    engine_died = asyncio.Event()
+    info = worker_info(s, engine, address="")
+    engine_loop = engine_loop_for(s, engine, tracing, info.model,
+                                  on_fatal=lambda _exc: loop.call_soon_threadsafe(engine_died.set))
+    engine_loop.start()
+    server = await start_grpc_server(
+        [GrpcService(WorkerServicer(engine_loop, info), worker_pb2_grpc.add_WorkerServicer_to_server, SERVICE_NAME)],
+        s.port, s.host, interceptors=[TracingServerInterceptor(tracing.tracer)])
+    info.address = s.address(server.port)  # known only now when the port was 0
+    log.info("worker %s serving %s on port %d", info.worker_id, info.model, server.port)
+    metrics_server = start_metrics_server(s.metrics_port) if s.metrics_port > 0 else None
+    registration = asyncio.create_task(SchedulerRegistration(s.scheduler_address, info,
+                                                             lambda: engine_loop.load).run())
+    watchdog = asyncio.create_task(_stop_when_dead(engine_died, server))
+    try:
+        if stop_requested.is_set():
+            await server.stop(_STOP_GRACE_S)
+        await server.wait_for_signal(on_stop=lambda: asyncio.to_thread(engine_loop.stop), grace_s=_STOP_GRACE_S)
+    finally:
+        registration.cancel()
+        watchdog.cancel()
+        await asyncio.to_thread(engine_loop.stop)
+        if metrics_server is not None:
+            metrics_server.shutdown()
+    return 1 if engine_died.is_set() else 0
+
+
+async def _stop_when_dead(engine_died: asyncio.Event, server: RunningServer) -> None:
+    await engine_died.wait()
+    log.error("the engine died: marking the worker NOT_SERVING and exiting")
+    await server.set_serving(False, ["", SERVICE_NAME])
+    await server.stop(0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        return asyncio.run(serve(parse_args(argv)))
+    except (ValueError, OSError) as exc:  # bad settings, a missing model, a taken port: no traceback needed
+        log.error("cannot run the worker: %s", exc)
+        return 2
+    except Exception:
+        log.exception("worker failed")
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

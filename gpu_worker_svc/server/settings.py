@@ -1,0 +1,79 @@
+"""The one place where the worker service reads its environment."""
+
+from __future__ import annotations
+
+import socket
+
+import torch
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class WorkerSettings(BaseSettings):
+    """Worker knobs, from ``SHARDLINE_<FIELD>`` environment variables or `main`'s flags."""
+
+    model_config = SettingsConfigDict(env_prefix="SHARDLINE_")
+
+    # Unique id the scheduler knows this worker by; None: worker-<host>-<port>.
+    worker_id: str | None = None
+    # Port of the Worker gRPC service; 0 picks a free one (then give worker_id too).
+    port: int = Field(50060, ge=0, le=65535)
+    # Interface the gRPC server binds.
+    host: str = "0.0.0.0"
+    # host:port the scheduler dials for the Session; None: 127.0.0.1:<bound port>.
+    advertise_address: str | None = None
+    # The scheduler's gRPC address, for RegisterWorker and Heartbeat.
+    scheduler_address: str = "localhost:50053"
+    # HF folder or .gguf file; None: the default model.
+    model: str | None = None
+    # Ranks in the tensor-parallel group (processes on this machine).
+    tp_size: int = Field(1, ge=1)
+    # float32, bfloat16 or float16; None: float32 on CPU, bfloat16 on CUDA.
+    dtype: str | None = None
+    # "auto" (cuda when available), "cpu" or "cuda".
+    device: str = "auto"
+    # Tokens per KV-cache block.
+    block_size: int = Field(16, ge=1)
+    # KV-cache budget per rank on CPU, in bytes.
+    kv_cache_bytes: int = Field(512 << 20, gt=0)
+    # Share of GPU memory the model and KV cache may use.
+    gpu_memory_utilization: float = Field(0.85, gt=0.0, le=1.0)
+    # Most requests running at once.
+    max_num_seqs: int = Field(64, ge=1)
+    # Token budget of one engine step.
+    max_num_batched_tokens: int = Field(2048, ge=1)
+    # Reuse KV blocks across requests that share a prompt prefix.
+    enable_prefix_caching: bool = True
+    # Torch intra-op threads of rank 0; 0 leaves the engine's choice (cores / tp_size).
+    torch_threads: int = Field(0, ge=0)
+    # Port of the Prometheus /metrics endpoint; 0: not served.
+    metrics_port: int = Field(0, ge=0, le=65535)
+    # Record and export spans (SHARDLINE_TRACING=0 turns them off).
+    tracing: bool = True
+    # Peak dense FLOP/s and memory bandwidth of one device, for MFU/MBU;
+    # None: H200 figures on CUDA, the CPU figures below on CPU.
+    peak_tflops: float | None = Field(None, gt=0)
+    peak_bandwidth_gbs: float | None = Field(None, gt=0)
+    # A few AVX2/AVX-512 cores: rough figures, override them for your machine.
+    cpu_peak_tflops: float = Field(0.5, gt=0)
+    cpu_peak_bandwidth_gbs: float = Field(20.0, gt=0)
+
+    @property
+    def resolved_device(self) -> str:
+        if self.device == "auto":
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        return self.device
+
+    @property
+    def resolved_dtype(self) -> str:
+        if self.dtype:
+            return self.dtype
+        return "float32" if self.resolved_device == "cpu" else "bfloat16"
+
+    @property
+    def resolved_worker_id(self) -> str:
+        return self.worker_id or f"worker-{socket.gethostname()}-{self.port}"
+
+    def address(self, bound_port: int) -> str:
+        """Where the scheduler reaches this worker; `bound_port` matters when port is 0."""
+        return self.advertise_address or f"127.0.0.1:{bound_port}"

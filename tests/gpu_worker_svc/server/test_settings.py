@@ -1,0 +1,28 @@
+import pytest
+from pydantic import ValidationError
+
+from gpu_worker_svc.server.main import parse_args
+
+
+def test_flags_override_the_environment_and_unset_flags_leave_it(monkeypatch):
+    monkeypatch.setenv("SHARDLINE_PORT", "50070")
+    monkeypatch.setenv("SHARDLINE_TP_SIZE", "2")
+    s = parse_args(["--tp", "3", "--scheduler", "sched:1", "--no-tracing", "--no-prefix-caching",
+                    "--device", "cpu", "--max-num-seqs", "4"])
+    assert (s.port, s.tp_size, s.scheduler_address, s.max_num_seqs) == (50070, 3, "sched:1", 4)
+    assert not s.tracing and not s.enable_prefix_caching
+
+
+def test_defaults_resolve_from_the_port_and_device(monkeypatch):
+    monkeypatch.delenv("SHARDLINE_WORKER_ID", raising=False)
+    s = parse_args(["--port", "50061", "--device", "cpu"])
+    assert s.resolved_worker_id.startswith("worker-") and s.resolved_worker_id.endswith("-50061")
+    assert (s.resolved_device, s.resolved_dtype) == ("cpu", "float32")
+    assert s.address(50061) == "127.0.0.1:50061"
+    assert parse_args(["--device", "cuda"]).resolved_dtype == "bfloat16"
+    assert parse_args(["--advertise-address", "w0:1"]).address(50061) == "w0:1"
+
+
+def test_out_of_range_settings_are_refused():
+    with pytest.raises(ValidationError, match="tp_size"):
+        parse_args(["--tp", "0"])
