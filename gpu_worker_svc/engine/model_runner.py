@@ -133,7 +133,17 @@ class ModelRunner:
         self._dead = threading.Event()
         if self._children:
             threading.Thread(target=self._watch_children, daemon=True, name="rank-watch").start()
-        self._shard = ShardWorker(config, 0, init_method)
+        try:
+            self._shard = ShardWorker(config, 0, init_method)
+        except BaseException:
+            # A failed load (a bad checkpoint) must not leave this process in the process group,
+            # or the next runner here cannot start one, nor leave ranks waiting on a collective.
+            self._closing = True
+            destroy_tp_group(TPGroup(0, config.tp_size))
+            for p in self._children:
+                p.kill()
+                p.join(timeout=10)
+            raise
         self.num_blocks = self._shard.num_blocks
         self.block_size = config.block_size
 
@@ -144,6 +154,11 @@ class ModelRunner:
             p = sentinels[ready[0]]
             log.error("tensor-parallel rank %s died with exit code %s", p.name, p.exitcode)
             self._dead.set()
+
+    @property
+    def is_dead(self) -> bool:
+        """A rank has died: the next step would fail."""
+        return self._dead.is_set()
 
     def execute(self, batch: StepBatch) -> torch.Tensor:
         """Run one step on every rank; returns [B, vocab] float32 logits."""

@@ -15,6 +15,11 @@ class ModelConfigError(ValueError):
     """The model's configuration is missing, malformed or unsupported."""
 
 
+def _check_architecture(arch: str) -> None:
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ModelConfigError(f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+
+
 @dataclass(slots=True)
 class ModelConfig:
     """Shape and hyper-parameters of a Llama-family decoder-only model."""
@@ -38,10 +43,7 @@ class ModelConfig:
     name: str = ""
 
     def __post_init__(self) -> None:
-        if self.architecture not in SUPPORTED_ARCHITECTURES:
-            raise ModelConfigError(
-                f"unsupported architecture {self.architecture!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
+        _check_architecture(self.architecture)
         if self.num_heads % self.num_kv_heads:
             raise ModelConfigError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
 
@@ -80,6 +82,8 @@ class ModelConfig:
     def from_hf_dict(cls, cfg: dict[str, Any], name: str = "") -> ModelConfig:
         archs = cfg.get("architectures") or [cfg.get("model_type", "?")]
         arch = archs[0]
+        # Before reading fields: other architectures name them differently (GPT-2's n_head).
+        _check_architecture(arch)
         heads = cfg["num_attention_heads"]
         # transformers 5 nests rope settings in rope_parameters; older configs keep them flat.
         rope = dict(cfg.get("rope_parameters") or {})

@@ -25,7 +25,9 @@ class LlamaAttention(nn.Module):
         super().__init__()
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads,
                                           cfg.attention_bias, tp, dtype)
-        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, False, tp, dtype)
+        # Llama's attention_bias covers o_proj too; Qwen2 biases only q/k/v.
+        o_bias = cfg.attention_bias and cfg.architecture == "LlamaForCausalLM"
+        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, o_bias, tp, dtype)
         self.rotary = rotary
         self.attn = PagedAttention(self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, cfg.head_dim)
         self.head_dim = cfg.head_dim
