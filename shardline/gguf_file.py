@@ -17,7 +17,8 @@ from typing import Any
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
-from gguf.quants import dequantize
+
+from shardline.gguf_quants import dequantize
 
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
@@ -167,10 +168,9 @@ class GGUFFile:
         if t.qtype == GGMLQuantizationType.BF16:
             return (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32).reshape(shape)
         try:
-            out = dequantize(raw.reshape(shape[0] if len(shape) > 1 else 1, -1), t.qtype)
+            return dequantize(raw, t.qtype, shape)
         except NotImplementedError as exc:
             raise GGUFError(f"{self.path}: tensor {name!r} has unsupported type {t.qtype.name}") from exc
-        return out.reshape(shape)
 
     def close(self) -> None:
         self._map.close()

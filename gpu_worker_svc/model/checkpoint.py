@@ -6,6 +6,7 @@ pulls its own shard from disk (safetensors slices, GGUF rows) and never the mode
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -138,7 +139,7 @@ class GGUFCheckpoint:
     def __init__(self, path: Path) -> None:
         self.path = path
         try:
-            self.file = GGUFFile(path)
+            self.file = _open_gguf(path, path.stat().st_mtime_ns)
         except GGUFError as exc:
             raise CheckpointError(str(exc)) from exc
 
@@ -153,6 +154,13 @@ class GGUFCheckpoint:
                 continue
             head_dim = cfg.head_dim if permute and (".q_proj." in name or ".k_proj." in name) else None
             yield GGUFCheckpointTensor(name, info.shape, gname, self.file, head_dim)
+
+
+@functools.lru_cache(maxsize=4)
+def _open_gguf(path: Path, mtime_ns: int) -> GGUFFile:
+    """Parsed once per process: reading the config and then the weights would otherwise parse the
+    header (with its whole tokenizer vocabulary) twice."""
+    return GGUFFile(path)
 
 
 def open_checkpoint(path: Path) -> SafetensorsCheckpoint | GGUFCheckpoint:
