@@ -76,4 +76,12 @@ class WorkerSettings(BaseSettings):
 
     def address(self, bound_port: int) -> str:
         """Where the scheduler reaches this worker; `bound_port` matters when port is 0."""
-        return self.advertise_address or f"127.0.0.1:{bound_port}"
+        if self.advertise_address:
+            return self.advertise_address
+        # The container's or pod's own IP: 127.0.0.1 is unreachable from a scheduler in another
+        # container, and a pod's hostname does not resolve in DNS for a Deployment.
+        try:
+            host = socket.gethostbyname(socket.gethostname())
+        except OSError:
+            host = "127.0.0.1"
+        return f"{host}:{bound_port}"

@@ -1,0 +1,177 @@
+"""docker-compose.yml, .env.example and the CPU override, checked by the real Compose v2 binary."""
+
+from __future__ import annotations
+
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+from tests.deploy.compose_project import (
+    COMPOSE_FILE,
+    CPU_OVERRIDE,
+    ENV_EXAMPLE,
+    SHARDLINE_SERVICES,
+    SHARED_SETTINGS,
+    env_example_variables,
+    raw_config,
+    resolved_config,
+    run_compose,
+    settings_class,
+)
+
+
+@pytest.mark.parametrize("profile_args", [(), ("--profile", "observability")], ids=["default", "observability"])
+def test_compose_config_validates(profile_args):
+    result = run_compose(*profile_args, "config", "-q")
+    assert result.returncode == 0, result.stderr
+
+
+def test_compose_config_validates_without_an_env_file(tmp_path):
+    # A first `docker compose up` before anyone copied .env.example must work too.
+    empty = tmp_path / "empty.env"
+    empty.write_text("")
+    result = run_compose("--profile", "observability", "config", "-q", env_file=empty)
+    assert result.returncode == 0, result.stderr
+
+
+def test_cpu_override_validates_and_drops_the_gpu_reservation():
+    config = resolved_config(files=(COMPOSE_FILE, CPU_OVERRIDE))
+    worker = config["services"]["gpu-worker"]
+    assert "deploy" not in worker or not worker["deploy"].get("resources")
+    assert worker["build"]["target"] == "service"
+    assert worker["environment"]["SHARDLINE_DEVICE"] == "cpu"
+
+
+@pytest.mark.parametrize("old, new, error", [
+    ("condition: service_healthy", "condition: service_happy", "condition value must be one of"),
+    ("      scheduler:\n        condition: service_healthy", "      sheduler:\n        condition: service_healthy",
+     'undefined service "sheduler"'),
+    ("    restart: unless-stopped\n", "    restart: unless-stopped\n    replicas_please: 2\n",
+     "additional properties 'replicas_please' not allowed"),
+], ids=["bad-condition", "unknown-dependency", "unknown-key"])
+def test_compose_config_rejects_a_broken_copy(tmp_path, old, new, error):
+    """The negative control: the same check fails, and says why, once the file is wrong."""
+    text = COMPOSE_FILE.read_text()
+    assert old in text
+    broken = tmp_path / "docker-compose.yml"
+    broken.write_text(text.replace(old, new, 1))
+    result = run_compose("config", "-q", files=(broken,))
+    assert result.returncode != 0
+    assert error in result.stderr
+
+
+def test_shardline_services_run_shardline_serve():
+    services = resolved_config()["services"]
+    built_here = {name for name, service in services.items() if "build" in service}
+    assert built_here == set(SHARDLINE_SERVICES)
+    for name in built_here:
+        command = services[name]["command"]
+        assert command[:2] == ["shardline", "serve"], name
+    assert services["gpu-worker"]["command"] == ["shardline", "serve", "worker"]
+    assert {services[name]["command"][2] for name in built_here} == {
+        "tokenizer", "scheduler", "worker", "gateway", "tracing"}
+
+
+def test_every_service_has_a_healthcheck_a_restart_policy_and_healthy_dependencies():
+    services = resolved_config("--profile", "observability")["services"]
+    for name, service in services.items():
+        assert service.get("healthcheck", {}).get("test"), f"{name} has no healthcheck"
+        assert service.get("restart") == "unless-stopped", name
+        for dependency, condition in service.get("depends_on", {}).items():
+            assert dependency in services, (name, dependency)
+            assert condition["condition"] == "service_healthy", (name, dependency)
+    assert set(services["gateway"]["depends_on"]) == {"tokenizer", "scheduler", "gpu-worker"}
+    assert set(services["scheduler"]["depends_on"]) == {"redis"}
+    assert set(services["tracing"]["depends_on"]) == {"redis"}
+
+
+def test_healthchecks_probe_the_port_each_service_listens_on():
+    services = resolved_config()["services"]
+    own_port = {"tokenizer": "SHARDLINE_PORT", "scheduler": "SHARDLINE_PORT", "gpu-worker": "SHARDLINE_PORT",
+                "gateway": "SHARDLINE_HTTP_PORT", "tracing": "SHARDLINE_OTLP_PORT"}
+    for name, variable in own_port.items():
+        test = services[name]["healthcheck"]["test"]
+        assert test[:2] == ["CMD", "shardline-healthcheck"], name
+        assert f"localhost:{services[name]['environment'][variable]}" in test[-1], name
+
+
+def test_workers_scale_without_a_fixed_port_id_or_address():
+    worker = resolved_config()["services"]["gpu-worker"]
+    assert "ports" not in worker and "container_name" not in worker
+    # Left unset so that each replica gets its own: worker-<hostname>-<port>, and the
+    # address the worker derives from its container's IP.
+    assert worker["environment"].get("SHARDLINE_WORKER_ID") is None
+    assert worker["environment"].get("SHARDLINE_ADVERTISE_ADDRESS") is None
+
+
+@pytest.mark.parametrize("tp_size", [1, 2])
+def test_worker_reserves_one_gpu_per_tensor_parallel_rank(tmp_path, tp_size):
+    env = tmp_path / "tp.env"
+    env.write_text(ENV_EXAMPLE.read_text().replace("SHARDLINE_TP_SIZE=1", f"SHARDLINE_TP_SIZE={tp_size}"))
+    worker = resolved_config(env_file=env)["services"]["gpu-worker"]
+    (device,) = worker["deploy"]["resources"]["reservations"]["devices"]
+    assert device["driver"] == "nvidia" and "gpu" in device["capabilities"]
+    assert device["count"] == tp_size
+    assert worker["environment"]["SHARDLINE_TP_SIZE"] == str(tp_size)
+    assert int(worker["shm_size"]) >= 1 << 30 and worker["ipc"] == "private"
+
+
+def test_redis_keeps_an_append_only_file_on_a_volume():
+    redis = resolved_config()["services"]["redis"]
+    assert "--appendonly" in redis["command"] and "yes" in redis["command"]
+    (mount,) = redis["volumes"]
+    assert mount["type"] == "volume" and mount["target"] == "/data"
+
+
+def test_env_example_documents_exactly_the_variables_compose_reads():
+    text = COMPOSE_FILE.read_text()
+    interpolated = set(re.findall(r"\$\{([A-Z][A-Z0-9_]*)", text))
+    passed_through = {key for service in raw_config()["services"].values()
+                      for key, value in (service.get("environment") or {}).items() if value is None}
+    # Merge keys of the shared anchors are resolved by the YAML loader, so they are counted above.
+    documented = set(env_example_variables()) - {"COMPOSE_PROFILES"}
+    assert interpolated | passed_through == documented
+
+
+def test_every_setting_a_service_gets_is_one_it_reads(monkeypatch):
+    """Each SHARDLINE_* variable names a field of the service's settings, and the values of
+    .env.example pass the settings' validation."""
+    services = resolved_config()["services"]
+    shared = settings_class(SHARED_SETTINGS)
+    for name, path in SHARDLINE_SERVICES.items():
+        cls = settings_class(path)
+        environment = services[name].get("environment") or {}
+        for variable in environment:
+            field = variable.removeprefix("SHARDLINE_").lower()
+            assert variable.startswith("SHARDLINE_"), (name, variable)
+            assert field in cls.model_fields or field in shared.model_fields, (name, variable)
+        with monkeypatch.context() as patch:
+            for variable, value in environment.items():
+                if value is not None:
+                    patch.setenv(variable, value)
+            cls()
+
+
+def test_healthcheck_commands_are_plain_argv():
+    # CMD healthchecks run without a shell: no quoting or pipes may hide inside an argument.
+    for name, service in resolved_config()["services"].items():
+        test = service["healthcheck"]["test"]
+        if test[0] == "CMD":
+            assert all(shlex.split(arg) == [arg] for arg in test[1:]), name
+
+
+def test_bind_mounts_point_into_the_repository():
+    services = resolved_config("--profile", "observability")["services"]
+    for name, service in services.items():
+        for mount in service.get("volumes", []):
+            if mount["type"] == "bind":
+                assert Path(mount["source"]).exists(), (name, mount["source"])
+
+
+def test_readme_documents_every_variable():
+    readme = (COMPOSE_FILE.parent / "README.md").read_text()
+    section = readme[readme.index("## Deploy with docker compose"):]
+    missing = [name for name in env_example_variables() if f"`{name}`" not in section]
+    assert not missing
