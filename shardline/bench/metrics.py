@@ -48,7 +48,12 @@ def summarize(timings: list[RequestTiming], wall_s: float, slo_ttft_ms: float | 
     good = [t for t in done
             if (slo_ttft_ms is None or t.ttft * 1000 <= slo_ttft_ms)
             and (slo_tpot_ms is None or (t.tpot or 0) * 1000 <= slo_tpot_ms)]
+    errors: dict[str, int] = {}
+    for t in timings:
+        if not t.ok:
+            errors[t.error] = errors.get(t.error, 0) + 1
     return {
+        "errors": errors,
         "completed": len(done),
         "failed": len(timings) - len(done),
         "wall_s": wall_s,

@@ -31,7 +31,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-async def _measure(backend, spec: LoadSpec, label: str, args: argparse.Namespace) -> dict:
+async def _measure(make_backend, spec: LoadSpec, label: str, args: argparse.Namespace) -> dict:
+    backend = make_backend()  # inside the loop: grpc.aio channels belong to the loop that creates them
     warm = LoadSpec(num_prompts=min(4, spec.num_prompts), input_len=spec.input_len, output_len=4,
                     max_concurrency=spec.max_concurrency, seed=spec.seed + 100, vocab_size=spec.vocab_size)
     await run_load(warm, backend.send, f"{label} warm-up")
@@ -58,14 +59,14 @@ def run(args: argparse.Namespace) -> int:
             stack = LocalStack(StackConfig.on_free_ports(model=args.model)).start()
             url = f"127.0.0.1:{stack.config.grpc_port}"
         try:
-            results["stack"] = asyncio.run(_measure(StackBackend(url), spec, "stack", args))
+            results["stack"] = asyncio.run(_measure(lambda: StackBackend(url), spec, "stack", args))
         finally:
             if stack is not None:
                 stack.stop()
     if args.engine:
         # The worker's own defaults, so the engine runs exactly as it does inside the stack.
         config = EngineConfig(runner=RunnerConfig(model=args.model), scheduler=SchedulerConfig())
-        results["engine"] = asyncio.run(_measure(EngineBackend(config), spec, "engine", args))
+        results["engine"] = asyncio.run(_measure(lambda: EngineBackend(config), spec, "engine", args))
     if not results:
         print("give --url, --launch and/or --engine")
         return 2
@@ -91,6 +92,9 @@ def _print(results: dict[str, dict], spec: LoadSpec) -> None:
     for label, key, stat in rows:
         vals = [results[n][key][stat] if stat else results[n][key] for n in names]
         print(f"{label:<28}" + "".join(f"{v:>14.2f}" if isinstance(v, float) else f"{v:>14}" for v in vals))
+    for name, r in results.items():
+        for error, count in r["errors"].items():
+            print(f"{name}: {count} failed with {error}")
     if "stack" in results and "engine" in results:
         s, e = results["stack"], results["engine"]
         print(f"\nstack/engine output throughput: {s['output_throughput'] / e['output_throughput']:.3f}; "
