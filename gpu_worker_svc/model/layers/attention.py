@@ -35,14 +35,18 @@ class PagedAttention(nn.Module):
                 out[start:end] = self._sdpa(q[start:end], k_cache.index_select(0, gather),
                                             v_cache.index_select(0, gather), mask, causal=False)
         if meta.decode_gather is not None:
-            qd = q.index_select(0, meta.decode_index).unsqueeze(2)  # [B, Hq, 1, D]
+            only_decodes = not meta.prefill_bounds  # the common step: the batch is the decodes, in order
+            qd = (q if only_decodes else q.index_select(0, meta.decode_index)).unsqueeze(2)  # [B, Hq, 1, D]
             # index_select on the flattened slots is several times faster than advanced indexing.
             b, length = meta.decode_gather.shape
             flat = meta.decode_gather.flatten()
             kd = k_cache.index_select(0, flat).view(b, length, *k_cache.shape[1:]).transpose(1, 2)  # [B, Hkv, L, D]
             vd = v_cache.index_select(0, flat).view(b, length, *v_cache.shape[1:]).transpose(1, 2)
-            out[meta.decode_index] = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask,
-                                                     enable_gqa=self.num_heads != self.num_kv_heads).squeeze(2)
+            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask,
+                                                enable_gqa=self.num_heads != self.num_kv_heads).squeeze(2)
+            if only_decodes:
+                return od.flatten(1)
+            out.index_copy_(0, meta.decode_index, od)  # index_copy_ is far cheaper than index_put on CPU
         return out.flatten(1)
 
     def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
