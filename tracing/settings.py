@@ -12,6 +12,12 @@ class TracingSettings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="SHARDLINE_")
 
+    # The tracing service: interface it listens on, OTLP/gRPC port, dashboard HTTP port...
+    host: str = "0.0.0.0"
+    otlp_port: int = 4317
+    http_port: int = 8080
+    # ...and the Redis it stores spans in (the request-state Redis will do; keys are apart).
+    redis_url: str = "redis://127.0.0.1:6379/0"
     # Where services send spans: host:port (or http(s)://host:port) of an OTLP/gRPC collector.
     otlp_endpoint: str = "localhost:4317"
     # Spans that may wait for export; beyond this they are dropped and counted.

@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from shardline.cli import bench_cmd, generate_cmd, up_cmd
+    from shardline.cli import bench_cmd, generate_cmd, trace_cmd, up_cmd
 
     parser = argparse.ArgumentParser(prog="shardline", description="Shardline: LLM serving in Python")
     sub = parser.add_subparsers(metavar="command")
@@ -43,6 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     up_cmd.add_parser(sub)
     generate_cmd.add_parsers(sub)
     bench_cmd.add_parser(sub)
+    trace_cmd.add_parser(sub)
     return parser
 
 

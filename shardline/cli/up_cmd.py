@@ -43,11 +43,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"shardline: failed to start: {exc}", file=sys.stderr)
         stack.stop()
         return 1
+    traces = (f"\n  traces        http://127.0.0.1:{config.dashboard_port}/   (dashboard; OTLP on :{config.otlp_port})"
+              if args.tracing else "")
     print(f"""
 shardline is up ({time.monotonic() - t0:.1f}s):
   OpenAI HTTP   http://127.0.0.1:{args.http_port}/v1   (curl .../v1/completions, .../v1/chat/completions)
   gRPC          127.0.0.1:{args.grpc_port}           (shardline.client.ShardlineClient)
-  metrics       http://127.0.0.1:{args.http_port}/metrics
+  metrics       http://127.0.0.1:{args.http_port}/metrics{traces}
   redis         {stack.redis_url}
 Ctrl-C stops everything.""", flush=True)
     code = 0

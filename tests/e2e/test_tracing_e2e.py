@@ -1,0 +1,191 @@
+"""End-to-end tracing: a real stack with the tracing service, spans from every service, a .pftrace
+read back by Perfetto's own trace processor, and the dashboard in a real (headless) browser.
+
+Artifacts (git-ignored): artifacts/tracing/ holds the exported trace and screenshots of the
+dashboard and of the local Perfetto UI with that trace open.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from shardline.cli.main import main as shardline_cli
+from shardline.client import ShardlineClient
+from shardline.stack import LocalStack, StackConfig
+from tests.e2e.http_client import get, post, sse
+from tests.tracing.headless_chromium import HeadlessChromium, find_chromium
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[2]
+ARTIFACTS = REPO / "artifacts" / "tracing"
+PERFETTO_QUERY = REPO.parent / "shared" / "tools" / "perfetto_query" / "perfetto_query.py"
+SERVICES = {"gateway", "tokenizer", "scheduler", "gpu_worker"}
+COUNTERS = {"queue depth", "batch size rank 0", "KV blocks used rank 0", "tokens/s rank 0", "MFU rank 0",
+            "MBU rank 0"}
+
+
+@dataclass(slots=True)
+class Served:
+    """The requests sent to the traced stack, and the dashboard's rows for them."""
+
+    dashboard: str
+    # The HTTP completion sent with a traceparent, and that traceparent's trace id.
+    traced_id: str
+    trace_id: str
+    request_ids: list[str]
+    rows: dict[str, dict]
+
+
+@pytest.fixture(scope="module")
+def traced_stack(tmp_path_factory):
+    logs = Path(os.environ.get("SHARDLINE_TEST_LOG_DIR", tmp_path_factory.mktemp("traced-logs"))) / "traced"
+    config = StackConfig.on_free_ports(tracing=True, data_dir=tmp_path_factory.mktemp("traced-data"), log_dir=logs,
+                                       env={"KV_CACHE_BYTES": str(64 << 20)})
+    stack = LocalStack(config)
+    try:
+        stack.start(timeout_s=240)
+    except Exception:
+        for log in sorted(logs.glob("*.log")):
+            print(f"----- {log.name}\n{log.read_text()[-3000:]}")
+        stack.stop()
+        raise
+    yield stack
+    stack.stop()
+
+
+def _rows(dashboard: str) -> dict[str, dict]:
+    status, body = get(f"{dashboard}/api/requests")
+    assert status == 200, body
+    return {row["request_id"]: row for row in json.loads(body)["requests"]}
+
+
+@pytest.fixture(scope="module")
+def served(traced_stack: LocalStack) -> Served:
+    http = f"http://127.0.0.1:{traced_stack.config.http_port}"
+    trace_id = secrets.token_hex(16)
+    traceparent = f"00-{trace_id}-{secrets.token_hex(8)}-01"
+    status, body = post(f"{http}/v1/completions", {"prompt": "The capital of France is", "max_tokens": 8,
+                                                   "temperature": 0}, headers={"traceparent": traceparent})
+    assert status == 200, body
+    events = list(sse(f"{http}/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi!"}],
+                                                       "max_tokens": 6}))
+    with ShardlineClient(f"127.0.0.1:{traced_stack.config.grpc_port}") as client:
+        done = client.generate("Once upon a time", max_tokens=6, seed=1)
+    request_ids = [body["id"], events[0]["id"], done.request_id]
+    dashboard = f"http://127.0.0.1:{traced_stack.config.dashboard_port}"
+    # Services export in batches every 500 ms; the gateway's span ends last.
+    deadline = time.monotonic() + 30
+    while True:
+        rows = _rows(dashboard)
+        if all(rows.get(rid, {}).get("status") not in (None, "running") for rid in request_ids):
+            break
+        assert time.monotonic() < deadline, f"spans missing: {rows}"
+        time.sleep(0.5)
+    return Served(dashboard, body["id"], trace_id, request_ids, rows)
+
+
+def test_a_client_traceparent_is_the_requests_trace(served: Served) -> None:
+    assert served.rows[served.traced_id]["trace_id"] == served.trace_id
+    others = {served.rows[rid]["trace_id"] for rid in served.request_ids[1:]}
+    assert served.trace_id not in others and len(others) == 2
+
+
+def test_dashboard_api_lists_the_requests_with_latencies(served: Served) -> None:
+    for rid in served.request_ids:
+        row = served.rows[rid]
+        assert row["status"] in ("stop", "length"), row
+        assert row["model"] == "SmolLM2-135M-Instruct" and row["input_tokens"] > 0 and row["output_tokens"] > 1
+        assert 0 < row["ttft_ms"] < row["e2e_ms"]
+        assert 0 < row["tpot_ms"] < row["e2e_ms"]
+        assert sum(row["stages_ms"].values()) == pytest.approx(row["e2e_ms"], abs=0.01)
+        assert row["stages_ms"]["decode"] > 0 and row["stages_ms"]["prefill"] > 0
+        assert row["worker"] == "worker-0"
+        assert {"gateway-0", "scheduler", "worker-0"} <= set(row["instances"])
+        assert any(instance.startswith("tokenizer") for instance in row["instances"])
+
+
+def _perfetto_rows(trace: Path, trace_id: str) -> list[dict]:
+    # One query (each call boots the WebAssembly trace processor): kind, a, b, n rows.
+    sql = f"""
+    select 'category' as kind, category as a, '' as b, count(*) as n from slice
+      where extract_arg(arg_set_id, 'debug.trace_id') = '{trace_id}' group by category
+    union all
+    select 'flow', o.category, i.category, count(*) from flow f
+      join slice o on o.id = f.slice_out join slice i on i.id = f.slice_in group by 2, 3
+    union all
+    select 'step', p.name, t.name, count(*) from slice s join thread_track tt on s.track_id = tt.id
+      join thread t using (utid) join process p using (upid) where s.name = 'engine_step' group by 2, 3
+    union all
+    select 'counter', ct.name, '', count(*) from counter c join counter_track ct on c.track_id = ct.id group by 2
+    """
+    run = subprocess.run([sys.executable, str(PERFETTO_QUERY), str(trace), sql, "--json"],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    return json.loads(run.stdout)
+
+
+@pytest.mark.skipif(shutil.which("node") is None or not PERFETTO_QUERY.is_file(),
+                    reason="needs node and shared/tools/perfetto_query")
+def test_exported_trace_loads_in_perfetto(served: Served, traced_stack: LocalStack,
+                                          capsys: pytest.CaptureFixture) -> None:
+    trace = ARTIFACTS / "request.pftrace"
+    trace.parent.mkdir(parents=True, exist_ok=True)
+    code = shardline_cli(["trace", "export", "--request", served.traced_id, "-o", str(trace),
+                          "--redis-url", traced_stack.redis_url])
+    assert code == 0 and f"wrote {trace}" in capsys.readouterr().out
+    rows = _perfetto_rows(trace, served.trace_id)
+    by_kind: dict[str, dict[tuple[str, str], int]] = {}
+    for row in rows:
+        by_kind.setdefault(row["kind"], {})[row["a"], row["b"]] = row["n"]
+    # Slices from all four services in the request's trace.
+    assert {category for category, _ in by_kind["category"]} == SERVICES
+    # One flow follows the request across services: gateway -> scheduler -> worker -> gateway.
+    assert {("gateway", "scheduler"), ("scheduler", "gpu_worker"), ("gpu_worker", "gateway")} <= set(by_kind["flow"])
+    # Per-step slices on the worker's thread track, at least one per generated token.
+    steps = {process: n for (process, _thread), n in by_kind["step"].items()}
+    assert steps.get("worker-0", 0) >= served.rows[served.traced_id]["output_tokens"]
+    assert COUNTERS <= {name for name, _ in by_kind["counter"]}
+
+
+def _dashboard_rendered(request_ids: list[str]) -> str:
+    # Each request's row, with at least one stage drawn in its latency bar.
+    return " && ".join(f"!!document.querySelector('tr[data-request-id=\"{rid}\"] .bar .stage')"
+                       for rid in request_ids)
+
+
+@pytest.mark.skipif(find_chromium() is None, reason="needs chromium (scripts/setup.sh installs it)")
+def test_dashboard_in_headless_chromium(served: Served) -> None:
+    async def drive() -> tuple[str, str]:
+        async with HeadlessChromium(find_chromium(), window=(1500, 700)) as browser:
+            await browser.navigate(f"{served.dashboard}/")
+            await browser.wait_for(_dashboard_rendered(served.request_ids))
+            await browser.screenshot(ARTIFACTS / "dashboard.png")
+            dom = await browser.dom()
+            link = await browser.evaluate(
+                f"document.querySelector('tr[data-request-id=\"{served.traced_id}\"] a[target=_blank]').href")
+            # The row's Perfetto link opens the request's trace in the UI served by the tracing service.
+            await browser.navigate(link)
+            await browser.wait_for(f"document.body.innerText.includes('request {served.traced_id}')", timeout_s=90)
+            await asyncio.sleep(1)  # let the timeline paint its slices
+            await browser.screenshot(ARTIFACTS / "perfetto.png")
+            return dom, link
+
+    dom, link = asyncio.run(drive())
+    (ARTIFACTS / "dashboard.html").write_text(dom)
+    for rid in served.request_ids:
+        assert f'data-request-id="{rid}"' in dom
+    assert link.startswith(f"{served.dashboard}/perfetto/#!/viewer?url=")
+    assert (ARTIFACTS / "dashboard.png").stat().st_size > 10_000
+    assert (ARTIFACTS / "perfetto.png").stat().st_size > 10_000
