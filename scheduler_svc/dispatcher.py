@@ -158,7 +158,7 @@ class Dispatcher:
             span = self._tracer.start_span(
                 "dispatch", context=extract_context({"traceparent": request.traceparent}),
                 attributes={attr.REQUEST_ID: request.request_id, "shardline.worker_id": worker.worker_id,
-                            "shardline.attempt": request.attempt})
+                            "shardline.attempt": request.attempt, attr.QUEUE_DEPTH: len(self.queue)})
             adds[worker.worker_id].append(request.new_request())
             # Redis has these; a later re-dispatch reads them back with whatever came after.
             request.output_token_ids = []

@@ -65,7 +65,7 @@ async def start_tokenizer_server(
 async def serve(settings: TokenizerSettings) -> None:
     """Run until SIGTERM/SIGINT."""
     service = await asyncio.to_thread(build_service, settings.model)
-    instance_id = f"tokenizer-{socket.gethostname()}:{settings.port}"
+    instance_id = settings.instance_id or f"tokenizer-{socket.gethostname()}:{settings.port}"
     tracing = setup_tracing("tokenizer", instance_id, enabled=settings.tracing)
     server = await start_tokenizer_server(service, settings.port, tracing.tracer)
     logger.info("tokenizer service listening on port %d", server.port)

@@ -14,3 +14,5 @@ class TokenizerSettings(BaseSettings):
     model: str | None = None
     # Export spans over OTLP (SHARDLINE_TRACING=0 turns it off).
     tracing: bool = True
+    # Names this process in traces; None: tokenizer-<hostname>:<port>.
+    instance_id: str | None = None

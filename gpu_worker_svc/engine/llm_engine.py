@@ -121,6 +121,7 @@ class LLMEngine:
             num_computed=torch.tensor([s.seq.num_computed_tokens for s in sched.scheduled], dtype=torch.long),
             num_new=torch.tensor([s.num_new_tokens for s in sched.scheduled], dtype=torch.long),
             block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long),
+            step=self._step,
         )
 
     def _postprocess(self, sched: SchedulerOutput, logits: torch.Tensor) -> list[RequestOutput]:

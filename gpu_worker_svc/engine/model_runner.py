@@ -8,6 +8,7 @@ travel over gRPC. A rank that dies is reported as EngineDeadError, never a hang.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing as mp
 import multiprocessing.connection
@@ -46,6 +47,7 @@ class RunnerConfig:
     num_blocks: int | None = None  # fixed block count (tests use tiny caches); None: derived from memory
     max_model_len: int | None = None
     cuda_graphs: bool = True  # capture decode steps on CUDA
+    trace_instance: str | None = None  # when set, ranks 1..N-1 export a span per step under this instance id
     profile_tokens: int = 2048  # the largest step's token count, profiled on GPU before sizing the KV cache
 
 
@@ -96,6 +98,7 @@ class ShardWorker:
 def _rank_main(config: RunnerConfig, rank: int, init_method: str) -> None:
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{rank} %(levelname)s %(message)s")
     worker = ShardWorker(config, rank, init_method)
+    spans = _RankSpans(config.trace_instance, rank)
     header = torch.zeros(4, dtype=torch.long, device=worker.device)
     try:
         while True:
@@ -104,11 +107,39 @@ def _rank_main(config: RunnerConfig, rank: int, init_method: str) -> None:
                 break
             packed = torch.empty(StepBatch.packed_size(header.cpu()), dtype=torch.long, device=worker.device)
             worker.tp.broadcast(packed)
-            worker.step(StepBatch.unpack(packed.cpu()))
+            batch = StepBatch.unpack(packed.cpu())
+            with spans.step(batch):
+                worker.step(batch)
     except RuntimeError as exc:  # rank 0 went away: nothing left to serve
         log.error("rank %d stopping: %s", rank, exc)
     finally:
         destroy_tp_group(worker.tp)
+        spans.shutdown()
+
+
+class _RankSpans:
+    """One `engine_step` span per step on a non-driver rank, so traces show every rank's thread track."""
+
+    def __init__(self, instance: str | None, rank: int) -> None:
+        self.handle = None
+        if instance:
+            from tracing.otel_setup import setup_tracing  # only ranks that trace pay for the SDK
+
+            self.handle = setup_tracing("gpu_worker", instance, rank=rank)
+        self.rank = rank
+
+    def step(self, batch: StepBatch) -> contextlib.AbstractContextManager:
+        if self.handle is None:
+            return contextlib.nullcontext()
+        from tracing import attributes as attr
+
+        return self.handle.tracer.start_as_current_span("engine_step", attributes={
+            attr.STEP: batch.step, attr.RANK: self.rank, attr.BATCH_SIZE: int(batch.num_new.numel()),
+            attr.NUM_TOKENS: int(batch.token_ids.numel())})
+
+    def shutdown(self) -> None:
+        if self.handle is not None:
+            self.handle.shutdown()
 
 
 def _free_port() -> int:

@@ -21,11 +21,12 @@ class StepBatch:
     num_computed: torch.Tensor  # [B] long: tokens of each sequence already in the KV cache
     num_new: torch.Tensor  # [B] long: tokens of each sequence computed this step
     block_tables: torch.Tensor  # [B, max_blocks] long, padded with 0
+    step: int = 0  # the engine's step counter, so every rank labels its trace spans alike
 
     def pack(self) -> torch.Tensor:
         """One int64 tensor: a 4-int header, then the arrays back to back."""
         b, m = self.block_tables.shape
-        header = torch.tensor([self.token_ids.numel(), b, m, 0], dtype=torch.long)
+        header = torch.tensor([self.token_ids.numel(), b, m, self.step], dtype=torch.long)
         return torch.cat([header, self.token_ids, self.num_computed, self.num_new, self.block_tables.flatten()])
 
     @staticmethod
@@ -35,9 +36,9 @@ class StepBatch:
 
     @classmethod
     def unpack(cls, packed: torch.Tensor) -> StepBatch:
-        t, b, m = (int(x) for x in packed[:3])
+        t, b, m, step = (int(x) for x in packed[:4])
         body = packed[4:]
-        return cls(body[:t], body[t : t + b], body[t + b : t + 2 * b], body[t + 2 * b :].view(b, m))
+        return cls(body[:t], body[t : t + b], body[t + b : t + 2 * b], body[t + 2 * b :].view(b, m), step)
 
 
 @dataclass(slots=True)

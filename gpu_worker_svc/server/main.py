@@ -71,7 +71,8 @@ def parse_args(argv: list[str] | None) -> WorkerSettings:
 def build_engine(s: WorkerSettings) -> LLMEngine:
     runner = RunnerConfig(model=s.model, tp_size=s.tp_size, dtype=s.resolved_dtype, device=s.resolved_device,
                           block_size=s.block_size, cpu_kv_bytes=s.kv_cache_bytes,
-                          gpu_memory_utilization=s.gpu_memory_utilization)
+                          gpu_memory_utilization=s.gpu_memory_utilization,
+                          trace_instance=s.resolved_worker_id if s.tracing else None)
     engine = LLMEngine(EngineConfig(runner, SchedulerConfig(s.max_num_seqs, s.max_num_batched_tokens),
                                     s.enable_prefix_caching))
     if s.torch_threads > 0:  # after the runner, which sets its own default on CPU

@@ -7,7 +7,6 @@ import asyncio
 import json
 from pathlib import Path
 
-from shardline.bench.backends import EngineBackend, StackBackend
 from shardline.bench.load import LoadSpec, run_load
 from shardline.bench.metrics import summarize
 
@@ -42,6 +41,8 @@ async def _measure(make_backend, spec: LoadSpec, label: str, args: argparse.Name
 
 
 def run(args: argparse.Namespace) -> int:
+    # Imported here: they pull in torch, which would slow every other subcommand's start.
+    from shardline.bench.backends import EngineBackend, StackBackend
     from gpu_worker_svc.engine.batch_scheduler import SchedulerConfig
     from gpu_worker_svc.engine.llm_engine import EngineConfig
     from gpu_worker_svc.engine.model_runner import RunnerConfig

@@ -51,8 +51,9 @@ class Served:
 @pytest.fixture(scope="module")
 def traced_stack(tmp_path_factory):
     logs = Path(os.environ.get("SHARDLINE_TEST_LOG_DIR", tmp_path_factory.mktemp("traced-logs"))) / "traced"
-    config = StackConfig.on_free_ports(tracing=True, data_dir=tmp_path_factory.mktemp("traced-data"), log_dir=logs,
-                                       env={"KV_CACHE_BYTES": str(64 << 20)})
+    # TP 3 (the default model's only split), so the trace shows a thread track per rank.
+    config = StackConfig.on_free_ports(tracing=True, tp_size=3, data_dir=tmp_path_factory.mktemp("traced-data"),
+                                       log_dir=logs, env={"KV_CACHE_BYTES": str(64 << 20)})
     stack = LocalStack(config)
     try:
         stack.start(timeout_s=240)
@@ -154,8 +155,10 @@ def test_exported_trace_loads_in_perfetto(served: Served, traced_stack: LocalSta
     # One flow follows the request across services: gateway -> scheduler -> worker -> gateway.
     assert {("gateway", "scheduler"), ("scheduler", "gpu_worker"), ("gpu_worker", "gateway")} <= set(by_kind["flow"])
     # Per-step slices on the worker's thread track, at least one per generated token.
-    steps = {process: n for (process, _thread), n in by_kind["step"].items()}
-    assert steps.get("worker-0", 0) >= served.rows[served.traced_id]["output_tokens"]
+    # Per-step slices on each rank's thread track of the worker, at least one per generated token.
+    ranks = {thread: n for (process, thread), n in by_kind["step"].items() if process == "worker-0"}
+    assert {t for t in ranks if t.startswith("rank ")} == {"rank 0", "rank 1", "rank 2"}, ranks
+    assert all(n >= served.rows[served.traced_id]["output_tokens"] for t, n in ranks.items() if t.startswith("rank"))
     assert COUNTERS <= {name for name, _ in by_kind["counter"]}
 
 
