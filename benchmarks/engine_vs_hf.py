@@ -106,13 +106,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
+    ap.add_argument("--quantization", default=None, choices=["int4"], help="Shardline's int4 weight-only mode")
     ap.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
     ap.add_argument("--out", default="results/engine_vs_hf.json")
     args = ap.parse_args(argv)
     dtype_name = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
 
     engine = LLMEngine(EngineConfig(
-        runner=RunnerConfig(model=args.model, device=args.device, dtype=dtype_name,
+        runner=RunnerConfig(model=args.model, device=args.device, dtype=dtype_name, quantization=args.quantization,
                             max_model_len=args.input_len + args.output_len + 16),
         scheduler=SchedulerConfig(max_num_seqs=max(args.concurrency), max_num_batched_tokens=8192)))
     vocab = engine.model_config.vocab_size
@@ -137,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
             row["ratio"] = row["shardline"]["tok_s"] / row["hf"]["tok_s"]
 
     print(f"\nmodel={args.model or 'default'} device={args.device} dtype={dtype_name} "
+          f"quantization={args.quantization or 'none'} "
           f"in={args.input_len} out={args.output_len}")
     print(f"{'conc':>5} {'shardline tok/s':>16} {'HF tok/s':>10} {'ratio':>7} {'decode step ms':>15} {'MBU':>6}")
     for r in rows:

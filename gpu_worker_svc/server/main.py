@@ -60,6 +60,7 @@ def parse_args(argv: list[str] | None) -> WorkerSettings:
     p.add_argument("--max-num-seqs", dest="max_num_seqs", type=int)
     p.add_argument("--max-num-batched-tokens", dest="max_num_batched_tokens", type=int)
     p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    p.add_argument("--quantization", choices=["int4"], help="int4 weight-only linear layers (CPU)")
     p.add_argument("--torch-threads", dest="torch_threads", type=int)
     p.add_argument("--metrics-port", dest="metrics_port", type=int)
     p.add_argument("--no-tracing", dest="tracing", action="store_false")
@@ -72,7 +73,7 @@ def build_engine(s: WorkerSettings) -> LLMEngine:
     runner = RunnerConfig(model=s.model, tp_size=s.tp_size, dtype=s.resolved_dtype, device=s.resolved_device,
                           block_size=s.block_size, cpu_kv_bytes=s.kv_cache_bytes,
                           gpu_memory_utilization=s.gpu_memory_utilization,
-                          trace_instance=s.resolved_worker_id if s.tracing else None)
+                          trace_instance=s.resolved_worker_id if s.tracing else None, quantization=s.quantization)
     engine = LLMEngine(EngineConfig(runner, SchedulerConfig(s.max_num_seqs, s.max_num_batched_tokens),
                                     s.enable_prefix_caching))
     if s.torch_threads > 0:  # after the runner, which sets its own default on CPU

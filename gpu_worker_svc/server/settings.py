@@ -44,6 +44,8 @@ class WorkerSettings(BaseSettings):
     max_num_batched_tokens: int = Field(2048, ge=1)
     # Reuse KV blocks across requests that share a prompt prefix.
     enable_prefix_caching: bool = True
+    # "int4": int4 weight-only linear layers on CPU (faster decode, bf16-level numerics); None: full precision.
+    quantization: str | None = None
     # Torch intra-op threads of rank 0; 0 leaves the engine's choice (cores / tp_size).
     torch_threads: int = Field(0, ge=0)
     # Port of the Prometheus /metrics endpoint; 0: not served.
