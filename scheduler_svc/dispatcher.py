@@ -26,6 +26,8 @@ from tracing.metrics import QUEUE_DEPTH, RUNNING_REQUESTS
 
 log = logging.getLogger(__name__)
 
+_STOP_TIMEOUT_S = 5.0  # how long stop() waits for its tasks and worker streams
+
 
 class AlreadyExists(ShardlineError):
     """A request id that is live or still retained was submitted again."""
@@ -58,10 +60,17 @@ class Dispatcher:
 
     async def stop(self) -> None:
         """Stops dispatching and drops the worker streams; Redis keeps every request for the next start."""
-        for task in [*self._tasks, *self._background]:
+        tasks = [*self._tasks, *self._background]
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, *self._background, return_exceptions=True)
-        await asyncio.gather(*(session.stop() for session in self._sessions.values()))
+        # Bounded: a task stuck in an rpc or a Redis call must not turn a SIGTERM into a hang.
+        if tasks:
+            _, stuck = await asyncio.wait(tasks, timeout=_STOP_TIMEOUT_S)
+            if stuck:
+                log.warning("dispatcher stop: %d tasks did not finish: %s", len(stuck), [t.get_name() for t in stuck])
+        sessions = [asyncio.ensure_future(session.stop()) for session in self._sessions.values()]
+        if sessions:
+            await asyncio.wait(sessions, timeout=_STOP_TIMEOUT_S)
         self._sessions.clear()
 
     def running(self) -> int:

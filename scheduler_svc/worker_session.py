@@ -73,8 +73,9 @@ class WorkerSession:
         for task in self._tasks:
             task.cancel()
         self._call.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        await self._channel.close()
+        if self._tasks:  # bounded, like the dispatcher's stop: shutdown never hangs on a dead peer
+            await asyncio.wait(self._tasks, timeout=5.0)
+        await asyncio.wait_for(self._channel.close(), timeout=5.0)
 
     async def _write(self) -> None:
         try:

@@ -112,10 +112,11 @@ async def cluster(redis_url: str, tracer: trace.Tracer | None = None, **override
     try:
         yield running
     finally:
+        # Each step bounded: a teardown that waits forever on a dead stream would hide the test's result.
         for worker in running.workers:
-            await worker.kill()
-        await channel.close()
-        await server.stop(grace_s=0)
+            await asyncio.wait_for(worker.kill(), timeout=10)
+        await asyncio.wait_for(channel.close(), timeout=10)
+        await asyncio.wait_for(server.stop(grace_s=0), timeout=30)
 
 
 def by_gateway_and_step(gateway: Gateway) -> dict[tuple[str, int], int]:
