@@ -60,6 +60,8 @@ def parse_args(argv: list[str] | None) -> WorkerSettings:
     p.add_argument("--max-num-seqs", dest="max_num_seqs", type=int)
     p.add_argument("--max-num-batched-tokens", dest="max_num_batched_tokens", type=int)
     p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    p.add_argument("--admission-gap-ms", dest="admission_gap_ms", type=float,
+                   help="when idle, wait this long for the rest of a burst of requests")
     p.add_argument("--quantization", choices=["int4"], help="int4 weight-only linear layers (CPU)")
     p.add_argument("--torch-threads", dest="torch_threads", type=int)
     p.add_argument("--metrics-port", dest="metrics_port", type=int)
@@ -98,7 +100,8 @@ def engine_loop_for(s: WorkerSettings, engine: LLMEngine, tracing: TracingHandle
     # The longest sequence the worker can hold: the model's context, the rotary table and the KV cache.
     max_model_len = min(cfg.max_position_embeddings, MAX_ROTARY_POSITIONS,
                         engine.block_pool.num_blocks * s.block_size)
-    return EngineLoop(engine, StepTelemetry(tracing.tracer, cost, model, tracing.enabled), max_model_len, on_fatal)
+    return EngineLoop(engine, StepTelemetry(tracing.tracer, cost, model, tracing.enabled), max_model_len, on_fatal,
+                      s.resolved_admission_gap_s)
 
 
 async def serve(s: WorkerSettings) -> int:

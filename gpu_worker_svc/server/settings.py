@@ -44,6 +44,9 @@ class WorkerSettings(BaseSettings):
     max_num_batched_tokens: int = Field(2048, ge=1)
     # Reuse KV blocks across requests that share a prompt prefix.
     enable_prefix_caching: bool = True
+    # When idle, wait this long for more requests of a burst before the first step; None: 5 ms on CPU
+    # (a CPU prefill step is slow, so sharing it pays), 0 on CUDA (a step takes a few ms anyway).
+    admission_gap_ms: float | None = Field(None, ge=0)
     # "int4": int4 weight-only linear layers on CPU (faster decode, bf16-level numerics); None: full precision.
     quantization: str | None = None
     # Torch intra-op threads of rank 0; 0 leaves the engine's choice (cores / tp_size).
@@ -75,6 +78,12 @@ class WorkerSettings(BaseSettings):
     @property
     def resolved_worker_id(self) -> str:
         return self.worker_id or f"worker-{socket.gethostname()}-{self.port}"
+
+    @property
+    def resolved_admission_gap_s(self) -> float:
+        if self.admission_gap_ms is not None:
+            return self.admission_gap_ms / 1000
+        return 0.005 if self.resolved_device == "cpu" else 0.0
 
     def address(self, bound_port: int) -> str:
         """Where the scheduler reaches this worker; `bound_port` matters when port is 0."""

@@ -171,3 +171,21 @@ def test_bad_params_finish_with_an_error_delta(worker):
     fine = [d for s in steps for d in s.deltas if d.request_id == "fine"]
     assert all(len(d.logprobs) == 1 and len(d.logprobs[0].top) == 2 and d.logprobs[0].token_id == d.token_ids[0]
                for d in fine)
+
+
+def test_a_burst_reaching_an_idle_worker_shares_its_first_step(worker):
+    """Requests sent a few ms apart (as the scheduler dispatches a burst) start in one prefill step."""
+    import time
+
+    session = SessionClient(worker[1].address)
+    try:
+        for i in range(3):
+            session.send(add=[new_request(f"burst{i}", [10 + i] * 20, 2)])
+            time.sleep(0.002)
+        first = session.next()
+        session.until_finished({"burst0", "burst1", "burst2"} - {d.request_id for d in first.deltas
+                                                                 if d.finish_reason})
+    finally:
+        session.close()
+    assert first.stats.batch_size == 3 and first.stats.num_prefill_tokens == 60
+    assert {d.request_id for d in first.deltas} == {"burst0", "burst1", "burst2"}
