@@ -3,7 +3,9 @@ all as processes, with the real default model."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -11,21 +13,36 @@ import pytest
 from shardline.stack import LocalStack, StackConfig
 
 
-@pytest.fixture(scope="session")
-def stack(tmp_path_factory):
-    logs = Path(os.environ.get("SHARDLINE_TEST_LOG_DIR", tmp_path_factory.mktemp("stack-logs")))
-    config = StackConfig.on_free_ports(data_dir=tmp_path_factory.mktemp("stack-data"), log_dir=logs,
-                                       env={"HEARTBEAT_INTERVAL_S": "0.5", "KV_CACHE_BYTES": str(64 << 20)})
+def log_dir(tmp_path_factory, name: str) -> Path:
+    """Where a test stack's services log: SHARDLINE_TEST_LOG_DIR/<name> if set, else a temporary folder."""
+    base = os.environ.get("SHARDLINE_TEST_LOG_DIR")
+    return Path(base) / name if base else tmp_path_factory.mktemp(f"{name}-logs")
+
+
+@contextlib.contextmanager
+def running_stack(config: StackConfig) -> Iterator[LocalStack]:
+    """A started stack, stopped afterwards; if it fails to start, its services' log tails are printed."""
     s = LocalStack(config)
     try:
         s.start(timeout_s=240)
     except Exception:
-        for log in sorted(logs.glob("*.log")):
+        for log in sorted(config.log_dir.glob("*.log")) if config.log_dir else []:
             print(f"----- {log.name}\n{log.read_text()[-3000:]}")
         s.stop()
         raise
-    yield s
-    s.stop()
+    try:
+        yield s
+    finally:
+        s.stop()
+
+
+@pytest.fixture(scope="session")
+def stack(tmp_path_factory):
+    config = StackConfig.on_free_ports(data_dir=tmp_path_factory.mktemp("stack-data"),
+                                       log_dir=log_dir(tmp_path_factory, "stack"),
+                                       env={"HEARTBEAT_INTERVAL_S": "0.5", "KV_CACHE_BYTES": str(64 << 20)})
+    with running_stack(config) as s:
+        yield s
 
 
 @pytest.fixture(scope="session")

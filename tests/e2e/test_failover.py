@@ -8,7 +8,8 @@ import time
 import pytest
 
 from shardline.client import ShardlineClient
-from shardline.stack import LocalStack, StackConfig
+from shardline.stack import StackConfig
+from tests.e2e.conftest import log_dir, running_stack
 
 pytestmark = pytest.mark.slow
 
@@ -16,10 +17,9 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def two_workers(tmp_path_factory):
     config = StackConfig.on_free_ports(workers=2, data_dir=tmp_path_factory.mktemp("failover-data"),
-                                       log_dir=tmp_path_factory.mktemp("failover-logs"),
+                                       log_dir=log_dir(tmp_path_factory, "failover"),
                                        env={"HEARTBEAT_INTERVAL_S": "0.5", "KV_CACHE_BYTES": str(64 << 20)})
-    with LocalStack(config) as stack:
-        stack.start(timeout_s=240)
+    with running_stack(config) as stack:
         yield stack
 
 

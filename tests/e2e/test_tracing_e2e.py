@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import secrets
 import shutil
 import subprocess
@@ -23,6 +22,7 @@ import pytest
 from shardline.cli.main import main as shardline_cli
 from shardline.client import ShardlineClient
 from shardline.stack import LocalStack, StackConfig
+from tests.e2e.conftest import log_dir, running_stack
 from tests.e2e.http_client import get, post, sse
 from tests.tracing.headless_chromium import HeadlessChromium, find_chromium
 
@@ -50,20 +50,12 @@ class Served:
 
 @pytest.fixture(scope="module")
 def traced_stack(tmp_path_factory):
-    logs = Path(os.environ.get("SHARDLINE_TEST_LOG_DIR", tmp_path_factory.mktemp("traced-logs"))) / "traced"
     # TP 3 (the default model's only split), so the trace shows a thread track per rank.
     config = StackConfig.on_free_ports(tracing=True, tp_size=3, data_dir=tmp_path_factory.mktemp("traced-data"),
-                                       log_dir=logs, env={"KV_CACHE_BYTES": str(64 << 20)})
-    stack = LocalStack(config)
-    try:
-        stack.start(timeout_s=240)
-    except Exception:
-        for log in sorted(logs.glob("*.log")):
-            print(f"----- {log.name}\n{log.read_text()[-3000:]}")
-        stack.stop()
-        raise
-    yield stack
-    stack.stop()
+                                       log_dir=log_dir(tmp_path_factory, "traced"),
+                                       env={"KV_CACHE_BYTES": str(64 << 20)})
+    with running_stack(config) as stack:
+        yield stack
 
 
 def _rows(dashboard: str) -> dict[str, dict]:
