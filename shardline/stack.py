@@ -65,6 +65,8 @@ class Child:
     proc: subprocess.Popen
     health: str | None  # gRPC address whose health check says when it is ready
     ready: bool = False  # its health check has passed once
+    argv: list[str] = field(default_factory=list)  # how it was started, to restart it the same way
+    env: dict[str, str] = field(default_factory=dict)
 
 
 class LocalStack:
@@ -120,15 +122,25 @@ class LocalStack:
             env["SHARDLINE_OTLP_ENDPOINT"] = f"127.0.0.1:{self.config.otlp_port}"
         env.update({f"SHARDLINE_{k}": str(v) for k, v in self.config.env.items()})
         env.update({f"SHARDLINE_{k}": str(v) for k, v in settings.items() if v is not None})
+        argv = [sys.executable, "-m", "shardline.cli.main", "serve", service or name]
+        child = Child(name, self._popen(name, argv, env), health, argv=argv, env=env)
+        self.children.append(child)
+        return child
+
+    def _popen(self, name: str, argv: list[str], env: dict[str, str]) -> subprocess.Popen:
         out = None
         if self.config.log_dir is not None:
             self.config.log_dir.mkdir(parents=True, exist_ok=True)
             out = open(self.config.log_dir / f"{name}.log", "ab")
-        proc = subprocess.Popen([sys.executable, "-m", "shardline.cli.main", "serve", service or name], env=env,
-                                stdout=out, stderr=subprocess.STDOUT if out else None, start_new_session=True)
-        child = Child(name, proc, health)
-        self.children.append(child)
-        return child
+        return subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
+                                start_new_session=True)
+
+    def restart(self, child: Child) -> None:
+        """Start a dead service again with its old settings; state it needs comes back from Redis."""
+        _signal_group(child.proc, signal.SIGKILL)  # whatever it left behind (TP ranks) goes first
+        child.proc.wait()
+        child.proc = self._popen(child.name, child.argv, child.env)
+        child.ready = False
 
     def wait_ready(self, progress: Callable[[str], None], timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s

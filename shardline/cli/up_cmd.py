@@ -52,14 +52,23 @@ shardline is up ({time.monotonic() - t0:.1f}s):
   metrics       http://127.0.0.1:{args.http_port}/metrics{traces}
   redis         {stack.redis_url}
 Ctrl-C stops everything.""", flush=True)
+    restarts: dict[str, list[float]] = {}
     code = 0
     while not stop.wait(1.0):
-        dead = stack.dead_children()
-        if dead:
-            print(f"shardline: {', '.join(f'{c.name} exited ({c.proc.returncode})' for c in dead)}; stopping",
-                  file=sys.stderr, flush=True)
-            code = 1
-            break
+        for child in stack.dead_children():
+            # A supervisor, like compose's restart policy: every service rebuilds its state from Redis,
+            # and the scheduler re-dispatches a dead worker's requests meanwhile.
+            recent = [t for t in restarts.get(child.name, []) if time.monotonic() - t < 60] + [time.monotonic()]
+            restarts[child.name] = recent
+            if len(recent) > 3:
+                print(f"shardline: {child.name} keeps exiting ({child.proc.returncode}); stopping", file=sys.stderr,
+                      flush=True)
+                code = 1
+                stop.set()
+                break
+            print(f"shardline: {child.name} exited ({child.proc.returncode}); restarting it", file=sys.stderr,
+                  flush=True)
+            stack.restart(child)
     print("shardline: shutting down ...", flush=True)
     stack.stop()
     return code

@@ -43,3 +43,26 @@ def test_worker_killed_mid_stream(two_workers):
     assert tokens == reference.token_ids
     assert info.attempt == 2 and info.worker_id not in ("", victim)
     assert time.monotonic() - t_kill < 60
+
+
+def test_a_restarted_worker_rejoins(two_workers):
+    """What `shardline up` does when a service dies: start it again; it registers and serves."""
+    import grpc
+
+    from shardline.proto import scheduler_pb2, scheduler_pb2_grpc
+
+    def live_workers() -> set[str]:
+        with grpc.insecure_channel(f"127.0.0.1:{two_workers.config.scheduler_port}") as ch:
+            resp = scheduler_pb2_grpc.SchedulerStub(ch).ListWorkers(scheduler_pb2.ListWorkersRequest())
+        return {w.worker.worker_id for w in resp.workers}
+
+    dead = two_workers.dead_children()
+    assert [c.name for c in dead] and len(live_workers()) == 1  # left so by the test above
+    for child in dead:
+        two_workers.restart(child)
+    deadline = time.monotonic() + 90
+    while live_workers() != {"worker-0", "worker-1"}:
+        assert time.monotonic() < deadline, live_workers()
+        time.sleep(0.5)
+    with ShardlineClient(f"127.0.0.1:{two_workers.config.grpc_port}", timeout=120) as client:
+        assert len(client.generate("Hello again", max_tokens=4, ignore_eos=True).token_ids) == 4
