@@ -157,7 +157,7 @@ class LocalStack:
             for child in list(pending):
                 if child.proc.poll() is not None:
                     raise RuntimeError(f"{child.name} exited with code {child.proc.returncode} while starting")
-                if child.health is None or _healthy(child.health):
+                if child.health is None or grpc_serving(child.health):
                     progress(f"{child.name:<10} ready ({child.health})")
                     child.ready = True
                     pending.remove(child)
@@ -211,7 +211,8 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
         pass
 
 
-def _healthy(address: str) -> bool:
+def grpc_serving(address: str) -> bool:
+    """Whether the gRPC health check at `address` answers SERVING."""
     try:
         with grpc.insecure_channel(address) as ch:
             resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=1.0)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import random
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -52,13 +51,10 @@ class LLMEngine:
                     priority: int = 0, output_token_ids: list[int] | None = None,
                     eos_token_id: int | None = None) -> None:
         """Queue a request. `output_token_ids` resumes it after tokens it already generated."""
+        # Validation and the seed (fixed at admission, so a resume samples the same tokens) are the
+        # BatchScheduler's; only what needs the model is checked here.
         params = params or SamplingParams()
-        params.validate()
-        if params.seed is None:  # fixed now, so a later resume samples exactly the same tokens
-            params.seed = random.getrandbits(63)
-        if not prompt_token_ids:
-            raise ValueError("prompt_token_ids must not be empty")
-        if max(prompt_token_ids) >= self.model_config.vocab_size or min(prompt_token_ids) < 0:
+        if prompt_token_ids and (max(prompt_token_ids) >= self.model_config.vocab_size or min(prompt_token_ids) < 0):
             raise ValueError(f"prompt_token_ids must be in [0, {self.model_config.vocab_size})")
         seq = Sequence(request_id, list(prompt_token_ids), params, priority=priority,
                        eos_token_id=self.eos_token_id if eos_token_id is None else eos_token_id,
@@ -170,7 +166,7 @@ class LLMEngine:
         logprobs: dict[str, list[TokenLogprobs]] = {i: [] for i in ids}
         finish: dict[str, str] = {}
         for rid, prompt, p in zip(ids, prompts, per_prompt):
-            self.add_request(rid, prompt, dataclasses.replace(p))  # copied: add_request fills in the seed
+            self.add_request(rid, prompt, dataclasses.replace(p))  # copied: admission fills in the seed
         while len(finish) < len(ids):
             for o in self.step().outputs:
                 tokens[o.request_id] += o.new_token_ids

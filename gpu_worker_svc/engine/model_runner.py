@@ -132,16 +132,17 @@ class _RankSpans:
     def __init__(self, instance: str | None, rank: int) -> None:
         self.handle = None
         if instance:
-            from tracing.otel_setup import setup_tracing  # only ranks that trace pay for the SDK
+            from tracing import attributes  # only ranks that trace pay for the SDK
+            from tracing.otel_setup import setup_tracing
 
             self.handle = setup_tracing("gpu_worker", instance, rank=rank)
+            self.attr = attributes
         self.rank = rank
 
     def step(self, batch: StepBatch) -> contextlib.AbstractContextManager:
         if self.handle is None:
             return contextlib.nullcontext()
-        from tracing import attributes as attr
-
+        attr = self.attr
         return self.handle.tracer.start_as_current_span("engine_step", attributes={
             attr.STEP: batch.step, attr.RANK: self.rank, attr.BATCH_SIZE: int(batch.num_new.numel()),
             attr.NUM_TOKENS: int(batch.token_ids.numel())})

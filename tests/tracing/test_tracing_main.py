@@ -7,21 +7,10 @@ import sys
 import time
 import urllib.request
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from shardline.stack import free_port
+from shardline.stack import free_port, grpc_serving
 from tracing import attributes as attr
 from tracing.otel_setup import setup_tracing
-
-
-def _serving(address: str) -> bool:
-    try:
-        with grpc.insecure_channel(address) as channel:
-            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1.0)
-            return reply.status == health_pb2.HealthCheckResponse.SERVING
-    except grpc.RpcError:
-        return False
 
 
 def _until(predicate, timeout_s: float = 30.0) -> None:
@@ -43,7 +32,7 @@ def test_receives_spans_serves_them_and_stops_on_sigterm(redis_url: str) -> None
          "--otlp-port", str(otlp), "--http-port", str(http), "--redis-url", redis_url],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
-        _until(lambda: proc.poll() is not None or _serving(f"127.0.0.1:{otlp}"))
+        _until(lambda: proc.poll() is not None or grpc_serving(f"127.0.0.1:{otlp}"))
         assert proc.poll() is None, proc.stdout.read().decode()
         handle = setup_tracing("gateway", "gateway-7", endpoint=f"127.0.0.1:{otlp}", install_global=False)
         with handle.tracer.start_as_current_span("gateway.request", attributes={
