@@ -8,7 +8,9 @@ what the page should show, then capture it.
 import asyncio
 import base64
 import itertools
+import os
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
@@ -36,7 +38,9 @@ class HeadlessChromium:
         self._window = window
         self._start_timeout_s = start_timeout_s
         self._ids = itertools.count(1)
-        self._profile = tempfile.TemporaryDirectory(prefix="chromium-")
+        # Chromium's helper processes may still be flushing the profile as it is removed: a leftover
+        # temporary folder is harmless, a failed test is not.
+        self._profile = tempfile.TemporaryDirectory(prefix="chromium-", ignore_cleanup_errors=True)
         self._proc: subprocess.Popen[bytes] | None = None
         self._http: aiohttp.ClientSession | None = None
         self._ws: aiohttp.ClientWebSocketResponse | None = None
@@ -47,7 +51,7 @@ class HeadlessChromium:
         self._proc = subprocess.Popen(
             [self._binary, *FLAGS, "--remote-debugging-port=0", f"--user-data-dir={self._profile.name}",
              f"--window-size={width},{height}", "about:blank"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         self._http = aiohttp.ClientSession()
         port_file = Path(self._profile.name) / "DevToolsActivePort"
         deadline = time.monotonic() + self._start_timeout_s
@@ -71,8 +75,12 @@ class HeadlessChromium:
             try:
                 self._proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
-                self._proc.kill()
-                self._proc.wait()
+                pass
+            try:  # the whole group: the renderer and helper processes outlive the browser process
+                os.killpg(self._proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self._proc.wait()
         self._profile.cleanup()
 
     async def call(self, method: str, **params: Any) -> dict[str, Any]:
