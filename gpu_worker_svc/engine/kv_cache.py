@@ -48,16 +48,30 @@ def allocate_kv_cache(model: LlamaForCausalLM, num_blocks: int, block_size: int,
 def profile_forward(model: LlamaForCausalLM, num_tokens: int, block_size: int, dtype: torch.dtype,
                     device: str) -> None:
     """Run the largest prefill step once, so the peak activation memory is known before sizing the cache."""
+    run_prefill(model, torch.zeros(num_tokens, dtype=torch.long), block_size, dtype, device, all_logits=False)
+    torch.cuda.synchronize()
+
+
+def calibration_prefill(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype, device: str,
+                        num_tokens: int = 256) -> None:
+    """One prefill of fixed random token ids (the same on every rank), for int8 calibration."""
+    ids = torch.randint(0, model.config.vocab_size, (num_tokens,), generator=torch.Generator().manual_seed(0))
+    run_prefill(model, ids, block_size, dtype, device, all_logits=True)
+
+
+@torch.inference_mode()
+def run_prefill(model: LlamaForCausalLM, token_ids: torch.Tensor, block_size: int, dtype: torch.dtype,
+                device: str, all_logits: bool) -> None:
+    """Prefill `token_ids` as one sequence in a private, throwaway KV cache."""
     from gpu_worker_svc.model.attention_metadata import StepBatch, build_step
 
     # Positions past the rotary table would index out of bounds; a step never goes past it either.
-    num_tokens = min(num_tokens, model.model.layers[0].self_attn.rotary.cos.shape[0])
-    n_blocks = -(-num_tokens // block_size)
+    token_ids = token_ids[: model.model.layers[0].self_attn.rotary.cos.shape[0]]
+    n_tokens = token_ids.numel()
+    n_blocks = -(-n_tokens // block_size)
     caches = allocate_kv_cache(model, n_blocks, block_size, dtype, device)
-    batch = StepBatch(torch.zeros(num_tokens, dtype=torch.long), torch.tensor([0]), torch.tensor([num_tokens]),
-                      torch.arange(n_blocks).view(1, -1))
+    batch = StepBatch(token_ids, torch.tensor([0]), torch.tensor([n_tokens]), torch.arange(n_blocks).view(1, -1))
     positions, meta = build_step(batch, block_size, device)
     hidden = model(batch.token_ids.to(device), positions, meta, caches)
-    model.compute_logits(hidden[-1:])
+    model.compute_logits(hidden if all_logits else hidden[-1:])
     del caches, hidden
-    torch.cuda.synchronize()

@@ -20,10 +20,10 @@ from dataclasses import dataclass
 import torch
 
 from gpu_worker_svc.engine.cuda_graphs import DecodeGraphs
-from gpu_worker_svc.engine.kv_cache import allocate_kv_cache, num_blocks_for, profile_forward
+from gpu_worker_svc.engine.kv_cache import allocate_kv_cache, calibration_prefill, num_blocks_for, profile_forward
 from gpu_worker_svc.model.attention_metadata import StepBatch, build_step
 from gpu_worker_svc.model.config import ModelConfig
-from gpu_worker_svc.model.layers.int4 import quantize_model_int4
+from gpu_worker_svc.model.layers.quantize import quantize_model
 from gpu_worker_svc.model.loader import load_config, load_model, parse_dtype
 from gpu_worker_svc.model.parallel import TPGroup, destroy_tp_group, init_tp_group
 
@@ -48,7 +48,7 @@ class RunnerConfig:
     num_blocks: int | None = None  # fixed block count (tests use tiny caches); None: derived from memory
     max_model_len: int | None = None
     cuda_graphs: bool = True  # capture decode steps on CUDA
-    quantization: str | None = None  # "int4": int4 weight-only linear layers (CPU), bf16-level numerics
+    quantization: str | None = None  # CPU only: "int8" (W8A8, fastest) or "int4" (weight-only); see layers/quantize.py
     trace_instance: str | None = None  # when set, ranks 1..N-1 export a span per step under this instance id
     profile_tokens: int = 2048  # the largest step's token count, profiled on GPU before sizing the KV cache
 
@@ -67,13 +67,12 @@ class ShardWorker:
         self.dtype = parse_dtype(config.dtype, "cpu" if config.device == "cpu" else "cuda")
         self.block_size = config.block_size
         self.model = load_model(config.model, self.tp, self.dtype, self.device, config.max_model_len)
-        if config.quantization == "int4":
+        if config.quantization is not None:
             if self.device != "cpu":
-                raise ValueError("quantization int4 uses torch's CPU int4 kernel: give device cpu")
-            n = quantize_model_int4(self.model)
-            log.info("rank %d: %d linear layers quantized to int4", rank, n)
-        elif config.quantization is not None:
-            raise ValueError(f"quantization must be None or 'int4', got {config.quantization!r}")
+                raise ValueError(f"quantization {config.quantization} uses torch's CPU kernels: give device cpu")
+            n = quantize_model(self.model, config.quantization,
+                               lambda: calibration_prefill(self.model, config.block_size, self.dtype, self.device))
+            log.info("rank %d: %d linear layers quantized to %s", rank, n, config.quantization)
         if self.device.startswith("cuda") and config.num_blocks is None:
             profile_forward(self.model, config.profile_tokens, config.block_size, self.dtype, self.device)
         n = config.num_blocks or num_blocks_for(self.model, config.block_size, self.dtype, config.device,

@@ -17,6 +17,7 @@ from gpu_worker_svc.model.layers.linear import (
     RowParallelLinear,
 )
 from gpu_worker_svc.model.layers.rotary import RotaryEmbedding
+from gpu_worker_svc.model.layers.smoothing import SmoothingGroup
 from gpu_worker_svc.model.parallel import TPGroup
 
 
@@ -32,15 +33,15 @@ class LlamaAttention(nn.Module):
         self.attn = PagedAttention(self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, cfg.head_dim)
         self.head_dim = cfg.head_dim
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor,
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(x)
         q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
-        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-        q = q.view(-1, self.attn.num_heads, self.head_dim)
-        k = k.view(-1, self.attn.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k)
-        v = v.view(-1, self.attn.num_kv_heads, self.head_dim)
+        heads, kv_heads = self.attn.num_heads, self.attn.num_kv_heads
+        # q and k sit side by side in qkv, so one rotary pass covers both.
+        qk = RotaryEmbedding.apply(qkv[:, : q_size + kv_size].view(-1, heads + kv_heads, self.head_dim), rope)
+        q, k = qk.split([heads, kv_heads], dim=1)
+        v = qkv[:, q_size + kv_size :].view(-1, kv_heads, self.head_dim)
         return self.o_proj(self.attn(q, k, v, kv_cache, meta))
 
 
@@ -55,6 +56,13 @@ class LlamaMLP(nn.Module):
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
+    def divide_up_channels(self, s: torch.Tensor) -> None:
+        """Scale down_proj's input channel j by 1 / s[j], through the up projection's row j."""
+        up = slice(self.gate_up_proj.out_local // 2, None)
+        self.gate_up_proj.weight.data[up] /= s[:, None]
+        if self.gate_up_proj.bias is not None:
+            self.gate_up_proj.bias.data[up] /= s
+
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPGroup, rotary: RotaryEmbedding, dtype: torch.dtype) -> None:
@@ -64,13 +72,13 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, residual: torch.Tensor | None,
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             residual, x = x, self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x, kv_cache, meta)
+        x = self.self_attn(rope, x, kv_cache, meta)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
@@ -80,15 +88,16 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, dtype)
         # One rotary table shared by all layers: it is the largest buffer after the weights.
-        rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, dtype)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, tp, rotary, dtype) for _ in range(cfg.num_layers))
+        self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, dtype)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, tp, self.rotary, dtype) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[torch.Tensor]) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None
+        rope = self.rotary.prepare(positions)  # once per step, shared by every layer
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x, residual = layer(positions, x, residual, kv_cache, meta)
+            x, residual = layer(rope, x, residual, kv_cache, meta)
         x, _ = self.norm(x, residual)
         return x
 
@@ -120,3 +129,16 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Logits [N, vocab] on rank 0; None on the other ranks."""
         return self.lm_head.compute_logits(hidden)
+
+    def smoothing_groups(self) -> list[SmoothingGroup]:
+        """The linear layers whose input channels a producer can rescale (see layers/smoothing.py).
+
+        o_proj has no such producer without per-head bookkeeping, and its inputs have few outliers.
+        """
+        groups = []
+        for layer in self.model.layers:
+            groups.append(SmoothingGroup(layer.self_attn.qkv_proj, layer.input_layernorm.divide_channels))
+            groups.append(SmoothingGroup(layer.mlp.gate_up_proj, layer.post_attention_layernorm.divide_channels))
+            groups.append(SmoothingGroup(layer.mlp.down_proj, layer.mlp.divide_up_channels))
+        groups.append(SmoothingGroup(self.lm_head, self.model.norm.divide_channels))
+        return groups

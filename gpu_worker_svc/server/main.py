@@ -21,6 +21,7 @@ from gpu_worker_svc.engine.batch_scheduler import SchedulerConfig
 from gpu_worker_svc.engine.llm_engine import EngineConfig, LLMEngine
 from gpu_worker_svc.engine.model_runner import RunnerConfig
 from gpu_worker_svc.model.dummy import is_dummy
+from gpu_worker_svc.model.layers.quantize import QUANTIZATIONS
 from gpu_worker_svc.model.loader import MAX_ROTARY_POSITIONS, parse_dtype
 from gpu_worker_svc.server.engine_loop import EngineLoop
 from gpu_worker_svc.server.registration import SchedulerRegistration
@@ -62,7 +63,8 @@ def parse_args(argv: list[str] | None) -> WorkerSettings:
     p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
     p.add_argument("--admission-gap-ms", dest="admission_gap_ms", type=float,
                    help="when idle, wait this long for the rest of a burst of requests")
-    p.add_argument("--quantization", choices=["int4"], help="int4 weight-only linear layers (CPU)")
+    p.add_argument("--quantization", choices=sorted(QUANTIZATIONS),
+                   help="CPU weight format: int8 (fastest), fp16 (near-lossless) or int4 (smallest)")
     p.add_argument("--torch-threads", dest="torch_threads", type=int)
     p.add_argument("--metrics-port", dest="metrics_port", type=int)
     p.add_argument("--no-tracing", dest="tracing", action="store_false")

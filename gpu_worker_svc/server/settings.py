@@ -47,7 +47,8 @@ class WorkerSettings(BaseSettings):
     # When idle, wait this long for more requests of a burst before the first step; None: 5 ms on CPU
     # (a CPU prefill step is slow, so sharing it pays), 0 on CUDA (a step takes a few ms anyway).
     admission_gap_ms: float | None = Field(None, ge=0)
-    # "int4": int4 weight-only linear layers on CPU (faster decode, bf16-level numerics); None: full precision.
+    # CPU weight format (gpu_worker_svc/model/layers/quantize.py): "int8" (W8A8 with smoothing, fastest),
+    # "fp16" (fp16 weights, fp32 math, near-lossless) or "int4" (weight-only); None: the model's dtype.
     quantization: str | None = None
     # Torch intra-op threads of rank 0; 0 leaves the engine's choice (cores / tp_size).
     torch_threads: int = Field(0, ge=0)

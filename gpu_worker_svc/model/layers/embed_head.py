@@ -20,7 +20,7 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_end = min(self.vocab_start + self.per_rank, vocab_size)
         self.weight = nn.Parameter(torch.zeros(self.per_rank, hidden, dtype=dtype), requires_grad=False)
         self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
-        self.int4 = None  # the LM head's int4 copy, set by quantize_model_int4
+        self.quant = None  # the LM head's quantized copy, set by quantize_model
 
     def weight_loader(self, param: nn.Parameter, tensor, shard_id=None) -> None:
         n = self.vocab_end - self.vocab_start
@@ -39,6 +39,6 @@ class ParallelLMHead(VocabParallelEmbedding):
     """Computes this rank's slice of the logits; rank 0 gathers the full row."""
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        local = self.int4.matmul(hidden) if self.int4 is not None else F.linear(hidden, self.weight)
+        local = self.quant.matmul(hidden) if self.quant is not None else F.linear(hidden, self.weight)
         logits = self.tp.gather_last_dim(local)
         return None if logits is None else logits[..., : self.vocab_size]

@@ -46,17 +46,3 @@ class Int4Weight(nn.Module):
                                                          GROUP_SIZE, self.scales_zeros)
         return y.to(x.dtype).view(*shape[:-1], -1)
 
-
-def quantize_model_int4(model: nn.Module) -> int:
-    """Swap every tensor-parallel linear layer's weight (and the LM head's) for int4; returns how many."""
-    from gpu_worker_svc.model.layers.embed_head import ParallelLMHead
-    from gpu_worker_svc.model.layers.linear import ColumnParallelLinear, RowParallelLinear
-
-    count = 0
-    for module in model.modules():
-        if isinstance(module, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)) and module.int4 is None:
-            module.int4 = Int4Weight(module.weight.data)
-            if not isinstance(module, ParallelLMHead):  # the LM head may share its weight with the embedding
-                module.weight = None
-            count += 1
-    return count

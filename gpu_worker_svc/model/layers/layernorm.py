@@ -22,3 +22,7 @@ class RMSNorm(nn.Module):
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         out = self.weight * h.to(x.dtype)
         return out if residual is None else (out, residual)
+
+    def divide_channels(self, s: torch.Tensor) -> None:
+        """Scale output channel j by 1 / s[j] (int8 smoothing moves s into the next layer's weight)."""
+        self.weight.data /= s

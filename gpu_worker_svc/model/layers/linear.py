@@ -29,15 +29,15 @@ class ColumnParallelLinear(nn.Module):
         self.out_local = out_features // tp.world_size
         self.weight = _new_param((self.out_local, in_features), dtype, self.weight_loader)
         self.bias = _new_param((self.out_local,), dtype, self.weight_loader) if bias else None
-        self.int4 = None  # set by quantize_model_int4
+        self.quant = None  # a quantized copy of the weight, set by quantize_model
 
     def weight_loader(self, param: nn.Parameter, tensor, shard_id=None) -> None:
         start, end = self.tp.shard(tensor.shape[0])
         param.data.copy_(tensor.read(0, start, end))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.int4 is not None:
-            y = self.int4.matmul(x)
+        if self.quant is not None:
+            y = self.quant.matmul(x)
             return y if self.bias is None else y + self.bias
         return F.linear(x, self.weight, self.bias)
 
@@ -74,7 +74,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         out_local = self.q_size + 2 * self.kv_size
         self.weight = _new_param((out_local, hidden), dtype, self.weight_loader)
         self.bias = _new_param((out_local,), dtype, self.weight_loader) if bias else None
-        self.int4 = None
+        self.quant = None
 
     def weight_loader(self, param: nn.Parameter, tensor, shard_id: str) -> None:
         if shard_id == "q":
@@ -97,7 +97,7 @@ class RowParallelLinear(nn.Module):
         self.tp = tp
         self.weight = _new_param((out_features, in_features // tp.world_size), dtype, self.weight_loader)
         self.bias = _new_param((out_features,), dtype, self.weight_loader) if bias else None
-        self.int4 = None  # set by quantize_model_int4
+        self.quant = None  # a quantized copy of the weight, set by quantize_model
 
     def weight_loader(self, param: nn.Parameter, tensor, shard_id=None) -> None:
         if param.dim() == 1:
@@ -108,8 +108,8 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if self.tp.is_driver else None
-        if self.int4 is not None:
-            y = self.int4.matmul(x)
+        if self.quant is not None:
+            y = self.quant.matmul(x)
             y = y if bias is None else y + bias
         else:
             y = F.linear(x, self.weight, bias)

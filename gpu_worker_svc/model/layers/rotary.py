@@ -30,21 +30,22 @@ def _inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> to
 
 
 class RotaryEmbedding(nn.Module):
+    """cos/sin tables, gathered once per step for all layers (`prepare`) and applied per layer (`apply`)."""
+
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None,
                  dtype: torch.dtype) -> None:
         super().__init__()
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), _inv_freq(head_dim, theta, scaling))
-        emb = torch.cat([freqs, freqs], dim=-1)
-        self.register_buffer("cos", emb.cos().to(dtype), persistent=False)
-        self.register_buffer("sin", emb.sin().to(dtype), persistent=False)
+        self.register_buffer("cos", torch.cat([freqs, freqs], dim=-1).cos().to(dtype), persistent=False)
+        # rotate_half(x) * sin == roll(x, D/2) * (sin with its first half negated): one op instead of four.
+        self.register_buffer("sin_signed", torch.cat([-freqs, freqs], dim=-1).sin().to(dtype), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [T, Hq, D], k: [T, Hkv, D]."""
-        cos = self.cos.index_select(0, positions).unsqueeze(1)
-        sin = self.sin.index_select(0, positions).unsqueeze(1)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def prepare(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's (cos, signed sin), each [T, 1, D]."""
+        return self.cos.index_select(0, positions).unsqueeze(1), self.sin_signed.index_select(0, positions).unsqueeze(1)
 
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    @staticmethod
+    def apply(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """x: [T, H, D], queries and keys together (HF's rotate-half layout)."""
+        cos, sin_signed = rope
+        return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, -1), sin_signed)

@@ -1,0 +1,47 @@
+"""Swap a loaded model's linear weights for a quantized copy (`RunnerConfig.quantization`).
+
+CPU modes, fastest first (SmolLM2-135M on a 2-core AVX2 machine, batch-16 decode step):
+- "int8": 7-bit weights and per-token 8-bit activations through fbgemm's integer GEMM,
+  with SmoothQuant smoothing calibrated at load. Rows are bitwise batch-invariant.
+- "fp16": fp16 weights, fp32 arithmetic (fbgemm). Numerics within fp16 weight rounding.
+- "int4": group-wise int4 weights through torch's packed int4 kernel (smallest weights).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from torch import nn
+
+from gpu_worker_svc.model.layers.embed_head import ParallelLMHead
+from gpu_worker_svc.model.layers.fp16 import FP16Weight
+from gpu_worker_svc.model.layers.int4 import Int4Weight
+from gpu_worker_svc.model.layers.int8 import Int8Weight
+from gpu_worker_svc.model.layers.linear import ColumnParallelLinear, RowParallelLinear
+from gpu_worker_svc.model.layers.smoothing import smooth
+
+QUANTIZATIONS = {"int8": Int8Weight, "fp16": FP16Weight, "int4": Int4Weight}
+
+
+def quantize_model(model: nn.Module, method: str, calibrate: Callable[[], None] | None = None) -> int:
+    """Quantize every tensor-parallel linear layer and the LM head in place; returns how many.
+
+    `calibrate` runs one full-precision prefill; int8 needs it to smooth activation outliers.
+    """
+    if method not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {sorted(QUANTIZATIONS)}, got {method!r}")
+    scales = {}
+    if method == "int8":
+        if calibrate is None:
+            raise ValueError("int8 quantization needs a calibration prefill")
+        scales = smooth(model.smoothing_groups(), calibrate)
+    make = QUANTIZATIONS[method]
+    count = 0
+    for module in model.modules():
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)) and module.quant is None:
+            weight = module.weight.data
+            module.quant = make(weight * scales[module][None, :] if module in scales else weight)
+            if not isinstance(module, ParallelLMHead):  # the LM head may share its weight with the embedding
+                module.weight = None
+            count += 1
+    return count
