@@ -1,7 +1,9 @@
 """Shardline's engine against HF transformers `generate()`, side by side in one run.
 
 Random token prompts of a fixed length, a fixed number of output tokens
-(ignore_eos), greedy, at each concurrency. Prints a table and writes JSON.
+(ignore_eos), greedy, at each concurrency. Both sides prefill every prompt.
+Engine and HF runs alternate for --rounds rounds, on fresh prompts each round,
+and the table gives medians. Prints a table and writes JSON.
 
     python -m benchmarks.engine_vs_hf                       # CPU, default model
     python -m benchmarks.engine_vs_hf --device cuda --model dummy:llama-3.2-1b --concurrency 1 64
@@ -10,8 +12,8 @@ Random token prompts of a fixed length, a fixed number of output tokens
 from __future__ import annotations
 
 import argparse
-import gc
 import json
+import statistics
 import time
 from pathlib import Path
 
@@ -22,6 +24,7 @@ from gpu_worker_svc.engine.llm_engine import EngineConfig, LLMEngine
 from gpu_worker_svc.engine.model_runner import RunnerConfig
 from gpu_worker_svc.engine.sampling_params import SamplingParams
 from gpu_worker_svc.model.dummy import dummy_config, is_dummy
+from gpu_worker_svc.model.layers.quantize import QUANTIZATIONS
 from shardline.model_path import resolve_model_path
 
 PEAK_BANDWIDTH = {"cuda": 4.8e12}  # H200 HBM3e, bytes/s
@@ -51,6 +54,10 @@ def bench_engine(engine: LLMEngine, prompts: list[list[int]], out_len: int) -> d
     decode_times.sort()
     return {"tok_s": produced / elapsed, "seconds": elapsed, "tokens": produced, "prefix_cache_hit_tokens": cached,
             "decode_step_ms_p50": 1000 * decode_times[len(decode_times) // 2] if decode_times else None}
+
+
+def _median(values: list[float]) -> float:
+    return statistics.median(values)
 
 
 def load_hf(model: str | None, device: str, dtype: torch.dtype):
@@ -107,8 +114,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
-    ap.add_argument("--quantization", default=None, choices=["int4", "int8", "fp16"], help="a CPU weight format (gpu_worker_svc/model/layers/quantize.py)")
+    ap.add_argument("--quantization", default=None, choices=sorted(QUANTIZATIONS),
+                    help="a CPU weight format (gpu_worker_svc/model/layers/quantize.py)")
     ap.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
+    ap.add_argument("--rounds", type=int, default=3, help="engine/HF alternations per concurrency (medians reported)")
     ap.add_argument("--out", default="results/engine_vs_hf.json")
     args = ap.parse_args(argv)
     dtype_name = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
@@ -118,40 +127,54 @@ def main(argv: list[str] | None = None) -> int:
                             max_model_len=args.input_len + args.output_len + 16),
         scheduler=SchedulerConfig(max_num_seqs=max(args.concurrency), max_num_batched_tokens=8192)))
     vocab = engine.model_config.vocab_size
+    hf = None if args.no_hf else load_hf(args.model, args.device, getattr(torch, dtype_name))
     rows = []
     bench_engine(engine, random_prompts(2, args.input_len, vocab, seed=99), 4)  # warm-up (and graph capture)
     for c in args.concurrency:
-        prompts = random_prompts(c, args.input_len, vocab, seed=c)
-        # Warm up at this batch size on other prompts: HF prefills every prompt, so must the engine
-        # (the same prompts would hit the prefix cache and skip the prefill).
+        # Warm up at this batch size on prompts of its own: HF prefills every prompt, so must the
+        # engine (a prompt seen before would hit the prefix cache and skip its prefill).
         bench_engine(engine, random_prompts(c, args.input_len, vocab, seed=1000 + c), 3)
-        row = {"concurrency": c, "shardline": bench_engine(engine, prompts, args.output_len)}
-        if row["shardline"]["prefix_cache_hit_tokens"]:
-            raise RuntimeError("benchmark prompts hit the prefix cache: the engine skipped prefill work")
+        if hf is not None:
+            bench_hf(hf, random_prompts(c, args.input_len, vocab, seed=1000 + c), 3, args.device)
+        # Rounds alternate engine and HF on fresh prompts, so a machine that speeds up or slows
+        # down mid-run (shared cores) moves both sides of each round's ratio alike.
+        rounds = []
+        for r in range(args.rounds):
+            prompts = random_prompts(c, args.input_len, vocab, seed=100 * c + r)
+            result = {"shardline": bench_engine(engine, prompts, args.output_len)}
+            if result["shardline"]["prefix_cache_hit_tokens"]:
+                raise RuntimeError("benchmark prompts hit the prefix cache: the engine skipped prefill work")
+            if hf is not None:
+                result["hf"] = bench_hf(hf, prompts, args.output_len, args.device)
+                result["ratio"] = result["shardline"]["tok_s"] / result["hf"]["tok_s"]
+            rounds.append(result)
+        row = {"concurrency": c, "rounds": rounds,
+               "shardline": {"tok_s": _median([x["shardline"]["tok_s"] for x in rounds]),
+                             "decode_step_ms_p50": _median([x["shardline"]["decode_step_ms_p50"] or 0
+                                                            for x in rounds]) or None}}
+        if hf is not None:
+            row["hf"] = {"tok_s": _median([x["hf"]["tok_s"] for x in rounds])}
+            row["ratio"] = _median([x["ratio"] for x in rounds])
+            row["ratio_range"] = (min(x["ratio"] for x in rounds), max(x["ratio"] for x in rounds))
         if c == 1:
             row["mbu"] = mbu(engine, row["shardline"]["decode_step_ms_p50"], args.input_len + args.output_len // 2,
                              args.device)
         rows.append(row)
     engine.shutdown()
-    del engine
-    gc.collect()
-    if not args.no_hf:
-        hf = load_hf(args.model, args.device, getattr(torch, dtype_name))
-        for row in rows:
-            prompts = random_prompts(row["concurrency"], args.input_len, vocab, seed=row["concurrency"])
-            row["hf"] = bench_hf(hf, prompts, args.output_len, args.device)
-            row["ratio"] = row["shardline"]["tok_s"] / row["hf"]["tok_s"]
 
     print(f"\nmodel={args.model or 'default'} device={args.device} dtype={dtype_name} "
           f"quantization={args.quantization or 'none'} "
           f"in={args.input_len} out={args.output_len}")
-    print(f"{'conc':>5} {'shardline tok/s':>16} {'HF tok/s':>10} {'ratio':>7} {'decode step ms':>15} {'MBU':>6}")
+    print(f"medians of {args.rounds} alternating rounds")
+    print(f"{'conc':>5} {'shardline tok/s':>16} {'HF tok/s':>10} {'ratio':>7} {'ratio range':>13} "
+          f"{'decode step ms':>15} {'MBU':>6}")
     for r in rows:
         hf_tok = f"{r['hf']['tok_s']:.1f}" if "hf" in r else "-"
         ratio = f"{r['ratio']:.2f}x" if "ratio" in r else "-"
+        spread = f"{r['ratio_range'][0]:.2f}-{r['ratio_range'][1]:.2f}" if "ratio_range" in r else "-"
         step = r["shardline"]["decode_step_ms_p50"]
         m = r.get("mbu")
-        print(f"{r['concurrency']:>5} {r['shardline']['tok_s']:>16.1f} {hf_tok:>10} {ratio:>7} "
+        print(f"{r['concurrency']:>5} {r['shardline']['tok_s']:>16.1f} {hf_tok:>10} {ratio:>7} {spread:>13} "
               f"{step if step is None else round(step, 2)!s:>15} {'-' if m is None else f'{m:.1%}':>6}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=2))

@@ -65,4 +65,7 @@ def summarize(timings: list[RequestTiming], wall_s: float, slo_ttft_ms: float | 
         "tpot_ms": _summary([t.tpot for t in done if t.tpot is not None]),
         "itl_ms": _summary([x for t in done for x in t.itl]),
         "e2el_ms": _summary([t.e2el for t in done]),
+        # Per request, in send order (like `vllm bench serve --save-detailed`): where a median hides a pattern.
+        "detail": {"ttft_ms": [round(t.ttft * 1000, 1) for t in done],
+                   "e2el_ms": [round(t.e2el * 1000, 1) for t in done]},
     }

@@ -88,3 +88,16 @@ def test_request_record_and_tokens_in_redis(stack, grpc_target):
     assert tokens == done.token_ids and prompt and len(prompt) == done.usage.prompt_tokens
     assert record.arrival_ts <= record.dispatch_ts <= record.first_token_ts <= record.finish_ts
     assert record.params["max_tokens"] == 6
+
+
+def test_request_walk_timings_are_ordered_and_add_up(grpc_target):
+    """benchmarks.request_walk: each request's stamps fall in order, so the hops split its TTFT."""
+    from benchmarks.request_walk import HOPS, summarize, walk
+
+    waves = asyncio.run(walk(grpc_target, waves=1, concurrency=4, input_len=24, output_len=2, seed=3))
+    assert len(waves) == 1 and len(waves[0]) == 4
+    for r in waves[0]:
+        assert r["sent"] <= r["arrival"] <= r["dispatch"] <= r["first_token"] <= r["ttft"]
+    summary = summarize(waves[0])
+    assert [name for name, _, _ in HOPS] == list(summary)[: len(HOPS)]
+    assert summary["TTFT"]["max"] >= summary["dispatch -> first token"]["max"] > 0
