@@ -44,7 +44,6 @@ def allocate_kv_cache(model: LlamaForCausalLM, num_blocks: int, block_size: int,
     return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(model.config.num_layers)]
 
 
-@torch.inference_mode()
 def profile_forward(model: LlamaForCausalLM, num_tokens: int, block_size: int, dtype: torch.dtype,
                     device: str) -> None:
     """Run the largest prefill step once, so the peak activation memory is known before sizing the cache."""
@@ -66,7 +65,7 @@ def run_prefill(model: LlamaForCausalLM, token_ids: torch.Tensor, block_size: in
     from gpu_worker_svc.model.attention_metadata import StepBatch, build_step
 
     # Positions past the rotary table would index out of bounds; a step never goes past it either.
-    token_ids = token_ids[: model.model.layers[0].self_attn.rotary.cos.shape[0]]
+    token_ids = token_ids[: model.model.rotary.cos.shape[0]]
     n_tokens = token_ids.numel()
     n_blocks = -(-n_tokens // block_size)
     caches = allocate_kv_cache(model, n_blocks, block_size, dtype, device)

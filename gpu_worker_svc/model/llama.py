@@ -22,14 +22,13 @@ from gpu_worker_svc.model.parallel import TPGroup
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPGroup, rotary: RotaryEmbedding, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype) -> None:
         super().__init__()
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads,
                                           cfg.attention_bias, tp, dtype)
         # Llama's attention_bias covers o_proj too; Qwen2 biases only q/k/v.
         o_bias = cfg.attention_bias and cfg.architecture == "LlamaForCausalLM"
         self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, o_bias, tp, dtype)
-        self.rotary = rotary
         self.attn = PagedAttention(self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, cfg.head_dim)
         self.head_dim = cfg.head_dim
 
@@ -65,9 +64,9 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPGroup, rotary: RotaryEmbedding, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, tp, rotary, dtype)
+        self.self_attn = LlamaAttention(cfg, tp, dtype)
         self.mlp = LlamaMLP(cfg, tp, dtype)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
@@ -87,9 +86,9 @@ class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype, max_positions: int) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, dtype)
-        # One rotary table shared by all layers: it is the largest buffer after the weights.
+        # One rotary table for all layers (the largest buffer after the weights), gathered once per step.
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, dtype)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, tp, self.rotary, dtype) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, tp, dtype) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,

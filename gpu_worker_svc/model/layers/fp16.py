@@ -16,14 +16,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from gpu_worker_svc.model.layers.int8 import require_fbgemm
+
 
 class FP16Weight(nn.Module):
     """An fbgemm-packed fp16 copy of one linear layer's (sharded) weight."""
 
     def __init__(self, weight: torch.Tensor) -> None:
         super().__init__()
-        if "fbgemm" not in torch.backends.quantized.supported_engines:
-            raise ValueError("quantization fp16 needs torch's fbgemm backend (an x86 CPU with AVX2)")
+        require_fbgemm("fp16")
         self.packed = torch.ops.quantized.linear_prepack_fp16(weight.float(), None)
         self.out_features = weight.shape[0]
 

@@ -33,9 +33,10 @@ _ACT_ZERO_POINT = 128
 _WEIGHT_QMAX = 63
 
 
-def int8_supported() -> bool:
-    """fbgemm, torch's x86 integer GEMM backend, needs AVX2."""
-    return "fbgemm" in torch.backends.quantized.supported_engines
+def require_fbgemm(mode: str) -> None:
+    """fbgemm (torch's x86 backend for the int8 and fp16 kernels) needs an x86 CPU with AVX2."""
+    if "fbgemm" not in torch.backends.quantized.supported_engines:
+        raise ValueError(f"quantization {mode} needs torch's fbgemm backend (an x86 CPU with AVX2)")
 
 
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -50,8 +51,7 @@ class Int8Weight(nn.Module):
 
     def __init__(self, weight: torch.Tensor) -> None:
         super().__init__()
-        if not int8_supported():
-            raise ValueError("quantization int8 needs torch's fbgemm backend (an x86 CPU with AVX2)")
+        require_fbgemm("int8")
         codes, scale = quantize_int8(weight)
         with warnings.catch_warnings():  # quantized tensors are deprecated, but fbgemm's prepack still takes one
             warnings.simplefilter("ignore", UserWarning)
