@@ -112,10 +112,11 @@ class StreamHub:
         request = scheduler_pb2.SubscribeRequest(gateway_id=self._gateway_id)
         while True:
             await self._backends.scheduler_ready()
-            # A server-streaming call reports nothing until the scheduler sends its first batch, so the
-            # subscription counts as open once it is sent on a connected channel; a failure ends it below.
             call = self._backends.scheduler.Subscribe(request)
             try:
+                # The scheduler sends its initial metadata once the subscription is registered: a Submit
+                # (or a catch-up read) before that could have its deltas relayed to nobody.
+                await call.initial_metadata()
                 self._connected.set()
                 logger.info("subscribed to the scheduler as %s", self._gateway_id)
                 backoff = _FIRST_BACKOFF_S
@@ -163,7 +164,9 @@ class StreamHub:
             raise
 
     async def _handle(self, deltas: list[common_pb2.RequestDelta]) -> None:
-        work: list[_Work] = []
+        # One request can appear more than once (a resumed record, then the deltas held meanwhile,
+        # which may overlap it): each delta is cut against the tokens taken so far in this call.
+        work: dict[str, _Work] = {}
         for delta in deltas:
             stream = self._streams.get(delta.request_id)
             if stream is None or stream.finished:
@@ -171,15 +174,23 @@ class StreamHub:
             if stream.buffered is not None:
                 stream.buffered.append(delta)
                 continue
-            skip = max(0, stream.next_offset - delta.offset)
-            if delta.offset > stream.next_offset:
-                logger.warning("%s: tokens %d..%d were lost", delta.request_id, stream.next_offset, delta.offset)
+            merged = work.get(delta.request_id)
+            if merged is not None and merged.final:
+                continue
+            expected = merged.offset + len(merged.new) if merged is not None else stream.next_offset
+            skip = max(0, expected - delta.offset)
+            if delta.offset > expected:
+                logger.warning("%s: tokens %d..%d were lost", delta.request_id, expected, delta.offset)
             final = delta.finish_reason != sampling_pb2.FINISH_REASON_UNSPECIFIED
-            new = list(delta.token_ids[skip:])
-            if new or final:
-                work.append(_Work(stream, delta, new, list(delta.logprobs[skip:]), delta.offset + skip, final))
+            new, logprobs = list(delta.token_ids[skip:]), list(delta.logprobs[skip:])
+            if merged is not None:
+                merged.new += new
+                merged.logprobs += logprobs
+                merged.final, merged.delta = final, delta if final else merged.delta
+            elif new or final:
+                work[delta.request_id] = _Work(stream, delta, new, logprobs, delta.offset + skip, final)
         if work:
-            await self._detokenize(work)
+            await self._detokenize(list(work.values()))
 
     async def _detokenize(self, work: list[_Work]) -> None:
         items = [

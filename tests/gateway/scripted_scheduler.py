@@ -89,6 +89,7 @@ class ScriptedScheduler(scheduler_pb2_grpc.SchedulerServicer):
     async def Subscribe(self, request, context):
         queue: asyncio.Queue[scheduler_pb2.TokenBatch | None] = asyncio.Queue()
         self._subscribers[request.gateway_id] = queue
+        await context.send_initial_metadata(())  # registered: as the real scheduler says so
         while (batch := await queue.get()) is not None:
             yield batch
 

@@ -10,7 +10,9 @@ import grpc
 import openai
 from opentelemetry import trace
 
-from shardline.proto import generation_pb2, sampling_pb2
+from gateway.request_stream import RequestStream
+from gateway.stop_matcher import StopMatcher
+from shardline.proto import common_pb2, generation_pb2, sampling_pb2
 from tests.gateway.conftest import TEXT
 from tests.gateway.harness import Stack, run_on_stack
 from tests.gateway.scripted_scheduler import MODEL, Script
@@ -117,5 +119,27 @@ def test_metrics_models_and_health(tokenizer_address, text_ids) -> None:
                                                  "subscribed": True}
             async with http.get(f"{stack.base_url}/v1/nothing") as response:
                 assert response.status == 404 and "error" in await response.json()
+
+    run_on_stack(tokenizer_address, Script(text_ids), body)
+
+
+def test_resume_does_not_repeat_held_deltas_that_the_record_already_holds(tokenizer_address, text_ids) -> None:
+    """Deltas relayed while Attach's write was in flight overlap the record: each token goes out once."""
+
+    async def body(stack: Stack) -> None:
+        hub, rid = stack.gateway.hub, "resume-overlap"
+        stream = RequestStream(rid, 3, True, StopMatcher([]), buffered=[])
+        hub.register(stream)
+        # Held (buffered) while the record is read: tokens 3..5, which the record will also hold.
+        await hub._handle([common_pb2.RequestDelta(request_id=rid, offset=3, token_ids=text_ids[3:6])])
+        record = common_pb2.RequestInfo(request_id=rid, output_token_ids=text_ids[:5],
+                                        status=sampling_pb2.REQUEST_STATUS_RUNNING)
+        await hub.apply_record(rid, record, 2)
+        chunks = []
+        while not stream.queue.empty():
+            chunks.append(stream.queue.get_nowait())
+        assert [t for c in chunks for t in c.token_ids] == text_ids[2:6]
+        assert stream.next_offset == 6
+        hub.release(rid)
 
     run_on_stack(tokenizer_address, Script(text_ids), body)
