@@ -37,11 +37,6 @@ class NotFound(ShardlineError):
     http_status = 404
 
 
-class PayloadTooLarge(ShardlineError):
-    code = grpc.StatusCode.INVALID_ARGUMENT
-    http_status = 413
-
-
 class ResourceExhausted(ShardlineError):
     """The bounded queue is full: back off and retry."""
 
@@ -54,14 +49,3 @@ class Unavailable(ShardlineError):
 
     code = grpc.StatusCode.UNAVAILABLE
     http_status = 503
-
-
-HTTP_FOR_GRPC = {
-    grpc.StatusCode.INVALID_ARGUMENT: 400,
-    grpc.StatusCode.UNAUTHENTICATED: 401,
-    grpc.StatusCode.NOT_FOUND: 404,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
-    grpc.StatusCode.UNAVAILABLE: 503,
-    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
-    grpc.StatusCode.CANCELLED: 499,
-}

@@ -64,7 +64,9 @@ def _wrap_unary(fn):
     async def wrapper(request, context):
         try:
             return await fn(request, context)
-        except (ShardlineError, ValueError) as exc:
+        except grpc.aio.AbortError:
+            raise  # the handler chose its own status
+        except Exception as exc:
             await _abort_for(exc, context)
     return wrapper
 
@@ -74,7 +76,9 @@ def _wrap_stream(fn):
         try:
             async for item in fn(request, context):
                 yield item
-        except (ShardlineError, ValueError) as exc:
+        except grpc.aio.AbortError:
+            raise
+        except Exception as exc:
             await _abort_for(exc, context)
     return wrapper
 
