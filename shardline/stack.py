@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -23,15 +22,10 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from shardline.ports import free_port
 from shardline.redis_server import EmbeddedRedis
 
 log = logging.getLogger(__name__)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass(slots=True)
@@ -80,6 +74,18 @@ class LocalStack:
 
     # -- lifecycle ------------------------------------------------------------
     def start(self, progress: Callable[[str], None] = lambda msg: None, timeout_s: float = 300.0) -> LocalStack:
+        """Start every service and wait until all are healthy; on any failure (or Ctrl-C) stop what started.
+
+        The services run in sessions of their own, so nothing else would stop them.
+        """
+        try:
+            self._start(progress, timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _start(self, progress: Callable[[str], None], timeout_s: float) -> None:
         c = self.config
         if c.redis_url is None:
             data_dir = c.data_dir
@@ -104,7 +110,6 @@ class LocalStack:
                                 "TOKENIZER_ADDRESS": f"127.0.0.1:{c.tokenizer_port}",
                                 "SCHEDULER_ADDRESS": f"127.0.0.1:{c.scheduler_port}"}, f"127.0.0.1:{c.grpc_port}")
         self.wait_ready(progress, max(0.0, deadline - time.monotonic()))
-        return self
 
     def add_worker(self, index: int) -> Child:
         c = self.config
@@ -128,12 +133,11 @@ class LocalStack:
         return child
 
     def _popen(self, name: str, argv: list[str], env: dict[str, str]) -> subprocess.Popen:
-        out = None
-        if self.config.log_dir is not None:
-            self.config.log_dir.mkdir(parents=True, exist_ok=True)
-            out = open(self.config.log_dir / f"{name}.log", "ab")
-        return subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
-                                start_new_session=True)
+        if self.config.log_dir is None:
+            return subprocess.Popen(argv, env=env, start_new_session=True)
+        self.config.log_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.config.log_dir / f"{name}.log", "ab") as out:  # the child keeps its own copy
+            return subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
     def restart(self, child: Child) -> None:
         """Start a dead service again with its old settings; state it needs comes back from Redis."""
@@ -194,8 +198,10 @@ class LocalStack:
                 child.proc.wait()
         if self.redis is not None:
             self.redis.stop()
+            self.redis = None
         if self._tmp is not None:
             self._tmp.cleanup()
+            self._tmp = None
 
     def __enter__(self) -> LocalStack:
         return self

@@ -31,18 +31,22 @@ def run(args: argparse.Namespace) -> int:
                          grpc_port=args.grpc_port, redis_url=args.redis_url, data_dir=args.data_dir,
                          tracing=args.tracing, log_dir=args.log_dir)
     stack = LocalStack(config)
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
     t0 = time.monotonic()
     print(f"shardline: starting {args.workers} worker(s) at TP {args.tp} with "
           f"{args.model or 'SmolLM2-135M-Instruct (default)'} ...", flush=True)
+    # While starting, Ctrl-C (and SIGTERM, made to match) interrupts start(), which stops what it started.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         stack.start(progress=lambda msg: print(f"  [{time.monotonic() - t0:5.1f}s] {msg}", flush=True))
+    except KeyboardInterrupt:
+        print("shardline: interrupted while starting; stopped", file=sys.stderr)
+        return 130
     except (RuntimeError, TimeoutError) as exc:
         print(f"shardline: failed to start: {exc}", file=sys.stderr)
-        stack.stop()
         return 1
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
     traces = (f"\n  traces        http://127.0.0.1:{config.dashboard_port}/   (dashboard; OTLP on :{config.otlp_port})"
               if args.tracing else "")
     print(f"""

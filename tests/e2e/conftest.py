@@ -25,10 +25,9 @@ def running_stack(config: StackConfig) -> Iterator[LocalStack]:
     s = LocalStack(config)
     try:
         s.start(timeout_s=240)
-    except Exception:
+    except Exception:  # start() has stopped what it started
         for log in sorted(config.log_dir.glob("*.log")) if config.log_dir else []:
             print(f"----- {log.name}\n{log.read_text()[-3000:]}")
-        s.stop()
         raise
     try:
         yield s

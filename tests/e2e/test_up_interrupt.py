@@ -1,0 +1,61 @@
+"""`shardline up` stopped by Ctrl-C while it is still starting: it exits at once and leaves no process behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from shardline.ports import free_port
+
+pytestmark = pytest.mark.slow
+
+
+def _children(pid: int) -> set[int]:
+    found = set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:  # field 4: the parent's pid
+                found.add(int(entry.name))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def test_ctrl_c_while_starting_stops_every_service(tmp_path):
+    up = subprocess.Popen(
+        [sys.executable, "-m", "shardline.cli.main", "up", "--http-port", str(free_port()),
+         "--grpc-port", str(free_port()), "--data-dir", str(tmp_path / "data"), "--log-dir", str(tmp_path / "logs")],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        # Redis, the tokenizer and the scheduler start at once; the worker's model load keeps `up` starting.
+        deadline = time.monotonic() + 60
+        while len(children := _children(up.pid)) < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(children) >= 3, up.stdout.read() if up.poll() is not None else "services did not start"
+        assert up.poll() is None
+        up.send_signal(signal.SIGINT)
+        assert up.wait(timeout=30) == 130
+        assert "interrupted while starting" in up.stdout.read()
+        deadline = time.monotonic() + 5
+        while any(_alive(pid) for pid in children) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not [pid for pid in children if _alive(pid)]
+    finally:
+        if up.poll() is None:
+            up.kill()
