@@ -82,8 +82,6 @@ def bench_hf(hf, prompts: list[list[int]], out_len: int, device: str) -> dict:
     ids = torch.tensor(prompts, device=device)
     kwargs = dict(max_new_tokens=out_len, min_new_tokens=out_len, do_sample=False, pad_token_id=0,
                   attention_mask=torch.ones_like(ids))
-    hf.generate(ids[:, :8], **{**kwargs, "max_new_tokens": 2, "min_new_tokens": 2,
-                               "attention_mask": torch.ones_like(ids[:, :8])})  # warm-up
     if device.startswith("cuda"):
         torch.cuda.synchronize()
     t0 = time.perf_counter()

@@ -45,8 +45,17 @@ class EngineBackend:
         self.ids = itertools.count()
         self.lock = threading.Lock()
         self.thread = threading.Thread(target=self._run, daemon=True, name="engine-loop")
+        self.error: Exception | None = None  # what ended the engine thread, if anything did
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        except Exception as exc:  # every open request fails with it, rather than waiting forever
+            self.error = exc
+            for queue in list(self.streams.values()):
+                self.loop.call_soon_threadsafe(queue.put_nowait, (time.perf_counter(), exc))
+
+    def _loop(self) -> None:
         while not self.stop.is_set():
             with self.lock:
                 pending, self.pending = self.pending, []
@@ -74,7 +83,11 @@ class EngineBackend:
                                                              temperature=0.0)))
         self.wake.set()
         while True:
+            if self.error is not None and queue.empty():
+                raise RuntimeError(f"the engine failed: {self.error}")
             at, out = await queue.get()
+            if isinstance(out, Exception):
+                raise RuntimeError(f"the engine failed: {out}") from out
             if out.new_token_ids:
                 timing.chunk_times.append(at - start)
                 timing.output_len += len(out.new_token_ids)
