@@ -9,7 +9,6 @@ import atexit
 import importlib.util
 import logging
 import shutil
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -19,6 +18,8 @@ from typing import Self
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
+
+from shardline.ports import free_port
 
 logger = logging.getLogger(__name__)
 
@@ -50,12 +51,6 @@ def _control_client(port: int, timeout_s: float) -> redis.Redis:
         host="127.0.0.1", port=port, socket_connect_timeout=timeout_s, socket_timeout=timeout_s,
         retry=Retry(NoBackoff(), 0),
     )
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class EmbeddedRedis:
@@ -98,7 +93,7 @@ class EmbeddedRedis:
         # A picked free port can be taken by someone else before redis binds it.
         attempts = 3 if self._requested_port is None else 1
         for attempt in range(attempts):
-            port = self._requested_port or _free_port()
+            port = self._requested_port or free_port()
             self._spawn(binary, port)
             try:
                 self._wait_ready(port)

@@ -13,7 +13,6 @@ import logging
 import multiprocessing as mp
 import multiprocessing.connection
 import os
-import socket
 import threading
 from dataclasses import dataclass
 
@@ -26,6 +25,7 @@ from gpu_worker_svc.model.config import ModelConfig
 from gpu_worker_svc.model.layers.quantize import quantize_model
 from gpu_worker_svc.model.loader import load_config, load_model, parse_dtype
 from gpu_worker_svc.model.parallel import TPGroup, destroy_tp_group, init_tp_group
+from shardline.ports import free_port
 
 log = logging.getLogger(__name__)
 
@@ -151,12 +151,6 @@ class _RankSpans:
             self.handle.shutdown()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class ModelRunner:
     """Rank 0's handle on the tensor-parallel group."""
 
@@ -164,7 +158,7 @@ class ModelRunner:
         self.config = config
         self.model_config: ModelConfig = load_config(config.model)
         self.model_config.check_tp(config.tp_size)
-        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        init_method = f"tcp://127.0.0.1:{free_port()}"
         ctx = mp.get_context("spawn")
         self._children = [ctx.Process(target=_rank_main, args=(config, r, init_method), daemon=True,
                                       name=f"shardline-rank{r}") for r in range(1, config.tp_size)]

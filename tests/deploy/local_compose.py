@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,16 +20,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from shardline.ports import free_port
 from tests.deploy.compose_project import REPO
 
 ENTRYPOINT = REPO / "docker" / "entrypoint.sh"
 HEALTHCHECK = REPO / "docker" / "healthcheck.py"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass(slots=True)

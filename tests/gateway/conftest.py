@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -15,18 +14,13 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from shardline.model_path import default_model_path
+from shardline.ports import free_port
 from tokenizer_svc.tokenizer import Tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
 # Prose, then characters the default model splits over several tokens, so the gateway must hold
 # partial characters back between steps.
 TEXT = " The quick brown fox jumps over the lazy dog. Zürich 😀 中文!"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="session")

@@ -1,7 +1,6 @@
 """Spans, trace-context propagation to the worker, and the Prometheus gauges."""
 
 import asyncio
-import socket
 import urllib.request
 
 from opentelemetry.sdk.trace import TracerProvider
@@ -9,6 +8,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client import REGISTRY
 
+from shardline.ports import free_port
 from shardline.proto import sampling_pb2, scheduler_pb2
 from tracing import attributes as attr
 from tests.scheduler_svc.harness import cluster, eventually
@@ -46,15 +46,9 @@ async def test_queue_and_dispatch_spans_join_the_callers_trace(redis_url: str) -
         assert queue.end_time <= dispatch.end_time
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @run_async
 async def test_queue_and_running_gauges_are_served(redis_url: str) -> None:
-    port = _free_port()
+    port = free_port()
     async with cluster(redis_url, metrics_port=port) as c:
         for i in range(3):
             await c.submit(f"r{i}", max_tokens=100)

@@ -2,21 +2,15 @@
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Iterator
 
 import pytest
 
+from shardline.ports import free_port
 from tests.gpu_worker_svc.server.harness import SchedulerStandIn, WorkerProcess
 
 # 64 blocks of 16 tokens for SmolLM2-135M in float32 (737,280 bytes per block).
 KV_CACHE_BYTES = 64 * 737_280
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

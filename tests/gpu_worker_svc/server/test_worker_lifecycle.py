@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from tests.gpu_worker_svc.server.conftest import free_port
+from shardline.ports import free_port
 from tests.gpu_worker_svc.server.harness import (
     SchedulerStandIn,
     SessionClient,
