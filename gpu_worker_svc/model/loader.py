@@ -38,6 +38,11 @@ def load_config(model: str | Path | None) -> ModelConfig:
     return open_checkpoint(resolve_model_path(model)).config()
 
 
+def rotary_positions(cfg: ModelConfig, max_model_len: int | None = None) -> int:
+    """Positions the model's rotary table covers: the longest sequence it can run."""
+    return min(max_model_len or cfg.max_position_embeddings, MAX_ROTARY_POSITIONS)
+
+
 def load_model(model: str | Path | None, tp: TPGroup, dtype: torch.dtype = torch.float32, device: str = "cpu",
                max_model_len: int | None = None) -> LlamaForCausalLM:
     """This rank's shard of the model, in eval mode on `device`."""
@@ -45,15 +50,14 @@ def load_model(model: str | Path | None, tp: TPGroup, dtype: torch.dtype = torch
     if is_dummy(model):
         cfg = dummy_config(str(model))
         with torch.device(device):
-            shard = LlamaForCausalLM(cfg, tp, dtype, min(max_model_len or 4096, MAX_ROTARY_POSITIONS))
+            shard = LlamaForCausalLM(cfg, tp, dtype, rotary_positions(cfg, max_model_len))
         init_dummy_weights(shard)
         return shard.eval()
     path = resolve_model_path(model)
     ckpt = open_checkpoint(path)
     cfg = ckpt.config()
-    max_positions = min(max_model_len or cfg.max_position_embeddings, MAX_ROTARY_POSITIONS)
     with torch.device(device):
-        model = LlamaForCausalLM(cfg, tp, dtype, max_positions)
+        model = LlamaForCausalLM(cfg, tp, dtype, rotary_positions(cfg, max_model_len))
     params = dict(model.named_parameters())
     expected = _expected_shards(params)
     loaded: set[tuple[str, object]] = set()

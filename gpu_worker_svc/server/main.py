@@ -22,7 +22,7 @@ from gpu_worker_svc.engine.llm_engine import EngineConfig, LLMEngine
 from gpu_worker_svc.engine.model_runner import RunnerConfig
 from gpu_worker_svc.model.dummy import is_dummy
 from gpu_worker_svc.model.layers.quantize import QUANTIZATIONS
-from gpu_worker_svc.model.loader import MAX_ROTARY_POSITIONS, parse_dtype
+from gpu_worker_svc.model.loader import parse_dtype, rotary_positions
 from gpu_worker_svc.server.engine_loop import EngineLoop
 from gpu_worker_svc.server.registration import SchedulerRegistration
 from gpu_worker_svc.server.servicer import WorkerServicer
@@ -100,8 +100,7 @@ def engine_loop_for(s: WorkerSettings, engine: LLMEngine, tracing: TracingHandle
     dtype_bytes = parse_dtype(s.resolved_dtype, "cpu" if s.resolved_device == "cpu" else "cuda").itemsize
     cost = StepCostModel.for_model(cfg, dtype_bytes, peak, s.tp_size)
     # The longest sequence the worker can hold: the model's context, the rotary table and the KV cache.
-    max_model_len = min(cfg.max_position_embeddings, MAX_ROTARY_POSITIONS,
-                        engine.block_pool.num_blocks * s.block_size)
+    max_model_len = min(rotary_positions(cfg), engine.block_pool.num_blocks * s.block_size)
     return EngineLoop(engine, StepTelemetry(tracing.tracer, cost, model, tracing.enabled), max_model_len, on_fatal,
                       s.resolved_admission_gap_s)
 
