@@ -75,7 +75,7 @@ class DecodeGraphs:
         mask[:, :, :, 0] = True
         meta = AttentionMetadata(
             slot_mapping=torch.full((b,), self.scratch_slot, dtype=torch.long, device=dev),
-            prefill_bounds=[], prefill_gather=[],
+            prefill_bounds=[], prefill_gather=[], prefill_mask=[],
             decode_index=torch.arange(b, device=dev),
             decode_gather=torch.full((b, length), self.scratch_slot, dtype=torch.long, device=dev),
             decode_mask=mask)

@@ -18,7 +18,7 @@ from gpu_worker_svc.engine.batch_scheduler import BatchScheduler, SchedulerConfi
 from gpu_worker_svc.engine.block_pool import BlockPool
 from gpu_worker_svc.engine.model_runner import ModelRunner, RunnerConfig
 from gpu_worker_svc.engine.outputs import GenerationResult, RequestOutput, StepOutput, StepStats
-from gpu_worker_svc.engine.sampler import Sampler, TokenLogprobs
+from gpu_worker_svc.engine.sampler import Sampler, TokenLogprobs, select_rows
 from gpu_worker_svc.engine.sampling_params import SamplingParams
 from gpu_worker_svc.engine.sequence import Sequence
 from gpu_worker_svc.model.attention_metadata import StepBatch
@@ -126,7 +126,7 @@ class LLMEngine:
         sample_logprobs: dict[str, TokenLogprobs | None] = {}
         if rows:
             seqs = [sched.scheduled[i].seq for i in rows]
-            result = self.sampler(logits[rows], seqs)
+            result = self.sampler(select_rows(logits, rows), seqs)
             for i, seq, tok, lp in zip(rows, seqs, result.token_ids, result.logprobs):
                 sampled[i] = tok
                 sample_logprobs[seq.request_id] = lp

@@ -67,7 +67,7 @@ class Sampler:
         lp_rows = [i for i, seq in enumerate(seqs) if seq.params.logprobs is not None]
         raw_logprobs = None
         if lp_rows:
-            raw_logprobs = torch.log_softmax(logits[_index(lp_rows, logits)], dim=-1)
+            raw_logprobs = torch.log_softmax(select_rows(logits, lp_rows), dim=-1)
 
         logits = self._penalties.apply(logits, seqs)
         logits = _mask_early_stops(logits, seqs)
@@ -78,8 +78,8 @@ class Sampler:
         else:
             token_ids = torch.empty(len(seqs), dtype=torch.long, device=logits.device)
         if sampled_rows:
-            rows = _index(sampled_rows, logits)
-            token_ids[rows] = _sample(logits[rows], [seqs[i] for i in sampled_rows])
+            token_ids[_index(sampled_rows, logits)] = _sample(select_rows(logits, sampled_rows),
+                                                             [seqs[i] for i in sampled_rows])
 
         token_list = token_ids.tolist()
         logprobs: list[TokenLogprobs | None] = [None] * len(seqs)
@@ -93,6 +93,11 @@ class Sampler:
 
 def _index(rows: list[int], like: torch.Tensor) -> torch.Tensor:
     return torch.tensor(rows, dtype=torch.long, device=like.device)
+
+
+def select_rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """t[rows] for ascending distinct `rows`; t itself, with no [B, vocab] copy, when they are all of it."""
+    return t if len(rows) == t.shape[0] else t[_index(rows, t)]
 
 
 def _mask_early_stops(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:

@@ -48,6 +48,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] long: cache slot (block * block_size + offset) of each new token
     prefill_bounds: list[tuple[int, int]]  # [start, end) of each multi-token chunk in the flat batch
     prefill_gather: list[torch.Tensor | None]  # slots of positions [0, context) when a prefix is cached, else None
+    prefill_mask: list[torch.Tensor | None]  # [n, context] bool causal mask of such a chunk, shared by every layer
     decode_index: torch.Tensor | None  # [B_decode] flat-batch index of each single-token chunk
     decode_gather: torch.Tensor | None  # [B_decode, L] slots of each decode's context, padded
     decode_mask: torch.Tensor | None  # [B_decode, 1, 1, L] bool: True where a key is attended
@@ -66,6 +67,7 @@ def build_step(batch: StepBatch, block_size: int, device: torch.device | str = "
 
     bounds: list[tuple[int, int]] = []
     gathers: list[torch.Tensor | None] = []
+    masks: list[torch.Tensor | None] = []
     decodes: list[int] = []  # sequence index of each single-token chunk
     start = 0
     for i, (c, n) in enumerate(zip(num_computed, num_new)):
@@ -75,9 +77,11 @@ def build_step(batch: StepBatch, block_size: int, device: torch.device | str = "
             bounds.append((start, start + n))
             if c == 0:
                 gathers.append(None)
+                masks.append(None)
             else:
                 pos = torch.arange(c + n)
                 gathers.append((bt[i, pos // block_size] * block_size + pos % block_size).to(device))
+                masks.append(torch.ones(n, c + n, dtype=torch.bool, device=device).tril(c))  # the chunk ends the context
         start += n
 
     decode_index = decode_gather = decode_mask = None
@@ -89,5 +93,5 @@ def build_step(batch: StepBatch, block_size: int, device: torch.device | str = "
         decode_index = ends[rows].to(device)
         decode_gather = (bt[rows][:, pos // block_size] * block_size + pos % block_size).to(device)
         decode_mask = (pos[None, :] < ctx[:, None])[:, None, None, :].to(device)
-    meta = AttentionMetadata(slot_mapping.to(device), bounds, gathers, decode_index, decode_gather, decode_mask)
+    meta = AttentionMetadata(slot_mapping.to(device), bounds, gathers, masks, decode_index, decode_gather, decode_mask)
     return positions.to(device), meta

@@ -26,12 +26,10 @@ class PagedAttention(nn.Module):
         v_cache.index_copy_(0, meta.slot_mapping, v)
 
         out = torch.empty_like(q)
-        for (start, end), gather in zip(meta.prefill_bounds, meta.prefill_gather):
+        for (start, end), gather, mask in zip(meta.prefill_bounds, meta.prefill_gather, meta.prefill_mask):
             if gather is None:  # no cached prefix: the chunk attends to itself, causally
                 out[start:end] = self._sdpa(q[start:end], k[start:end], v[start:end], None, causal=True)
             else:  # the chunk's queries sit at the end of a longer context
-                n, ctx = end - start, gather.numel()
-                mask = torch.ones(n, ctx, dtype=torch.bool, device=q.device).tril(ctx - n)
                 out[start:end] = self._sdpa(q[start:end], k_cache.index_select(0, gather),
                                             v_cache.index_select(0, gather), mask, causal=False)
         if meta.decode_gather is not None:
