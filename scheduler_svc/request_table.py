@@ -1,6 +1,5 @@
 """Live requests, their step-by-step output, and how they end."""
 
-import asyncio
 import logging
 import time
 from collections import defaultdict
@@ -106,8 +105,7 @@ class RequestTable:
             return
         for outcome in outcomes:
             self._forget(outcome.request)
-        await asyncio.gather(*(
-            self._store.finish(o.request.request_id, o.status, o.reason, o.error) for o in outcomes))
+        await self._store.finish_many([(o.request.request_id, o.status, o.reason, o.error) for o in outcomes])
         if notify:
             finals = []
             for outcome in outcomes:

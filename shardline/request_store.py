@@ -182,6 +182,14 @@ def _decode(request_id: str, raw: dict[bytes, bytes], num_output_tokens: int) ->
     )
 
 
+def _queue_update(pipe: Any, request_id: str, retention_ms: int, fields: dict[str, Any]) -> None:
+    """Queues _UPDATE_LIVE_LUA on a pipeline. EVAL with the script's text, not a registered Script:
+    on a pipeline, redis-py checks registered scripts with an extra SCRIPT EXISTS round trip."""
+    keys = [_hash_key(request_id), _prompt_key(request_id), _tokens_key(request_id), ACTIVE_KEY]
+    args = [request_id, retention_ms, *(item for pair in fields.items() for item in pair)]
+    pipe.eval(_UPDATE_LIVE_LUA, len(keys), *keys, *args)
+
+
 class RequestStore:
     """Async access to request state in Redis (see the module docstring for the keys).
 
@@ -262,10 +270,9 @@ class RequestStore:
         now = time.time()
         pipe = self._redis.pipeline(transaction=False)
         for request_id, worker_id, attempt in dispatches:
-            keys = [_hash_key(request_id), _prompt_key(request_id), _tokens_key(request_id), ACTIVE_KEY]
-            fields = ["status", RequestStatus.RUNNING.name, "worker_id", worker_id, "attempt", attempt, "dispatch_ts", now]
-            # Awaiting a script call on a pipeline only queues it; execute() sends them all.
-            await self._update_script(keys=keys, args=[request_id, 0, *fields], client=pipe)
+            fields = {"status": RequestStatus.RUNNING.name, "worker_id": worker_id, "attempt": attempt,
+                      "dispatch_ts": now}
+            _queue_update(pipe, request_id, 0, fields)
         return [bool(done) for done in await pipe.execute()] if dispatches else []
 
     async def set_gateway(self, request_id: str, gateway_id: str) -> bool:
@@ -277,12 +284,22 @@ class RequestStore:
     ) -> bool:
         """Records the terminal status, drops the request from the active set and starts
         the retention TTL on all its keys; False, changing nothing, if not live."""
-        if not status.is_finished:
-            raise ValueError(f"{status.name} is not terminal")
-        fields: dict[str, Any] = {"status": status.name, "finish_reason": finish_reason.name, "finish_ts": time.time()}
-        if error is not None:
-            fields["error"] = error
-        return await self._update_live(request_id, max(1, round(self.retention_s * 1000)), fields)
+        return (await self.finish_many([(request_id, status, finish_reason, error)]))[0]
+
+    async def finish_many(
+        self, outcomes: Sequence[tuple[str, RequestStatus, FinishReason, str | None]]
+    ) -> list[bool]:
+        """finish() for many (request_id, status, reason, error) in ONE round trip: a step's finishes."""
+        now, retention_ms = time.time(), max(1, round(self.retention_s * 1000))
+        pipe = self._redis.pipeline(transaction=False)
+        for request_id, status, finish_reason, error in outcomes:
+            if not status.is_finished:
+                raise ValueError(f"{status.name} is not terminal")
+            fields: dict[str, Any] = {"status": status.name, "finish_reason": finish_reason.name, "finish_ts": now}
+            if error is not None:
+                fields["error"] = error
+            _queue_update(pipe, request_id, retention_ms, fields)
+        return [bool(done) for done in await pipe.execute()] if outcomes else []
 
     async def get(self, request_id: str) -> RequestRecord | None:
         """A request's record, or None if unknown or expired."""

@@ -164,6 +164,36 @@ async def test_append_step_is_one_round_trip_per_step(redis_url: str, monkeypatc
 
 
 @run_async
+async def test_a_steps_dispatches_and_finishes_are_one_round_trip_each(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ids = [f"f{i}" for i in range(16)]
+    async with RequestStore(redis_url) as store:
+        for request_id in ids:
+            await store.create(record(request_id), [1])
+        sends: list[int] = []
+        original = AbstractConnection.send_packed_command
+
+        async def counting_send(self: AbstractConnection, command: Any, check_health: bool = True) -> None:
+            sends.append(1)
+            await original(self, command, check_health)
+
+        monkeypatch.setattr(AbstractConnection, "send_packed_command", counting_send)
+        assert await store.mark_dispatched_many([(rid, "worker-a", 1) for rid in ids]) == [True] * 16
+        done = await store.finish_many([(rid, RequestStatus.FINISHED, FinishReason.LENGTH, None) for rid in ids[:15]]
+                                       + [("ghost", RequestStatus.CANCELLED, FinishReason.ABORT, None)])
+        assert done == [True] * 15 + [False]
+        assert len(sends) == 2
+        monkeypatch.undo()
+        got = await store.get("f3")
+        assert got is not None and got.status == RequestStatus.FINISHED and got.finish_reason == FinishReason.LENGTH
+        assert got.worker_id == "worker-a" and got.dispatch_ts is not None and got.finish_ts is not None
+        assert await store.list_active() == ["f15"]
+        with pytest.raises(ValueError):
+            await store.finish_many([("f15", RequestStatus.RUNNING, FinishReason.STOP, None)])
+
+
+@run_async
 async def test_tokens_by_offset(redis_url: str) -> None:
     async with RequestStore(redis_url) as store:
         await store.create(record("r1"), [1])
