@@ -62,7 +62,7 @@ async def requests_api(request: web.Request) -> web.Response:
     store = request.app[STORE]
     limit = _positive_int(request, "limit", DEFAULT_LIMIT)
     request_ids = await store.recent_requests(limit)
-    traces = await asyncio.gather(*(store.by_request(request_id) for request_id in request_ids))
+    traces = await store.by_requests(request_ids)
     rows = []
     for request_id, spans in zip(request_ids, traces, strict=True):
         summary = summarize(request_id, spans)

@@ -68,8 +68,8 @@ def with_engine_context(own: list[StoredSpan], window: Iterable[StoredSpan]) -> 
 async def request_spans(store: SpanStore, request_ids: list[str]) -> list[StoredSpan]:
     """The requests' traces plus the engine steps and counters in their time span."""
     own: dict[tuple[str, str], StoredSpan] = {}
-    for request_id in request_ids:
-        for span in await store.by_request(request_id):
+    for spans in await store.by_requests(request_ids):
+        for span in spans:
             own[span.trace_id, span.span_id] = span
     if not own:
         return []

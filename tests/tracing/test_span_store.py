@@ -49,6 +49,26 @@ async def test_queries_by_request_trace_recency_and_window(redis_url: str) -> No
 
 
 @run_async
+async def test_many_requests_at_once_match_one_at_a_time(redis_url: str) -> None:
+    """by_requests (the dashboard's list, exports) past the connection pool's 100: two round trips."""
+    now = int(time.time())
+    spans = store(redis_url, max_spans=10_000)
+    try:
+        # 150 requests; q2 shares q1's trace, q5 q4's, and so on.
+        await spans.add([otlp_export("gateway-0", [(i - i % 3 // 2, i + 1, "generate", now + i / 100, f"q{i}")
+                                                   for i in range(1, 151)])])
+        ids = [f"q{i}" for i in range(1, 151)] + ["absent"]
+        together = await spans.by_requests(ids)
+        alone = [await spans.by_request(request_id) for request_id in ids]
+    finally:
+        await spans.close()
+    assert together == alone
+    assert together[-1] == [] and all(together[:-1])
+    assert {s.request_id for s in together[1]} == {"q1", "q2"}  # the shared trace, whole
+    assert {s.request_id for s in together[2]} == {"q3"}
+
+
+@run_async
 async def test_count_bound_removes_the_oldest_spans_from_every_index(redis_url: str) -> None:
     now = int(time.time())
     spans = store(redis_url, max_spans=5)
