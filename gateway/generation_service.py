@@ -12,6 +12,7 @@ from gateway.request_runner import GenerationSpec, Prompt, RequestRunner
 from gateway.request_stream import RequestStream, StreamChunk, drain
 from gateway.stop_matcher import StopMatcher
 from shardline.errors import InvalidArgument, ShardlineError, Unavailable
+from shardline.ids import require_id
 from shardline.proto import common_pb2, generation_pb2, generation_pb2_grpc, sampling_pb2, scheduler_pb2
 from tracing import attributes as attr
 
@@ -124,10 +125,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                 token_ids=list(request.prompt_token_ids.ids), field="prompt_token_ids"),
         }[kind]()
         if request.HasField("request_id"):
-            request_id = request.request_id
-            if not 0 < len(request_id) <= MAX_REQUEST_ID_LENGTH or not request_id.isprintable() or " " in request_id:
-                raise InvalidArgument(
-                    "request_id", f"must be 1 to {MAX_REQUEST_ID_LENGTH} printable characters, no spaces")
+            request_id = require_id(request.request_id, "request_id", MAX_REQUEST_ID_LENGTH)
         else:
             request_id = f"{'chatcmpl' if kind == 'messages' else 'cmpl'}-{secrets.token_hex(16)}"
         timeout_s = request.timeout.ToTimedelta().total_seconds() if request.HasField("timeout") else None

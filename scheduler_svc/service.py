@@ -1,6 +1,5 @@
 """The Scheduler gRPC servicer: validation and message conversion around the Dispatcher."""
 
-import re
 import secrets
 import time
 from collections.abc import AsyncIterator
@@ -13,19 +12,10 @@ from scheduler_svc.live_request import LiveRequest, params_from_json
 from scheduler_svc.relay import Relay
 from scheduler_svc.settings import SchedulerSettings
 from shardline.errors import InvalidArgument, NotFound
+from shardline.ids import require_id
 from shardline.proto import common_pb2, sampling_pb2, scheduler_pb2, scheduler_pb2_grpc
 from shardline.request_store import RequestRecord, RequestStore
 from tracing.grpc_context import inject_metadata
-
-# Printable ASCII without spaces: safe inside Redis keys, logs and URLs.
-_ID_PATTERN = re.compile(r"[!-~]{1,256}")
-
-
-def _require_id(value: str, field: str) -> str:
-    if not _ID_PATTERN.fullmatch(value):
-        raise InvalidArgument(field, f"must be 1 to 256 printable ASCII characters without spaces, got {value!r}")
-    return value
-
 
 def _seconds(ts: timestamp_pb2.Timestamp) -> float:
     return ts.ToNanoseconds() / 1e9
@@ -43,8 +33,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
 
     async def Submit(self, request: scheduler_pb2.SubmitRequest, context: grpc.aio.ServicerContext
                      ) -> scheduler_pb2.SubmitResponse:
-        _require_id(request.request_id, "request_id")
-        _require_id(request.gateway_id, "gateway_id")
+        require_id(request.request_id, "request_id")
+        require_id(request.gateway_id, "gateway_id")
         if not request.prompt_token_ids:
             raise InvalidArgument("prompt_token_ids", "must not be empty")
         params = request.params
@@ -72,12 +62,12 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
 
     async def Cancel(self, request: common_pb2.CancelRequest, context: grpc.aio.ServicerContext
                      ) -> common_pb2.CancelResponse:
-        status = await self._dispatcher.cancel(_require_id(request.request_id, "request_id"))
+        status = await self._dispatcher.cancel(require_id(request.request_id, "request_id"))
         return common_pb2.CancelResponse(status=int(status))
 
     async def Subscribe(self, request: scheduler_pb2.SubscribeRequest, context: grpc.aio.ServicerContext
                         ) -> AsyncIterator[scheduler_pb2.TokenBatch]:
-        subscription = self._relay.subscribe(_require_id(request.gateway_id, "gateway_id"))
+        subscription = self._relay.subscribe(require_id(request.gateway_id, "gateway_id"))
         try:
             # Tells the gateway its stream is live, so it knows when submitting is safe.
             await context.send_initial_metadata(())
@@ -88,14 +78,14 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
 
     async def Attach(self, request: scheduler_pb2.AttachRequest, context: grpc.aio.ServicerContext
                      ) -> common_pb2.RequestInfo:
-        request_id = _require_id(request.request_id, "request_id")
-        await self._dispatcher.attach(request_id, _require_id(request.gateway_id, "gateway_id"))
+        request_id = require_id(request.request_id, "request_id")
+        await self._dispatcher.attach(request_id, require_id(request.gateway_id, "gateway_id"))
         return await self._request_info(request_id)
 
     async def RegisterWorker(self, request: scheduler_pb2.RegisterWorkerRequest,
                              context: grpc.aio.ServicerContext) -> scheduler_pb2.RegisterWorkerResponse:
         info = request.worker
-        _require_id(info.worker_id, "worker.worker_id")
+        require_id(info.worker_id, "worker.worker_id")
         if not info.address:
             raise InvalidArgument("worker.address", "must be the host:port of its Worker service")
         if info.max_num_seqs == 0:
@@ -113,7 +103,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
 
     async def GetRequest(self, request: common_pb2.GetRequestRequest, context: grpc.aio.ServicerContext
                          ) -> common_pb2.RequestInfo:
-        return await self._request_info(_require_id(request.request_id, "request_id"))
+        return await self._request_info(require_id(request.request_id, "request_id"))
 
     async def ListWorkers(self, request: scheduler_pb2.ListWorkersRequest, context: grpc.aio.ServicerContext
                           ) -> scheduler_pb2.ListWorkersResponse:
