@@ -85,7 +85,7 @@ class Sequence:
 
     @property
     def is_finished(self) -> bool:
-        return self.status >= RequestStatus.FINISHED_STOPPED
+        return self.status.is_finished
 
     def append_token(self, token_id: int) -> None:
         self.all_token_ids.append(token_id)
