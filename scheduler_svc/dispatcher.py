@@ -4,7 +4,8 @@ import asyncio
 import logging
 import time
 from collections import defaultdict
-from collections.abc import Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import TypeVar
 
 import grpc
 from opentelemetry import trace
@@ -25,6 +26,8 @@ from tracing.grpc_context import extract_context
 from tracing.metrics import QUEUE_DEPTH, RUNNING_REQUESTS
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 _STOP_TIMEOUT_S = 5.0  # how long stop() waits for its tasks and worker streams
 
@@ -116,13 +119,15 @@ class Dispatcher:
                 session.send(worker_pb2.WorkerCommand(abort=[request_id]))
         return RequestStatus.CANCELLED
 
-    async def attach(self, request_id: str, gateway_id: str) -> None:
-        """Sends a live request's later deltas to another gateway; a finished one is left as is."""
-        request = self.requests.get(request_id)
-        if request is not None:
-            # In memory first: the very next step already goes to the new gateway.
-            request.gateway_id = gateway_id
-            await self._store.set_gateway(request_id, gateway_id)
+    async def attach(self, request_id: str, gateway_id: str, read_record: Callable[[], Awaitable[T]]) -> T:
+        """Sends a live request's later deltas to another gateway (a finished one is left as is), and
+        returns `read_record()`, read so that those deltas start exactly where the record ends."""
+        async with self.requests.steps_held(request_id):
+            request = self.requests.get(request_id)
+            if request is not None:
+                request.gateway_id = gateway_id
+                await self._store.set_gateway(request_id, gateway_id)
+            return await read_record()
 
     async def register_worker(self, info: worker_pb2.WorkerInfo) -> None:
         """Adds a worker and opens its Session; a known id is a restarted worker, so its old run dies first."""

@@ -1,9 +1,11 @@
 """Live requests, their step-by-step output, and how they end."""
 
+import asyncio
+import contextlib
 import logging
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 
 from scheduler_svc.live_request import LiveRequest
@@ -48,6 +50,8 @@ class RequestTable:
         self._registry = registry
         self._on_change = on_change  # wakes the dispatch loop: a slot freed up
         self._live: dict[str, LiveRequest] = {}
+        # Per worker, held from a batch of steps' Redis write to its relay (see steps_held).
+        self._persisting: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._live
@@ -61,8 +65,26 @@ class RequestTable:
     def add(self, request: LiveRequest) -> None:
         self._live[request.request_id] = request
 
+    @contextlib.asynccontextmanager
+    async def steps_held(self, request_id: str) -> AsyncIterator[None]:
+        """No step of the request's worker is between its Redis write and its relay meanwhile.
+
+        A record read inside then holds exactly the tokens relayed so far, so a gateway that
+        Attaches gets the rest as deltas that start where the record ends.
+        """
+        request = self._live.get(request_id)
+        if request is None or request.worker_id is None:
+            yield
+            return
+        async with self._persisting[request.worker_id]:
+            yield
+
     async def handle_steps(self, worker_id: str, steps: list[worker_pb2.StepOutput]) -> None:
         """Persists, relays and finalises what consecutive steps of one worker produced."""
+        async with self._persisting[worker_id]:
+            await self._handle_steps(worker_id, steps)
+
+    async def _handle_steps(self, worker_id: str, steps: list[worker_pb2.StepOutput]) -> None:
         now = time.time()
         new_tokens: dict[str, list[int]] = defaultdict(list)
         first_token_ts: dict[str, float] = {}

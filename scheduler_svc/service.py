@@ -79,8 +79,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     async def Attach(self, request: scheduler_pb2.AttachRequest, context: grpc.aio.ServicerContext
                      ) -> common_pb2.RequestInfo:
         request_id = require_id(request.request_id, "request_id")
-        await self._dispatcher.attach(request_id, require_id(request.gateway_id, "gateway_id"))
-        return await self._request_info(request_id)
+        gateway_id = require_id(request.gateway_id, "gateway_id")
+        return await self._dispatcher.attach(request_id, gateway_id, lambda: self._request_info(request_id))
 
     async def RegisterWorker(self, request: scheduler_pb2.RegisterWorkerRequest,
                              context: grpc.aio.ServicerContext) -> scheduler_pb2.RegisterWorkerResponse:
