@@ -36,6 +36,10 @@ class SchedulerConfig:
                 f"got {self.max_num_batched_tokens}"
             )
 
+    def fills_a_step(self, prompt_lengths: list[int]) -> bool:
+        """New requests of these lengths take every sequence slot or the whole token budget of a step."""
+        return len(prompt_lengths) >= self.max_num_seqs or sum(prompt_lengths) >= self.max_num_batched_tokens
+
 
 @dataclass(slots=True)
 class ScheduledSeq:

@@ -105,6 +105,30 @@ class Inbox:
         return items
 
 
+def prefill_lengths(items: list[object]) -> list[int]:
+    """Tokens each request added by `items` prefills: its prompt, and a resumed one's earlier output."""
+    return [len(r.prompt_token_ids) + len(r.output_token_ids)
+            for item in items if isinstance(item, _Commands) for r in item.command.add]
+
+
+def collect_burst(inbox: Inbox, items: list[object], gap_s: float,
+                  fills_a_step: Callable[[list[object]], bool]) -> list[object]:
+    """`items` plus what keeps arriving within `gap_s` of the previous arrival, up to 10 gaps in all.
+
+    A burst of requests reaches an idle worker over a few milliseconds (each is tokenized and
+    dispatched on its own). Starting the first prefill at once would leave the rest waiting a
+    whole step, which on a CPU is most of a second; a few milliseconds' wait lets them share it.
+    The wait ends as soon as the burst fills a step, since waiting longer could add nothing to it.
+    """
+    deadline = time.monotonic() + 10 * gap_s
+    while time.monotonic() < deadline and not fills_a_step(items):
+        more = inbox.drain(gap_s)
+        if not more:
+            break
+        items += more
+    return items
+
+
 class EngineLoop:
     """Runs the engine in one dedicated thread; every other method is safe to call from any thread."""
 
@@ -159,7 +183,7 @@ class EngineLoop:
             idle = not (self._engine.has_unfinished or self._errors)
             items = self._inbox.drain(_IDLE_CHECK_S if idle else 0.0)
             if idle and items and self._admission_gap_s > 0:
-                items += self._rest_of_burst()
+                items = collect_burst(self._inbox, items, self._admission_gap_s, self._fills_a_step)
             for item in items:
                 if isinstance(item, _Stop):
                     return
@@ -169,21 +193,8 @@ class EngineLoop:
             if self._engine.has_unfinished or self._errors:
                 self._step_once()
 
-    def _rest_of_burst(self) -> list[object]:
-        """Commands that keep arriving within a short gap of each other, up to 10 gaps in all.
-
-        A burst of requests reaches an idle worker over a few milliseconds (each is tokenized and
-        dispatched on its own). Starting the first prefill at once would leave the rest waiting a
-        whole step, which on a CPU is most of a second; a few milliseconds' wait lets them share it.
-        """
-        items: list[object] = []
-        deadline = time.monotonic() + 10 * self._admission_gap_s
-        while time.monotonic() < deadline:
-            more = self._inbox.drain(self._admission_gap_s)
-            if not more:
-                break
-            items += more
-        return items
+    def _fills_a_step(self, items: list[object]) -> bool:
+        return self._engine.scheduler.config.fills_a_step(prefill_lengths(items))
 
     def _step_once(self) -> None:
         start_ns = time.time_ns()

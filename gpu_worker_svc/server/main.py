@@ -73,13 +73,18 @@ def parse_args(argv: list[str] | None) -> WorkerSettings:
     return WorkerSettings(**vars(p.parse_args(argv)))
 
 
-def build_engine(s: WorkerSettings) -> LLMEngine:
+def engine_config(s: WorkerSettings) -> EngineConfig:
+    """The engine as this worker runs it (`shardline bench --engine` runs the same one in-process)."""
     runner = RunnerConfig(model=s.model, tp_size=s.tp_size, dtype=s.resolved_dtype, device=s.resolved_device,
                           block_size=s.block_size, cpu_kv_bytes=s.kv_cache_bytes,
                           gpu_memory_utilization=s.gpu_memory_utilization,
                           trace_instance=s.resolved_worker_id if s.tracing else None, quantization=s.quantization)
-    engine = LLMEngine(EngineConfig(runner, SchedulerConfig(s.max_num_seqs, s.max_num_batched_tokens),
-                                    s.enable_prefix_caching))
+    return EngineConfig(runner, SchedulerConfig(s.max_num_seqs, s.max_num_batched_tokens),
+                        s.enable_prefix_caching)
+
+
+def build_engine(s: WorkerSettings) -> LLMEngine:
+    engine = LLMEngine(engine_config(s))
     if s.torch_threads > 0:  # after the runner, which sets its own default on CPU
         torch.set_num_threads(s.torch_threads)
     return engine

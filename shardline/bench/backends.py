@@ -9,6 +9,7 @@ import time
 
 from gpu_worker_svc.engine.llm_engine import EngineConfig, LLMEngine
 from gpu_worker_svc.engine.sampling_params import SamplingParams
+from gpu_worker_svc.server.engine_loop import Inbox, collect_burst
 from shardline.bench.metrics import RequestTiming
 from shardline.client import AsyncShardlineClient
 
@@ -33,17 +34,21 @@ class StackBackend:
 
 
 class EngineBackend:
-    """The same engine the worker runs, stepped in a thread of this process: the no-network baseline."""
+    """The same engine the worker runs, stepped in a thread of this process: the no-network baseline.
 
-    def __init__(self, config: EngineConfig | None = None) -> None:
+    It admits requests as the worker's engine loop does: a burst reaching an idle engine is
+    collected (`admission_gap_s` between arrivals) until it stops or fills a step, so its
+    requests share the first step here exactly when they would in the worker.
+    """
+
+    def __init__(self, config: EngineConfig | None = None, admission_gap_s: float = 0.0) -> None:
         self.engine = LLMEngine(config)
+        self.admission_gap_s = admission_gap_s
         self.loop: asyncio.AbstractEventLoop | None = None
-        self.pending: list[tuple[str, list[int], SamplingParams]] = []
+        self.inbox = Inbox()  # (request id, prompt, params) to add, or None to wake the thread
         self.streams: dict[str, asyncio.Queue] = {}
-        self.wake = threading.Event()
         self.stop = threading.Event()
         self.ids = itertools.count()
-        self.lock = threading.Lock()
         self.thread = threading.Thread(target=self._run, daemon=True, name="engine-loop")
         self.error: Exception | None = None  # what ended the engine thread, if anything did
 
@@ -56,14 +61,17 @@ class EngineBackend:
                 self.loop.call_soon_threadsafe(queue.put_nowait, (time.perf_counter(), exc))
 
     def _loop(self) -> None:
+        config = self.engine.scheduler.config
         while not self.stop.is_set():
-            with self.lock:
-                pending, self.pending = self.pending, []
-            for rid, prompt, params in pending:
-                self.engine.add_request(rid, prompt, params)
+            idle = not self.engine.has_unfinished
+            items = self.inbox.drain(0.05 if idle else 0.0)
+            if idle and items and self.admission_gap_s > 0:
+                items = collect_burst(self.inbox, items, self.admission_gap_s,
+                                      lambda xs: config.fills_a_step([len(x[1]) for x in xs if x is not None]))
+            for item in items:
+                if item is not None:
+                    self.engine.add_request(*item)
             if not self.engine.has_unfinished:
-                self.wake.wait(0.05)
-                self.wake.clear()
                 continue
             outputs = self.engine.step().outputs
             now = time.perf_counter()
@@ -78,10 +86,7 @@ class EngineBackend:
         queue: asyncio.Queue = asyncio.Queue()
         self.streams[rid] = queue
         start = time.perf_counter()
-        with self.lock:
-            self.pending.append((rid, prompt, SamplingParams(max_tokens=output_len, ignore_eos=True,
-                                                             temperature=0.0)))
-        self.wake.set()
+        self.inbox.put((rid, prompt, SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0.0)))
         while True:
             if self.error is not None and queue.empty():
                 raise RuntimeError(f"the engine failed: {self.error}")
@@ -97,7 +102,7 @@ class EngineBackend:
 
     async def close(self) -> None:
         self.stop.set()
-        self.wake.set()
+        self.inbox.put(None)
         if self.thread.is_alive():
             self.thread.join(timeout=10)
         self.engine.shutdown()

@@ -43,10 +43,9 @@ async def _measure(make_backend, spec: LoadSpec, label: str, args: argparse.Name
 def run(args: argparse.Namespace) -> int:
     # Imported here: they pull in torch, which would slow every other subcommand's start.
     from shardline.bench.backends import EngineBackend, StackBackend
-    from gpu_worker_svc.engine.batch_scheduler import SchedulerConfig
-    from gpu_worker_svc.engine.llm_engine import EngineConfig
-    from gpu_worker_svc.engine.model_runner import RunnerConfig
     from gpu_worker_svc.model.loader import load_config
+    from gpu_worker_svc.server.main import engine_config
+    from gpu_worker_svc.server.settings import WorkerSettings
 
     spec = LoadSpec(args.num_prompts, args.input_len, args.output_len, args.request_rate, args.max_concurrency,
                     args.seed, load_config(args.model).vocab_size)
@@ -65,9 +64,11 @@ def run(args: argparse.Namespace) -> int:
             if stack is not None:
                 stack.stop()
     if args.engine:
-        # The worker's own defaults, so the engine runs exactly as it does inside the stack.
-        config = EngineConfig(runner=RunnerConfig(model=args.model), scheduler=SchedulerConfig())
-        results["engine"] = asyncio.run(_measure(lambda: EngineBackend(config), spec, "engine", args))
+        # The worker's own settings (its defaults and any SHARDLINE_* variables, as a launched stack's
+        # worker reads them), so the engine runs exactly as it does inside the stack.
+        settings = WorkerSettings(model=args.model, tracing=False)
+        config, gap = engine_config(settings), settings.resolved_admission_gap_s
+        results["engine"] = asyncio.run(_measure(lambda: EngineBackend(config, gap), spec, "engine", args))
     if not results:
         print("give --url, --launch and/or --engine")
         return 2

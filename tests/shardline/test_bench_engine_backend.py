@@ -50,3 +50,30 @@ def test_an_engine_failure_fails_every_open_request():
     timings, _ = asyncio.run(run())
     assert [t.ok for t in timings] == [False] * 3
     assert all("rank 1 died" in t.error for t in timings)
+
+
+def test_a_burst_shares_the_first_step_as_in_the_worker():
+    """With the worker's admission gap (50 ms here), requests arriving a few ms apart (Poisson, 200/s) are
+    prefilled in one step, as the worker would, rather than the first alone."""
+    spec = LoadSpec(num_prompts=6, input_len=12, output_len=2, request_rate=200.0, max_concurrency=6,
+                    vocab_size=49152)
+    batch_sizes: list[int] = []
+
+    async def run():
+        backend = EngineBackend(_config(), admission_gap_s=0.05)
+        step = backend.engine.step
+
+        def recorded_step():
+            out = step()
+            batch_sizes.append(out.stats.batch_size)
+            return out
+
+        backend.engine.step = recorded_step
+        try:
+            return await run_load(spec, backend.send)
+        finally:
+            await backend.close()
+
+    timings, _ = asyncio.run(run())
+    assert all(t.ok for t in timings)
+    assert batch_sizes[0] == 6

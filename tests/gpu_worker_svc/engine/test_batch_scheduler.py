@@ -3,7 +3,7 @@ from collections.abc import Callable
 
 import pytest
 
-from gpu_worker_svc.engine.batch_scheduler import BatchScheduler, SchedulerOutput, StepUpdate
+from gpu_worker_svc.engine.batch_scheduler import BatchScheduler, SchedulerConfig, SchedulerOutput, StepUpdate
 from gpu_worker_svc.engine.sequence import RequestStatus, Sequence
 
 
@@ -253,3 +253,11 @@ def test_add_fixes_a_seed(create_scheduler, create_requests):
 def test_config_rejects_budget_below_max_num_seqs(create_scheduler):
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         create_scheduler(max_num_seqs=8, max_num_batched_tokens=4)
+
+
+def test_config_knows_when_new_requests_fill_a_step():
+    config = SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=100)
+    assert not config.fills_a_step([])
+    assert not config.fills_a_step([50, 49])
+    assert config.fills_a_step([50, 50])  # the token budget
+    assert config.fills_a_step([1, 1, 1])  # every sequence slot
