@@ -17,9 +17,10 @@ def test_defaults_resolve_from_the_port_and_device(monkeypatch):
     monkeypatch.delenv("SHARDLINE_WORKER_ID", raising=False)
     s = parse_args(["--port", "50061", "--device", "cpu"])
     assert s.resolved_worker_id.startswith("worker-") and s.resolved_worker_id.endswith("-50061")
-    assert (s.resolved_device, s.resolved_dtype) == ("cpu", "float32")
+    assert (s.resolved_device, s.resolved_dtype, s.resolved_admission_gap_s) == ("cpu", "float32", 0.020)
     assert s.address(50061) == "127.0.0.1:50061"
-    assert parse_args(["--device", "cuda"]).resolved_dtype == "bfloat16"
+    cuda = parse_args(["--device", "cuda"])
+    assert (cuda.resolved_dtype, cuda.resolved_admission_gap_s) == ("bfloat16", 0.0)
     assert parse_args(["--advertise-address", "w0:1"]).address(50061) == "w0:1"
 
 
