@@ -69,3 +69,26 @@ def summarize(timings: list[RequestTiming], wall_s: float, slo_ttft_ms: float | 
         "detail": {"ttft_ms": [round(t.ttft * 1000, 1) for t in done],
                    "e2el_ms": [round(t.e2el * 1000, 1) for t in done]},
     }
+
+
+def median_of_rounds(rounds: list[dict]) -> dict:
+    """One summary from several rounds' `summarize` results: each figure's median over the rounds.
+
+    Counts of completed and failed requests and of errors are totals; per-request detail stays
+    with each round.
+    """
+    def median(values: list):
+        if isinstance(values[0], dict):
+            return {key: median([v[key] for v in values]) for key in values[0]}
+        return statistics.median(values)
+
+    out = {key: median([r[key] for r in rounds]) for key in rounds[0]
+           if key not in ("errors", "completed", "failed", "detail")}
+    out["completed"] = sum(r["completed"] for r in rounds)
+    out["failed"] = sum(r["failed"] for r in rounds)
+    errors: dict[str, int] = {}
+    for r in rounds:
+        for error, count in r["errors"].items():
+            errors[error] = errors.get(error, 0) + count
+    out["errors"] = errors
+    return out

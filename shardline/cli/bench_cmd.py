@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
+import statistics
+from collections.abc import Callable
 from pathlib import Path
 
 from shardline.bench.load import LoadSpec, run_load
-from shardline.bench.metrics import summarize
+from shardline.bench.metrics import median_of_rounds, summarize
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -25,19 +28,37 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--slo-ttft-ms", type=float, default=None)
     p.add_argument("--slo-tpot-ms", type=float, default=None)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rounds", type=int, default=1,
+                   help="alternate the backends this many times, on fresh prompts each round, and report medians "
+                        "(on a shared machine either side's speed drifts from minute to minute)")
     p.add_argument("--out", type=Path, default=Path("results/bench.json"))
     p.add_argument("-v", "--verbose", action="store_true")
     p.set_defaults(func=run)
 
 
-async def _measure(make_backend, spec: LoadSpec, label: str, args: argparse.Namespace) -> dict:
-    backend = make_backend()  # inside the loop: grpc.aio channels belong to the loop that creates them
-    warm = LoadSpec(num_prompts=min(4, spec.num_prompts), input_len=spec.input_len, output_len=4,
-                    max_concurrency=spec.max_concurrency, seed=spec.seed + 100, vocab_size=spec.vocab_size)
-    await run_load(warm, backend.send, f"{label} warm-up")
-    timings, wall = await run_load(spec, backend.send, label)
-    await backend.close()
-    return summarize(timings, wall, args.slo_ttft_ms, args.slo_tpot_ms)
+async def _measure(makers: dict[str, Callable[[], object]], spec: LoadSpec, args: argparse.Namespace
+                   ) -> dict[str, list[dict]]:
+    """Each backend's summary per round; rounds alternate which backend goes first."""
+    backends = {}
+    try:
+        for name, make in makers.items():
+            backends[name] = make()  # inside the loop: grpc.aio channels belong to the loop that creates them
+            warm = LoadSpec(num_prompts=min(4, spec.num_prompts), input_len=spec.input_len, output_len=4,
+                            max_concurrency=spec.max_concurrency, seed=spec.seed + 100, vocab_size=spec.vocab_size)
+            await run_load(warm, backends[name].send, f"{name} warm-up")
+        rounds: dict[str, list[dict]] = {name: [] for name in backends}
+        for r in range(args.rounds):
+            # Fresh prompts each round, the same for every backend within it.
+            round_spec = dataclasses.replace(spec, seed=spec.seed + r)
+            order = list(backends) if r % 2 == 0 else list(reversed(backends))
+            for name in order:
+                label = name if args.rounds == 1 else f"{name} {r + 1}/{args.rounds}"
+                timings, wall = await run_load(round_spec, backends[name].send, label)
+                rounds[name].append(summarize(timings, wall, args.slo_ttft_ms, args.slo_tpot_ms))
+        return rounds
+    finally:
+        for backend in backends.values():
+            await backend.close()
 
 
 def run(args: argparse.Namespace) -> int:
@@ -47,43 +68,65 @@ def run(args: argparse.Namespace) -> int:
     from gpu_worker_svc.server.main import engine_config
     from gpu_worker_svc.server.settings import WorkerSettings
 
+    if args.rounds < 1:
+        print("--rounds must be at least 1")
+        return 2
     spec = LoadSpec(args.num_prompts, args.input_len, args.output_len, args.request_rate, args.max_concurrency,
                     args.seed, load_config(args.model).vocab_size)
-    results: dict[str, dict] = {}
-    if args.url or args.launch:
-        stack = None
-        url = args.url
-        if args.launch:
-            from shardline.stack import LocalStack, StackConfig
+    makers: dict[str, Callable[[], object]] = {}
+    stack = None
+    if args.launch:
+        from shardline.stack import LocalStack, StackConfig
 
-            stack = LocalStack(StackConfig.on_free_ports(model=args.model)).start()
-            url = f"127.0.0.1:{stack.config.grpc_port}"
-        try:
-            results["stack"] = asyncio.run(_measure(lambda: StackBackend(url), spec, "stack", args))
-        finally:
-            if stack is not None:
-                stack.stop()
+        stack = LocalStack(StackConfig.on_free_ports(model=args.model)).start()
+    url = f"127.0.0.1:{stack.config.grpc_port}" if stack is not None else args.url
+    if url:
+        makers["stack"] = lambda: StackBackend(url)
     if args.engine:
         # The worker's own settings (its defaults and any SHARDLINE_* variables, as a launched stack's
         # worker reads them), so the engine runs exactly as it does inside the stack.
         settings = WorkerSettings(model=args.model, tracing=False)
         config, gap = engine_config(settings), settings.resolved_admission_gap_s
-        results["engine"] = asyncio.run(_measure(lambda: EngineBackend(config, gap), spec, "engine", args))
-    if not results:
+        makers["engine"] = lambda: EngineBackend(config, gap)
+    if not makers:
         print("give --url, --launch and/or --engine")
         return 2
-    _print(results, spec)
+    try:
+        rounds = asyncio.run(_measure(makers, spec, args))
+    finally:
+        if stack is not None:
+            stack.stop()
+    results = {name: median_of_rounds(r) for name, r in rounds.items()}
+    _print(results, spec, args.rounds)
+    comparison = _compare(rounds)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"load": vars(args) | {"out": str(args.out)}, "results": results}, indent=2,
-                                   default=str))
+    args.out.write_text(json.dumps({"load": vars(args) | {"out": str(args.out)}, "results": results,
+                                   "rounds": rounds, "comparison": comparison}, indent=2, default=str))
     print(f"\nwrote {args.out}")
     return 0
 
 
-def _print(results: dict[str, dict], spec: LoadSpec) -> None:
+def _compare(rounds: dict[str, list[dict]]) -> dict | None:
+    """Stack against engine, round by round (each round's pair ran minutes apart at most), then medians."""
+    if "stack" not in rounds or "engine" not in rounds:
+        return None
+    ratios = [s["output_throughput"] / e["output_throughput"] for s, e in zip(rounds["stack"], rounds["engine"])]
+    added = [s["ttft_ms"]["median"] - e["ttft_ms"]["median"] for s, e in zip(rounds["stack"], rounds["engine"])]
+    if len(ratios) > 1:
+        for i, (ratio, ms) in enumerate(zip(ratios, added)):
+            print(f"round {i + 1}: stack/engine output throughput {ratio:.3f}; added TTFT p50 {ms:+.1f} ms")
+    print(f"\nstack/engine output throughput: {statistics.median(ratios):.3f} (range {min(ratios):.3f}-"
+          f"{max(ratios):.3f}); added TTFT p50: {statistics.median(added):+.1f} ms (range {min(added):+.1f} to "
+          f"{max(added):+.1f})")
+    return {"output_throughput_ratio": statistics.median(ratios), "ratios": ratios,
+            "added_ttft_p50_ms": statistics.median(added), "added_ttft_p50_ms_rounds": added}
+
+
+def _print(results: dict[str, dict], spec: LoadSpec, rounds: int) -> None:
     names = list(results)
     print(f"\n{spec.num_prompts} prompts, {spec.input_len} in / {spec.output_len} out, "
-          f"rate {spec.request_rate}, max concurrency {spec.max_concurrency}")
+          f"rate {spec.request_rate}, max concurrency {spec.max_concurrency}"
+          + (f"; medians of {rounds} alternating rounds" if rounds > 1 else ""))
     print(f"{'metric':<28}" + "".join(f"{n:>14}" for n in names))
     rows = [("completed", "completed", None), ("failed", "failed", None),
             ("request throughput (req/s)", "request_throughput", None),
@@ -97,7 +140,3 @@ def _print(results: dict[str, dict], spec: LoadSpec) -> None:
     for name, r in results.items():
         for error, count in r["errors"].items():
             print(f"{name}: {count} failed with {error}")
-    if "stack" in results and "engine" in results:
-        s, e = results["stack"], results["engine"]
-        print(f"\nstack/engine output throughput: {s['output_throughput'] / e['output_throughput']:.3f}; "
-              f"added TTFT p50: {s['ttft_ms']['median'] - e['ttft_ms']['median']:+.1f} ms")
