@@ -22,7 +22,8 @@ from gpu_worker_svc.engine.cuda_graphs import DecodeGraphs
 from gpu_worker_svc.engine.kv_cache import allocate_kv_cache, calibration_prefill, num_blocks_for, profile_forward
 from gpu_worker_svc.model.attention_metadata import StepBatch, build_step
 from gpu_worker_svc.model.config import ModelConfig
-from gpu_worker_svc.model.layers.quantize import quantize_model
+from gpu_worker_svc.model.layers.onednn import onednn_available
+from gpu_worker_svc.model.layers.quantize import pack_fp32_for_onednn, quantize_model
 from gpu_worker_svc.model.loader import load_config, load_model, parse_dtype
 from gpu_worker_svc.model.parallel import TPGroup, destroy_tp_group, init_tp_group
 from shardline.ports import free_port
@@ -49,6 +50,7 @@ class RunnerConfig:
     max_model_len: int | None = None
     cuda_graphs: bool = True  # capture decode steps on CUDA
     quantization: str | None = None  # CPU only: "int8" (W8A8, fastest) or "int4" (weight-only); see layers/quantize.py
+    onednn_weights: bool = True  # CPU float32 without quantization: oneDNN-packed weights (layers/onednn.py)
     trace_instance: str | None = None  # when set, ranks 1..N-1 export a span per step under this instance id
     profile_tokens: int = 2048  # the largest step's token count, profiled on GPU before sizing the KV cache
 
@@ -73,6 +75,9 @@ class ShardWorker:
             n = quantize_model(self.model, config.quantization,
                                lambda: calibration_prefill(self.model, config.block_size, self.dtype, self.device))
             log.info("rank %d: %d linear layers quantized to %s", rank, n, config.quantization)
+        elif self.device == "cpu" and self.dtype == torch.float32 and config.onednn_weights and onednn_available():
+            n = pack_fp32_for_onednn(self.model)
+            log.info("rank %d: %d linear layers packed for oneDNN", rank, n)
         if self.device.startswith("cuda") and config.num_blocks is None:
             profile_forward(self.model, config.profile_tokens, config.block_size, self.dtype, self.device)
         n = config.num_blocks or num_blocks_for(self.model, config.block_size, self.dtype, config.device,

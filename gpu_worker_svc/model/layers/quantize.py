@@ -5,12 +5,16 @@ CPU modes, fastest first (SmolLM2-135M on a 2-core AVX2 machine, batch-16 decode
   with SmoothQuant smoothing calibrated at load. Rows are bitwise batch-invariant.
 - "fp16": fp16 weights, fp32 arithmetic (fbgemm). Numerics within fp16 weight rounding.
 - "int4": group-wise int4 weights through torch's packed int4 kernel (smallest weights).
+
+Without one, float32 weights on CPU are still repacked, losslessly, for oneDNN
+(`pack_fp32_for_onednn`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+import torch
 from torch import nn
 
 from gpu_worker_svc.model.layers.embed_head import ParallelLMHead
@@ -18,6 +22,7 @@ from gpu_worker_svc.model.layers.fp16 import FP16Weight
 from gpu_worker_svc.model.layers.int4 import Int4Weight
 from gpu_worker_svc.model.layers.int8 import Int8Weight
 from gpu_worker_svc.model.layers.linear import ColumnParallelLinear, RowParallelLinear
+from gpu_worker_svc.model.layers.onednn import OneDNNWeight
 from gpu_worker_svc.model.layers.smoothing import smooth
 
 QUANTIZATIONS = {"int8": Int8Weight, "fp16": FP16Weight, "int4": Int4Weight}
@@ -35,12 +40,20 @@ def quantize_model(model: nn.Module, method: str, calibrate: Callable[[], None] 
         if calibrate is None:
             raise ValueError("int8 quantization needs a calibration prefill")
         scales = smooth(model.smoothing_groups(), calibrate)
-    make = QUANTIZATIONS[method]
+    return _swap_weights(model, lambda module, weight: QUANTIZATIONS[method](
+        weight * scales[module][None, :] if module in scales else weight))
+
+
+def pack_fp32_for_onednn(model: nn.Module) -> int:
+    """Give every linear layer and the LM head a oneDNN-packed copy of its fp32 weight; returns how many."""
+    return _swap_weights(model, lambda module, weight: OneDNNWeight(weight))
+
+
+def _swap_weights(model: nn.Module, make: Callable[[nn.Module, torch.Tensor], nn.Module]) -> int:
     count = 0
     for module in model.modules():
         if isinstance(module, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)) and module.quant is None:
-            weight = module.weight.data
-            module.quant = make(weight * scales[module][None, :] if module in scales else weight)
+            module.quant = make(module, module.weight.data)
             if not isinstance(module, ParallelLMHead):  # the LM head may share its weight with the embedding
                 module.weight = None
             count += 1

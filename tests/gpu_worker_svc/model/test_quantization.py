@@ -1,10 +1,11 @@
-"""The CPU weight formats (int8, fp16, int4): each kernel against its own dequantized weight, batch
-invariance, smoothing, and the engine with the real model in each mode."""
+"""The CPU weight formats (int8, fp16, int4, and fp32 packed for oneDNN): each kernel against its own
+reference weight, batch invariance, smoothing, and the engine with the real model in each mode."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from gpu_worker_svc.engine.batch_scheduler import SchedulerConfig
 from gpu_worker_svc.engine.llm_engine import EngineConfig, LLMEngine
@@ -14,6 +15,7 @@ from gpu_worker_svc.model.attention_metadata import StepBatch
 from gpu_worker_svc.model.layers.fp16 import FP16Weight
 from gpu_worker_svc.model.layers.int4 import GROUP_SIZE, Int4Weight, quantize_int4
 from gpu_worker_svc.model.layers.int8 import Int8Weight, quantize_int8
+from gpu_worker_svc.model.layers.onednn import OneDNNWeight
 from gpu_worker_svc.model.layers.smoothing import SmoothingGroup, smooth
 
 
@@ -135,3 +137,27 @@ def test_unknown_quantization_is_refused():
 
     with pytest.raises(ValueError, match="quantization must be one of"):
         quantize_model(torch.nn.Linear(2, 2), "nf4")
+
+
+@pytest.mark.parametrize("rows", [1, 3, 16, 300])
+def test_onednn_packed_matmul_equals_the_fp32_linear(rows):
+    w, x = torch.randn(96, 80), torch.randn(rows, 80)
+    torch.testing.assert_close(OneDNNWeight(w).matmul(x.view(rows, 1, 80)), F.linear(x, w).view(rows, 1, 96),
+                               rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_float32_engine_packs_for_onednn_by_default_with_unchanged_tokens():
+    prompts = [torch.randint(100, 49152, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+               for n in (9, 30, 61)]
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    tokens = {}
+    for packed in (True, False):
+        engine = LLMEngine(EngineConfig(runner=RunnerConfig(onednn_weights=packed, num_blocks=64)))
+        try:
+            head = engine.runner._shard.model.lm_head
+            assert isinstance(head.quant, OneDNNWeight) if packed else head.quant is None
+            tokens[packed] = [r.token_ids for r in engine.generate(prompts, greedy)]
+        finally:
+            engine.shutdown()
+    assert tokens[True] == tokens[False]
