@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 _GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
@@ -92,6 +95,15 @@ class ModelConfig:
         if scaling and scaling.get("rope_type", scaling.get("type", "default")) in ("default", None):
             scaling = None
         eos = cfg.get("eos_token_id")
+        max_positions = cfg.get("max_position_embeddings", 4096)
+        # Attention here is full causal, which equals sliding-window attention (Mistral 7B v0.1, Qwen2 with
+        # use_sliding_window) only while the sequence fits the window: past it the model would silently
+        # attend to tokens it never saw in training, so the context stops at the window instead.
+        window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
+        if window and window < max_positions:
+            log.warning("%s: sliding-window attention is not implemented; context capped at the window, %d "
+                        "tokens (of %d)", name or arch, window, max_positions)
+            max_positions = window
         return cls(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
@@ -104,7 +116,7 @@ class ModelConfig:
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=float(theta),
             rope_scaling=scaling,
-            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            max_position_embeddings=max_positions,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
             bos_token_id=cfg.get("bos_token_id"),
