@@ -144,7 +144,9 @@ class GGUFCheckpoint:
             raise CheckpointError(str(exc)) from exc
 
     def config(self) -> ModelConfig:
-        return ModelConfig.from_gguf_metadata(self.file.metadata, self.path, "output.weight" in self.file.tensors)
+        tensors = self.file.tensors
+        factors = self.file.load("rope_freqs.weight").reshape(-1).tolist() if "rope_freqs.weight" in tensors else None
+        return ModelConfig.from_gguf_metadata(self.file.metadata, self.path, "output.weight" in tensors, factors)
 
     def tensors(self, cfg: ModelConfig) -> Iterator[CheckpointTensor]:
         permute = cfg.architecture in ("LlamaForCausalLM", "MistralForCausalLM")

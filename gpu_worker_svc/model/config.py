@@ -38,6 +38,9 @@ class ModelConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     rope_scaling: dict[str, Any] | None = None  # e.g. {"rope_type": "llama3", "factor": 8.0, ...}
+    # llama.cpp's per-frequency divisors [head_dim / 2]: how a GGUF file of Llama 3.1 or later carries its
+    # llama3 rope scaling (a `rope_freqs` tensor, not metadata). When set, rope_scaling is not applied.
+    rope_freq_factors: list[float] | None = None
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # Qwen2 has q/k/v biases
@@ -141,7 +144,8 @@ class ModelConfig:
             raise ModelConfigError(f"{path}: {exc}") from exc
 
     @classmethod
-    def from_gguf_metadata(cls, meta: dict[str, Any], path: Path, has_output_weight: bool) -> ModelConfig:
+    def from_gguf_metadata(cls, meta: dict[str, Any], path: Path, has_output_weight: bool,
+                           rope_freq_factors: list[float] | None = None) -> ModelConfig:
         arch = meta.get("general.architecture", "?")
         if arch not in _GGUF_ARCHITECTURES:
             raise ModelConfigError(
@@ -178,7 +182,8 @@ class ModelConfig:
             head_dim=meta.get(f"{arch}.attention.key_length", hidden // heads),
             rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
             rope_theta=float(get("rope.freq_base", 10000.0)),
-            rope_scaling=scaling,
+            rope_scaling=None if rope_freq_factors else scaling,
+            rope_freq_factors=rope_freq_factors,
             max_position_embeddings=get("context_length", 4096),
             tie_word_embeddings=not has_output_weight,
             attention_bias=arch == "qwen2",

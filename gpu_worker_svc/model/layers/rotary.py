@@ -33,9 +33,15 @@ class RotaryEmbedding(nn.Module):
     """cos/sin tables, gathered once per step for all layers (`prepare`) and applied per layer (`apply`)."""
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, freq_factors: list[float] | None = None) -> None:
         super().__init__()
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), _inv_freq(head_dim, theta, scaling))
+        if freq_factors is not None:  # llama.cpp's form of the same scaling: divisors, one per frequency
+            if len(freq_factors) != head_dim // 2:
+                raise ValueError(f"rope_freqs has {len(freq_factors)} factors; head_dim {head_dim} needs {head_dim // 2}")
+            inv_freq = _inv_freq(head_dim, theta, None) / torch.tensor(freq_factors, dtype=torch.float32)
+        else:
+            inv_freq = _inv_freq(head_dim, theta, scaling)
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
         self.register_buffer("cos", torch.cat([freqs, freqs], dim=-1).cos().to(dtype), persistent=False)
         # rotate_half(x) * sin == roll(x, D/2) * (sin with its first half negated): one op instead of four.
         self.register_buffer("sin_signed", torch.cat([-freqs, freqs], dim=-1).sin().to(dtype), persistent=False)

@@ -80,10 +80,12 @@ def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def write_llama_gguf(model: PreTrainedModel, path: Path, qtype: GGMLQuantizationType,
-                     omit: set[str] | frozenset[str] = frozenset()) -> dict[str, torch.Tensor]:
+                     omit: set[str] | frozenset[str] = frozenset(),
+                     extra: dict[str, np.ndarray] | None = None) -> dict[str, torch.Tensor]:
     """Write a Llama `model` as a llama.cpp GGUF with its 2-D weights stored as `qtype` (norms as F32).
 
-    `omit` names HF tensors to leave out, to write a broken file.
+    `omit` names HF tensors to leave out, to write a broken file; `extra` adds GGUF tensors by
+    their GGUF name, as stored (llama.cpp's `rope_freqs.weight`).
 
     Returns the state dict the file holds, in HF layout, after the quantization round trip:
     load it into the HF model to get the reference for this file.
@@ -119,6 +121,8 @@ def write_llama_gguf(model: PreTrainedModel, path: Path, qtype: GGMLQuantization
             w = llama_cpp_permute(w, cfg.num_key_value_heads)
         stored = quantize(w, qtype)
         writer.add_tensor(gguf_name(name), stored, raw_dtype=qtype if stored.dtype == np.uint8 else None)
+    for name, tensor in (extra or {}).items():
+        writer.add_tensor(name, tensor)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType
@@ -63,11 +65,30 @@ def test_sharded_safetensors_with_index(hf_model, prompts, tmp_path):
     _assert_matches(_runner_logits(tmp_path, prompts), hf_model, prompts)
 
 
-def _gguf_reference(hf_model: PreTrainedModel, path: Path, qtype: GGMLQuantizationType) -> PreTrainedModel:
+def _gguf_reference(hf_model: PreTrainedModel, path: Path, qtype: GGMLQuantizationType,
+                    extra: dict[str, np.ndarray] | None = None) -> PreTrainedModel:
     """Writes `hf_model` to `path` as `qtype`; returns the HF model holding exactly the stored weights."""
     reference = copy.deepcopy(hf_model)
-    reference.load_state_dict(write_llama_gguf(hf_model, path, qtype), strict=not hf_model.config.tie_word_embeddings)
+    reference.load_state_dict(write_llama_gguf(hf_model, path, qtype, extra=extra),
+                              strict=not hf_model.config.tie_word_embeddings)
     return reference
+
+
+def _llama3_rope_freqs(rope: dict, head_dim: int) -> np.ndarray:
+    """The `rope_freqs` tensor llama.cpp's converter writes for a model with llama3 rope scaling."""
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    old_ctx = rope["original_max_position_embeddings"]
+    factors = []
+    for freq in 1.0 / rope["rope_theta"] ** (np.arange(0, head_dim, 2) / head_dim):
+        wavelen = 2 * math.pi / freq
+        if wavelen < old_ctx / high:
+            factors.append(1.0)
+        elif wavelen > old_ctx / low:
+            factors.append(factor)
+        else:
+            smooth = (old_ctx / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(factors, dtype=np.float32)
 
 
 GGUF_TYPES = [GGMLQuantizationType[t] for t in ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")]
@@ -97,3 +118,25 @@ def test_quantized_gguf_at_tp2(hf_model, prompts, tmp_path):
     path = tmp_path / "tiny-llama.Q4_1.gguf"
     reference = _gguf_reference(hf_model, path, GGMLQuantizationType.Q4_1)
     _assert_matches(_runner_logits(path, prompts, tp=2), reference, prompts)
+
+
+def test_gguf_rope_freqs_carry_llama3_rope_scaling(prompts, tmp_path):
+    """Llama 3.1+ GGUF files carry their rope scaling as a `rope_freqs` tensor, with no scaling metadata."""
+    # An original context of 32 puts most of head_dim 16's frequencies in the scaled band, so
+    # ignoring the tensor would move the logits of these prompts far past TOL.
+    rope = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+    scaled = random_hf_model(LlamaConfig(tie_word_embeddings=False, **(CONFIG | {"rope_parameters": rope})), seed=7)
+    path = tmp_path / "tiny-llama3.F32.gguf"
+    freqs = _llama3_rope_freqs(rope, CONFIG["hidden_size"] // CONFIG["num_attention_heads"])
+    reference = _gguf_reference(scaled, path, GGMLQuantizationType.F32, extra={"rope_freqs.weight": freqs})
+    cfg = load_config(path)
+    assert cfg.rope_scaling is None and cfg.rope_freq_factors == pytest.approx(freqs.tolist())
+    _assert_matches(_runner_logits(path, prompts), reference, prompts)
+
+
+def test_rope_freqs_of_the_wrong_length_are_refused():
+    from gpu_worker_svc.model.layers.rotary import RotaryEmbedding
+
+    with pytest.raises(ValueError, match="rope_freqs has 3 factors; head_dim 16 needs 8"):
+        RotaryEmbedding(16, 8, 10000.0, None, torch.float32, [1.0, 2.0, 4.0])
