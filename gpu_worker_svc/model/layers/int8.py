@@ -18,6 +18,12 @@ bits (codes 1..255 around 128) and weights 7 (symmetric per output channel, +-63
 2 * 255 * 63 = 32130, so it never saturates. That split measured 3x closer to fp32
 than 7-bit activations with 8-bit weights; the remaining error is activation
 outliers, which `smoothing.py` moves into the weights first.
+
+Large batches (prefill chunks of `ONEDNN_MIN_ROWS` rows or more) go to oneDNN's
+int8 GEMM on the same codes instead: ~20% faster than fbgemm at 2048 rows, slower
+below ~512. Both accumulate exactly in int32 and apply the same two scales, so their
+results are bitwise equal (tested), and batch invariance holds across the switch.
+The cost is a second packed copy of the int8 weights.
 """
 
 from __future__ import annotations
@@ -31,6 +37,8 @@ from torch import nn
 _ACT_SCALE = 1 / 127
 _ACT_ZERO_POINT = 128
 _WEIGHT_QMAX = 63
+# Rows from which oneDNN's int8 GEMM beats fbgemm's (measured on AVX2 for this model's shapes).
+ONEDNN_MIN_ROWS = 512
 
 
 def require_fbgemm(mode: str) -> None:
@@ -64,11 +72,34 @@ class Int8Weight(nn.Module):
         finally:
             torch.backends.quantized.engine = previous
         self.out_features = weight.shape[0]
+        self.onednn = _OneDNNInt8(codes, scale) if _onednn_int8_available() else None
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         rows = x.reshape(-1, shape[-1]).float()
         absmax = rows.abs().amax(-1, keepdim=True).clamp_(min=1e-10)
-        y = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(
-            rows / absmax, _ACT_SCALE, _ACT_ZERO_POINT, self.packed)
+        if self.onednn is not None and rows.shape[0] >= ONEDNN_MIN_ROWS:
+            y = self.onednn.matmul(rows / absmax)
+        else:
+            y = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(
+                rows / absmax, _ACT_SCALE, _ACT_ZERO_POINT, self.packed)
         return y.mul_(absmax).to(x.dtype).view(*shape[:-1], self.out_features)
+
+
+def _onednn_int8_available() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.onednn, "qlinear_pointwise")
+
+
+class _OneDNNInt8:
+    """The same int8 codes packed for oneDNN's u8 x s8 GEMM (activation codes as fbgemm makes them)."""
+
+    def __init__(self, codes: torch.Tensor, scale: torch.Tensor) -> None:
+        self.packed = torch.ops.onednn.qlinear_prepack(codes, None)
+        self.scale = scale.float()
+        self.zero_point = torch.zeros_like(scale, dtype=torch.long)
+
+    def matmul(self, unit_rows: torch.Tensor) -> torch.Tensor:
+        """`unit_rows` are rows already divided by their absmax."""
+        codes = torch.quantize_per_tensor(unit_rows, _ACT_SCALE, _ACT_ZERO_POINT, torch.quint8).int_repr()
+        return torch.ops.onednn.qlinear_pointwise(codes, _ACT_SCALE, _ACT_ZERO_POINT, self.packed, self.scale,
+                                                  self.zero_point, None, 1.0, 0, torch.float32, "none", [], "")
