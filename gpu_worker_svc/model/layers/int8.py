@@ -22,7 +22,8 @@ outliers, which `smoothing.py` moves into the weights first.
 Large batches (prefill chunks of `ONEDNN_MIN_ROWS` rows or more) go to oneDNN's
 int8 GEMM on the same codes instead: ~20% faster than fbgemm at 2048 rows, slower
 below ~512. Both accumulate exactly in int32 and apply the same two scales, so their
-results are bitwise equal (tested), and batch invariance holds across the switch.
+results are bitwise equal (a test checks it on the machine it runs on; it held on AVX2),
+and batch invariance holds across the switch.
 The cost is a second packed copy of the int8 weights.
 """
 
@@ -72,7 +73,7 @@ class Int8Weight(nn.Module):
         finally:
             torch.backends.quantized.engine = previous
         self.out_features = weight.shape[0]
-        self.onednn = _OneDNNInt8(codes, scale) if _onednn_int8_available() else None
+        self.onednn = _OneDNNInt8.try_pack(codes, scale)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -86,12 +87,18 @@ class Int8Weight(nn.Module):
         return y.mul_(absmax).to(x.dtype).view(*shape[:-1], self.out_features)
 
 
-def _onednn_int8_available() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.onednn, "qlinear_pointwise")
-
-
 class _OneDNNInt8:
     """The same int8 codes packed for oneDNN's u8 x s8 GEMM (activation codes as fbgemm makes them)."""
+
+    @classmethod
+    def try_pack(cls, codes: torch.Tensor, scale: torch.Tensor) -> _OneDNNInt8 | None:
+        """None where this torch build or CPU has no oneDNN int8 GEMM: fbgemm then takes every batch."""
+        if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.onednn, "qlinear_pointwise")):
+            return None
+        try:
+            return cls(codes, scale)
+        except RuntimeError:
+            return None
 
     def __init__(self, codes: torch.Tensor, scale: torch.Tensor) -> None:
         self.packed = torch.ops.onednn.qlinear_prepack(codes, None)

@@ -6,8 +6,8 @@ CPU modes, fastest first (SmolLM2-135M on a 2-core AVX2 machine, batch-16 decode
 - "fp16": fp16 weights, fp32 arithmetic (fbgemm). Numerics within fp16 weight rounding.
 - "int4": group-wise int4 weights through torch's packed int4 kernel (smallest weights).
 
-Without one, float32 weights on CPU are still repacked, losslessly, for oneDNN
-(`pack_fp32_for_onednn`).
+Without one, float32 weights on CPU are still repacked for oneDNN
+(`pack_fp32_for_onednn`): no rounding, only another summation order.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from gpu_worker_svc.model.layers.embed_head import ParallelLMHead
+from gpu_worker_svc.model.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from gpu_worker_svc.model.layers.fp16 import FP16Weight
 from gpu_worker_svc.model.layers.int4 import Int4Weight
 from gpu_worker_svc.model.layers.int8 import Int8Weight
@@ -50,11 +50,14 @@ def pack_fp32_for_onednn(model: nn.Module) -> int:
 
 
 def _swap_weights(model: nn.Module, make: Callable[[nn.Module, torch.Tensor], nn.Module]) -> int:
+    # A tied LM head shares its weight with the embedding, whose lookups still need it.
+    embeddings = {id(m.weight) for m in model.modules()
+                  if isinstance(m, VocabParallelEmbedding) and not isinstance(m, ParallelLMHead)}
     count = 0
     for module in model.modules():
         if isinstance(module, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)) and module.quant is None:
             module.quant = make(module, module.weight.data)
-            if not isinstance(module, ParallelLMHead):  # the LM head may share its weight with the embedding
+            if id(module.weight) not in embeddings:
                 module.weight = None
             count += 1
     return count

@@ -174,3 +174,20 @@ def test_int8_onednn_and_fbgemm_kernels_agree_bitwise(shape):
     big = layer.matmul(x)  # oneDNN
     small = torch.cat([layer.matmul(x[i : i + 64]) for i in range(0, rows, 64)])  # fbgemm
     assert torch.equal(big, small)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_packing_drops_every_original_weight_but_the_embedding(tied):
+    from gpu_worker_svc.model.config import ModelConfig
+    from gpu_worker_svc.model.layers.quantize import pack_fp32_for_onednn
+    from gpu_worker_svc.model.llama import LlamaForCausalLM
+    from gpu_worker_svc.model.parallel import TPGroup
+
+    cfg = ModelConfig(architecture="LlamaForCausalLM", vocab_size=64, hidden_size=32, intermediate_size=64,
+                      num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, tie_word_embeddings=tied)
+    model = LlamaForCausalLM(cfg, TPGroup(), torch.float32, 16)
+    assert pack_fp32_for_onednn(model) == 2 * 4 + 1  # qkv, o, gate_up, down per layer, and the head
+    embedding = model.model.embed_tokens.weight
+    assert embedding is not None  # lookups still need it
+    assert (model.lm_head.weight is embedding) if tied else model.lm_head.weight is None
+    assert model.model.layers[0].mlp.down_proj.weight is None
