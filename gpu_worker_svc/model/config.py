@@ -102,7 +102,8 @@ class ModelConfig:
         # Attention here is full causal, which equals sliding-window attention (Mistral 7B v0.1, Qwen2 with
         # use_sliding_window) only while the sequence fits the window: past it the model would silently
         # attend to tokens it never saw in training, so the context stops at the window instead.
-        window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
+        # Qwen2 configs default use_sliding_window to False (transformers does too); Mistral has no such flag.
+        window = cfg.get("sliding_window") if cfg.get("use_sliding_window", arch != "Qwen2ForCausalLM") else None
         if window and window < max_positions:
             log.warning("%s: sliding-window attention is not implemented; context capped at the window, %d "
                         "tokens (of %d)", name or arch, window, max_positions)
