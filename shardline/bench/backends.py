@@ -4,14 +4,19 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import threading
 import time
+
+import torch
 
 from gpu_worker_svc.engine.llm_engine import EngineConfig, LLMEngine
 from gpu_worker_svc.engine.sampling_params import SamplingParams
 from gpu_worker_svc.server.engine_loop import Inbox, collect_burst
 from shardline.bench.metrics import RequestTiming
 from shardline.client import AsyncShardlineClient
+
+log = logging.getLogger(__name__)
 
 
 class StackBackend:
@@ -41,8 +46,11 @@ class EngineBackend:
     requests share the first step here exactly when they would in the worker.
     """
 
-    def __init__(self, config: EngineConfig | None = None, admission_gap_s: float = 0.0) -> None:
+    def __init__(self, config: EngineConfig | None = None, admission_gap_s: float = 0.0,
+                 torch_threads: int = 0) -> None:
         self.engine = LLMEngine(config)
+        if torch_threads > 0:  # after the engine, which sets its own default on CPU (as the worker does)
+            torch.set_num_threads(torch_threads)
         self.admission_gap_s = admission_gap_s
         self.loop: asyncio.AbstractEventLoop | None = None
         self.inbox = Inbox()  # (request id, prompt, params) to add, or None to wake the thread
@@ -104,5 +112,8 @@ class EngineBackend:
         self.stop.set()
         self.inbox.put(None)
         if self.thread.is_alive():
-            self.thread.join(timeout=10)
+            self.thread.join(timeout=60)  # the step in flight ends first; on a CPU it can take seconds
+        if self.thread.is_alive():
+            log.warning("engine thread still stepping after 60 s; leaving the engine to the process's exit")
+            return
         self.engine.shutdown()

@@ -73,25 +73,31 @@ def run(args: argparse.Namespace) -> int:
         return 2
     spec = LoadSpec(args.num_prompts, args.input_len, args.output_len, args.request_rate, args.max_concurrency,
                     args.seed, load_config(args.model).vocab_size)
-    makers: dict[str, Callable[[], object]] = {}
-    stack = None
-    if args.launch:
-        from shardline.stack import LocalStack, StackConfig
-
-        stack = LocalStack(StackConfig.on_free_ports(model=args.model)).start()
-    url = f"127.0.0.1:{stack.config.grpc_port}" if stack is not None else args.url
-    if url:
-        makers["stack"] = lambda: StackBackend(url)
-    if args.engine:
-        # The worker's own settings (its defaults and any SHARDLINE_* variables, as a launched stack's
-        # worker reads them), so the engine runs exactly as it does inside the stack.
-        settings = WorkerSettings(model=args.model, tracing=False)
-        config, gap = engine_config(settings), settings.resolved_admission_gap_s
-        makers["engine"] = lambda: EngineBackend(config, gap)
-    if not makers:
+    if not (args.url or args.launch or args.engine):
         print("give --url, --launch and/or --engine")
         return 2
+    # The worker's own settings (its defaults and any SHARDLINE_* variables, as a launched stack's
+    # worker reads them), so the engine runs exactly as it does inside the stack. Read before
+    # anything starts: a bad variable must not leave a launched stack behind.
+    settings = WorkerSettings(model=args.model, tracing=False)
+    makers: dict[str, Callable[[], object]] = {}
+    stack = None
     try:
+        if args.launch:
+            from shardline.stack import LocalStack, StackConfig
+
+            env: dict[str, object] = {}
+            if args.engine and settings.resolved_device != "cpu":
+                # Both hold the GPU for the whole run: the stack's worker takes half the share, and the
+                # engine's sizing counts the worker's memory as used by others.
+                env["GPU_MEMORY_UTILIZATION"] = settings.gpu_memory_utilization / 2
+            stack = LocalStack(StackConfig.on_free_ports(model=args.model, env=env)).start()
+        url = f"127.0.0.1:{stack.config.grpc_port}" if stack is not None else args.url
+        if url:
+            makers["stack"] = lambda: StackBackend(url)
+        if args.engine:
+            config, gap = engine_config(settings), settings.resolved_admission_gap_s
+            makers["engine"] = lambda: EngineBackend(config, gap, settings.torch_threads)
         rounds = asyncio.run(_measure(makers, spec, args))
     finally:
         if stack is not None:
@@ -110,8 +116,13 @@ def _compare(rounds: dict[str, list[dict]]) -> dict | None:
     """Stack against engine, round by round (each round's pair ran minutes apart at most), then medians."""
     if "stack" not in rounds or "engine" not in rounds:
         return None
-    ratios = [s["output_throughput"] / e["output_throughput"] for s, e in zip(rounds["stack"], rounds["engine"])]
-    added = [s["ttft_ms"]["median"] - e["ttft_ms"]["median"] for s, e in zip(rounds["stack"], rounds["engine"])]
+    # A round where either side completed nothing has no ratio (its failures are in the table).
+    pairs = [(s, e) for s, e in zip(rounds["stack"], rounds["engine"]) if s["completed"] and e["completed"]]
+    if not pairs:
+        print("\nno round completed requests on both sides: nothing to compare")
+        return None
+    ratios = [s["output_throughput"] / e["output_throughput"] for s, e in pairs]
+    added = [s["ttft_ms"]["median"] - e["ttft_ms"]["median"] for s, e in pairs]
     if len(ratios) > 1:
         for i, (ratio, ms) in enumerate(zip(ratios, added)):
             print(f"round {i + 1}: stack/engine output throughput {ratio:.3f}; added TTFT p50 {ms:+.1f} ms")
