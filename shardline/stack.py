@@ -231,7 +231,8 @@ def _signals_deferred() -> Iterator[None]:
         yield
     finally:
         for sig, handler in previous.items():
-            signal.signal(sig, handler)
+            # None: a handler installed outside Python, which cannot be put back; the default is closest.
+            signal.signal(sig, signal.SIG_DFL if handler is None else handler)
         for sig in received:
             signal.raise_signal(sig)
 

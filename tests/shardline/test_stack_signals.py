@@ -12,6 +12,7 @@ from shardline.stack import LocalStack, StackConfig
 
 
 def test_ctrl_c_during_a_spawn_still_records_the_child():
+    handler_before = signal.getsignal(signal.SIGINT)
     stack = LocalStack(StackConfig.on_free_ports())
 
     def popen_then_ctrl_c(name: str, argv: list[str], env: dict[str, str]) -> subprocess.Popen:
@@ -25,4 +26,4 @@ def test_ctrl_c_during_a_spawn_still_records_the_child():
     assert [child.name for child in stack.children] == ["tokenizer"]
     stack.stop(timeout_s=5)
     assert stack.children[0].proc.poll() is not None
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
+    assert signal.getsignal(signal.SIGINT) is handler_before  # restored
