@@ -117,8 +117,10 @@ def collect_burst(inbox: Inbox, items: list[object], gap_s: float,
 
     A burst of requests reaches an idle worker over a few milliseconds (each is tokenized and
     dispatched on its own). Starting the first prefill at once would leave the rest waiting a
-    whole step, which on a CPU is most of a second; a few milliseconds' wait lets them share it.
+    whole step, which on a CPU can take seconds; a few milliseconds' wait lets them share it.
     The wait ends as soon as the burst fills a step, since waiting longer could add nothing to it.
+    (Prompt tokens are counted whole: with prefix-cache hits a step holds more, and the wait may
+    end early.)
     """
     deadline = time.monotonic() + 10 * gap_s
     while time.monotonic() < deadline and not fills_a_step(items):

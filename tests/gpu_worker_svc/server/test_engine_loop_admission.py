@@ -9,7 +9,7 @@ from gpu_worker_svc.engine.batch_scheduler import SchedulerConfig
 from gpu_worker_svc.server.engine_loop import Inbox, _Commands, collect_burst, prefill_lengths
 from shardline.proto import worker_pb2
 
-GAP_S = 0.1  # long, so that "it waited" and "it did not" are far apart on a noisy machine
+GAP_S = 0.2  # long, so that "it waited" and "it did not" are far apart on a noisy machine
 CONFIG = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64)
 
 
