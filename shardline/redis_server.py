@@ -20,6 +20,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from shardline.ports import free_port
+from shardline.signals import signals_deferred
 
 logger = logging.getLogger(__name__)
 
@@ -104,6 +105,9 @@ class EmbeddedRedis:
                 if not exited_early or attempt == attempts - 1:
                     raise
                 logger.warning("redis-server exited on port %d; retrying on another port", port)
+            except BaseException:  # Ctrl-C or SIGTERM while waiting: nothing else knows about the server yet
+                self._kill()
+                raise
         self._port = port
         atexit.register(self.stop)
         logger.info("embedded redis-server on port %d, data in %s", port, self.data_dir)
@@ -125,7 +129,7 @@ class EmbeddedRedis:
             "--logfile", "",
         ]
         # The child keeps its own copy of the log descriptor.
-        with open(self.log_path, "ab") as log:
+        with open(self.log_path, "ab") as log, signals_deferred():
             self._process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
 
     def _wait_ready(self, port: int) -> None:

@@ -7,17 +7,15 @@ group so that stopping it also stops the tensor-parallel ranks it spawned.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,6 +24,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from shardline.ports import free_port
 from shardline.redis_server import EmbeddedRedis
+from shardline.signals import signals_deferred
 
 log = logging.getLogger(__name__)
 
@@ -130,7 +129,7 @@ class LocalStack:
         env.update({f"SHARDLINE_{k}": str(v) for k, v in self.config.env.items()})
         env.update({f"SHARDLINE_{k}": str(v) for k, v in settings.items() if v is not None})
         argv = [sys.executable, "-m", "shardline.cli.main", "serve", service or name]
-        with _signals_deferred():
+        with signals_deferred():
             child = Child(name, self._popen(name, argv, env), health, argv=argv, env=env)
             self.children.append(child)
         return child
@@ -211,30 +210,6 @@ class LocalStack:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-
-@contextlib.contextmanager
-def _signals_deferred() -> Iterator[None]:
-    """SIGINT and SIGTERM wait until the block ends, then take effect as they would have.
-
-    Ctrl-C inside Popen (after the fork, while it waits for the exec) raises out of it without
-    killing the child, and between Popen and the append the child is not yet recorded: either way
-    stop() would never see it, and it would outlive `shardline up`.
-    """
-    if threading.current_thread() is not threading.main_thread():  # only the main thread gets signals
-        yield
-        return
-    received: list[int] = []
-    previous = {sig: signal.signal(sig, lambda sig, frame: received.append(sig))
-                for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            # None: a handler installed outside Python, which cannot be put back; the default is closest.
-            signal.signal(sig, signal.SIG_DFL if handler is None else handler)
-        for sig in received:
-            signal.raise_signal(sig)
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:

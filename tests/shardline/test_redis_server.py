@@ -68,3 +68,18 @@ def test_a_taken_port_fails_with_the_server_log(tmp_path: Path) -> None:
         port = squatter.getsockname()[1]
         with pytest.raises(RedisServerError, match=r"(?s)exited.*log tail.*in use"):
             EmbeddedRedis(tmp_path, port=port, start_timeout_s=5).start()
+
+
+def test_ctrl_c_while_waiting_for_the_server_stops_it(tmp_path: Path, monkeypatch) -> None:
+    """Before start() returns, nothing else knows the server: an interrupted start must stop it itself."""
+    server = EmbeddedRedis(tmp_path)
+    started = []
+
+    def interrupted_wait(port: int) -> None:
+        started.append(server._process)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(server, "_wait_ready", interrupted_wait)
+    with pytest.raises(KeyboardInterrupt):
+        server.start()
+    assert started and started[0].poll() is not None  # killed and reaped

@@ -1,0 +1,32 @@
+"""Signals held back across a critical section (see signals_deferred)."""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+from collections.abc import Iterator
+
+
+@contextlib.contextmanager
+def signals_deferred() -> Iterator[None]:
+    """SIGINT and SIGTERM wait until the block ends, then take effect as they would have.
+
+    Wrap the start of a child process and the line that records it: Ctrl-C inside Popen (after
+    the fork, while it waits for the exec) raises out of it without killing the child, and
+    before it is recorded nothing could stop it; either way it would outlive its parent.
+    """
+    if threading.current_thread() is not threading.main_thread():  # only the main thread gets signals
+        yield
+        return
+    received: list[int] = []
+    previous = {sig: signal.signal(sig, lambda sig, frame: received.append(sig))
+                for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            # None: a handler installed outside Python, which cannot be put back; the default is closest.
+            signal.signal(sig, signal.SIG_DFL if handler is None else handler)
+        for sig in received:
+            signal.raise_signal(sig)
