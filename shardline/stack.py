@@ -145,7 +145,8 @@ class LocalStack:
         """Start a dead service again with its old settings; state it needs comes back from Redis."""
         _signal_group(child.proc, signal.SIGKILL)  # whatever it left behind (TP ranks) goes first
         child.proc.wait()
-        child.proc = self._popen(child.name, child.argv, child.env)
+        with signals_deferred():
+            child.proc = self._popen(child.name, child.argv, child.env)
         child.ready = False
 
     def wait_ready(self, progress: Callable[[str], None], timeout_s: float) -> None:
