@@ -11,6 +11,7 @@ def test_flags_override_the_environment_and_unset_flags_leave_it(monkeypatch):
                     "--device", "cpu", "--max-num-seqs", "4"])
     assert (s.port, s.tp_size, s.scheduler_address, s.max_num_seqs) == (50070, 3, "sched:1", 4)
     assert not s.tracing and not s.enable_prefix_caching
+    assert s.onednn_weights and not parse_args(["--no-onednn-weights"]).onednn_weights
 
 
 def test_defaults_resolve_from_the_port_and_device(monkeypatch):
