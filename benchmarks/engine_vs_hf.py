@@ -56,10 +56,6 @@ def bench_engine(engine: LLMEngine, prompts: list[list[int]], out_len: int) -> d
             "decode_step_ms_p50": 1000 * decode_times[len(decode_times) // 2] if decode_times else None}
 
 
-def _median(values: list[float]) -> float:
-    return statistics.median(values)
-
-
 def load_hf(model: str | None, device: str, dtype: torch.dtype):
     import transformers
 
@@ -147,12 +143,12 @@ def main(argv: list[str] | None = None) -> int:
                 result["ratio"] = result["shardline"]["tok_s"] / result["hf"]["tok_s"]
             rounds.append(result)
         row = {"concurrency": c, "rounds": rounds,
-               "shardline": {"tok_s": _median([x["shardline"]["tok_s"] for x in rounds]),
-                             "decode_step_ms_p50": _median([x["shardline"]["decode_step_ms_p50"] or 0
-                                                            for x in rounds]) or None}}
+               "shardline": {"tok_s": statistics.median([x["shardline"]["tok_s"] for x in rounds]),
+                             "decode_step_ms_p50": statistics.median(
+                                 [x["shardline"]["decode_step_ms_p50"] or 0 for x in rounds]) or None}}
         if hf is not None:
-            row["hf"] = {"tok_s": _median([x["hf"]["tok_s"] for x in rounds])}
-            row["ratio"] = _median([x["ratio"] for x in rounds])
+            row["hf"] = {"tok_s": statistics.median([x["hf"]["tok_s"] for x in rounds])}
+            row["ratio"] = statistics.median([x["ratio"] for x in rounds])
             row["ratio_range"] = (min(x["ratio"] for x in rounds), max(x["ratio"] for x in rounds))
         if c == 1:
             row["mbu"] = mbu(engine, row["shardline"]["decode_step_ms_p50"], args.input_len + args.output_len // 2,

@@ -81,7 +81,8 @@ def build_step(batch: StepBatch, block_size: int, device: torch.device | str = "
             else:
                 pos = torch.arange(c + n)
                 gathers.append((bt[i, pos // block_size] * block_size + pos % block_size).to(device))
-                masks.append(torch.ones(n, c + n, dtype=torch.bool, device=device).tril(c))  # the chunk ends the context
+                # The chunk ends the context: query i sees positions up to c + i.
+                masks.append(torch.ones(n, c + n, dtype=torch.bool, device=device).tril(c))
         start += n
 
     decode_index = decode_gather = decode_mask = None

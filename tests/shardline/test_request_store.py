@@ -137,20 +137,26 @@ async def test_duplicates_unknown_ids_and_bad_statuses(redis_url: str) -> None:
             await store.finish("r1", RequestStatus.RUNNING, FinishReason.STOP)
 
 
+def _count_round_trips(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """A list that grows by one for every command batch sent to Redis (until monkeypatch.undo())."""
+    sends: list[int] = []
+    original = AbstractConnection.send_packed_command
+
+    async def counting_send(self: AbstractConnection, command: Any, check_health: bool = True) -> None:
+        sends.append(1)
+        await original(self, command, check_health)
+
+    monkeypatch.setattr(AbstractConnection, "send_packed_command", counting_send)
+    return sends
+
+
 @run_async
 async def test_append_step_is_one_round_trip_per_step(redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
     ids = [f"r{i}" for i in range(64)]
     async with RequestStore(redis_url) as store:
         for request_id in ids:
             await store.create(record(request_id), [1])
-        sends: list[int] = []
-        original = AbstractConnection.send_packed_command
-
-        async def counting_send(self: AbstractConnection, command: Any, check_health: bool = True) -> None:
-            sends.append(1)
-            await original(self, command, check_health)
-
-        monkeypatch.setattr(AbstractConnection, "send_packed_command", counting_send)
+        sends = _count_round_trips(monkeypatch)
         for step in range(3):
             first = {rid: 100.0 + step for rid in ids} if step == 0 else None
             await store.append_step({rid: [step, i] for i, rid in enumerate(ids)}, first_token_ts=first)
@@ -171,14 +177,7 @@ async def test_a_steps_dispatches_and_finishes_are_one_round_trip_each(
     async with RequestStore(redis_url) as store:
         for request_id in ids:
             await store.create(record(request_id), [1])
-        sends: list[int] = []
-        original = AbstractConnection.send_packed_command
-
-        async def counting_send(self: AbstractConnection, command: Any, check_health: bool = True) -> None:
-            sends.append(1)
-            await original(self, command, check_health)
-
-        monkeypatch.setattr(AbstractConnection, "send_packed_command", counting_send)
+        sends = _count_round_trips(monkeypatch)
         assert await store.mark_dispatched_many([(rid, "worker-a", 1) for rid in ids]) == [True] * 16
         done = await store.finish_many([(rid, RequestStatus.FINISHED, FinishReason.LENGTH, None) for rid in ids[:15]]
                                        + [("ghost", RequestStatus.CANCELLED, FinishReason.ABORT, None)])

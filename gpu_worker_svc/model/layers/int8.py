@@ -79,11 +79,12 @@ class Int8Weight(nn.Module):
         shape = x.shape
         rows = x.reshape(-1, shape[-1]).float()
         absmax = rows.abs().amax(-1, keepdim=True).clamp_(min=1e-10)
+        unit_rows = rows / absmax
         if self.onednn is not None and rows.shape[0] >= ONEDNN_MIN_ROWS:
-            y = self.onednn.matmul(rows / absmax)
+            y = self.onednn.matmul(unit_rows)
         else:
             y = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(
-                rows / absmax, _ACT_SCALE, _ACT_ZERO_POINT, self.packed)
+                unit_rows, _ACT_SCALE, _ACT_ZERO_POINT, self.packed)
         return y.mul_(absmax).to(x.dtype).view(*shape[:-1], self.out_features)
 
 

@@ -5,8 +5,8 @@ own blocking on every call. oneDNN's linear takes the weight reordered once, at
 load, into the layout its kernels stream. For this model's shapes on a 2-core AVX2
 machine that measured ~1.3x faster at a batch-16 decode step (179 → 130 ms) and
 ~1.15x at batch 1, with the same greedy tokens. Arithmetic stays fp32: this is a
-layout, not a quantization (results differ from F.linear's only by summation order). (It is the pre-packing torch.compile's CPU freezing
-pass does, without the compile.)
+layout, not a quantization (results differ from F.linear's only by summation order).
+It is the pre-packing torch.compile's CPU freezing pass does, without the compile.
 """
 
 from __future__ import annotations

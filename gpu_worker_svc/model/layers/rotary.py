@@ -37,7 +37,8 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         if freq_factors is not None:  # llama.cpp's form of the same scaling: divisors, one per frequency
             if len(freq_factors) != head_dim // 2:
-                raise ValueError(f"rope_freqs has {len(freq_factors)} factors; head_dim {head_dim} needs {head_dim // 2}")
+                raise ValueError(f"rope_freqs has {len(freq_factors)} factors; "
+                                 f"head_dim {head_dim} needs {head_dim // 2}")
             inv_freq = _inv_freq(head_dim, theta, None) / torch.tensor(freq_factors, dtype=torch.float32)
         else:
             inv_freq = _inv_freq(head_dim, theta, scaling)
