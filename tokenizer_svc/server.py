@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import socket
-from pathlib import Path
 
 from opentelemetry import trace
 
-from shardline.gguf_file import GGUFError, GGUFFile
 from shardline.grpc_server import GrpcService, RunningServer, start_grpc_server
 from shardline.model_path import model_name, resolve_model_path
 from shardline.proto import tokenizer_pb2, tokenizer_pb2_grpc
@@ -25,32 +22,19 @@ logger = logging.getLogger(__name__)
 SERVICE_NAME = tokenizer_pb2.DESCRIPTOR.services_by_name["Tokenizer"].full_name
 
 
-def max_context_length(path: Path) -> int:
-    """Longest prompt plus output the model was trained for, from its GGUF or config.json metadata."""
-    if path.is_dir():
-        config_file = path / "config.json"
-        try:
-            config = json.loads(config_file.read_text(encoding="utf-8")) if config_file.is_file() else {}
-        except (OSError, ValueError) as exc:
-            raise TokenizerError(f"{config_file}: unreadable model config ({exc})") from exc
-        length = config.get("max_position_embeddings") or config.get("n_positions")
-    else:
-        try:
-            gguf = GGUFFile(path)
-        except GGUFError as exc:
-            raise TokenizerError(str(exc)) from exc
-        metadata = gguf.metadata
-        gguf.close()
-        length = metadata.get(f"{metadata.get('general.architecture')}.context_length")
+def max_context_length(tokenizer: Tokenizer) -> int:
+    """Longest prompt plus output the model was trained for, as its GGUF or config.json metadata states."""
+    length = tokenizer.context_length
     if not isinstance(length, int) or length <= 0:
-        raise TokenizerError(f"{path}: the model metadata gives no context length")
+        raise TokenizerError(f"{tokenizer.model_name}: the model metadata gives no context length")
     return length
 
 
 def build_service(model: str | None) -> TokenizerService:
     """The servicer for `model` (None: the default model); loading takes about a second."""
     path = resolve_model_path(model)
-    return TokenizerService(Tokenizer.from_model_path(path), model_name(path), max_context_length(path))
+    tokenizer = Tokenizer.from_model_path(path)
+    return TokenizerService(tokenizer, model_name(path), max_context_length(tokenizer))
 
 
 async def start_tokenizer_server(

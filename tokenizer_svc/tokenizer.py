@@ -45,6 +45,7 @@ class Tokenizer:
         "special_token_ids",
         "continuation_byte_ids",
         "vocab_size",
+        "context_length",
     )
 
     def __init__(
@@ -56,6 +57,7 @@ class Tokenizer:
         eos_token: str | None,
         chat_template: str | None,
         extra_eos_token_ids: Sequence[int] = (),
+        context_length: int | None = None,
     ) -> None:
         self.backend = backend
         self.model_name = model_name
@@ -73,6 +75,8 @@ class Tokenizer:
         )
         self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
         self.eos_token_ids = self._stop_token_ids(extra_eos_token_ids)
+        # The longest prompt plus output the model was trained for, from the same metadata (None: not stated).
+        self.context_length = context_length
 
     @classmethod
     def from_model_path(cls, path: str | Path) -> Tokenizer:
@@ -133,6 +137,7 @@ def _from_gguf(path: Path) -> Tokenizer:
         eos_token=built.eos_token,
         chat_template=metadata.get("tokenizer.chat_template"),
         extra_eos_token_ids=built.end_of_turn_ids,
+        context_length=metadata.get(f"{metadata.get('general.architecture')}.context_length"),
     )
 
 
@@ -148,6 +153,7 @@ def _from_hf_folder(folder: Path) -> Tokenizer:
         config = _read_json(folder / "tokenizer_config.json")
         special_map = _read_json(folder / "special_tokens_map.json")
         generation = _read_json(folder / "generation_config.json")
+        model_config = _read_json(folder / "config.json")
     except (OSError, ValueError) as exc:  # json.JSONDecodeError is a ValueError
         raise TokenizerError(f"{folder}: unreadable tokenizer config ({exc})") from exc
     bos = _token_content(config.get("bos_token", special_map.get("bos_token")))
@@ -165,6 +171,7 @@ def _from_hf_folder(folder: Path) -> Tokenizer:
         eos_token=eos,
         chat_template=_hf_chat_template(folder, config),
         extra_eos_token_ids=generation_eos if isinstance(generation_eos, list) else [generation_eos],
+        context_length=model_config.get("max_position_embeddings") or model_config.get("n_positions"),
     )
 
 

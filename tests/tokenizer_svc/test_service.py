@@ -27,7 +27,7 @@ Stub = tokenizer_pb2_grpc.TokenizerStub
 
 @pytest.fixture(scope="session")
 def service(tokenizer: Tokenizer, model_path: Path) -> TokenizerService:
-    return TokenizerService(tokenizer, model_name(model_path), max_context_length(model_path))
+    return TokenizerService(tokenizer, model_name(model_path), max_context_length(tokenizer))
 
 
 @asynccontextmanager

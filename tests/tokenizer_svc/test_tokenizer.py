@@ -52,6 +52,7 @@ def test_default_model_facts(tokenizer, hf_tokenizer):
     assert tokenizer.special_token_ids == frozenset(range(17))  # the 17 control tokens of the GGUF
     assert tokenizer.chat_template == hf_tokenizer.chat_template
     assert tokenizer.continuation_byte_ids == frozenset()  # byte-level: no <0xNN> tokens
+    assert tokenizer.context_length == 8192  # llama.context_length, read with the vocabulary
 
 
 def test_hf_folder_matches_transformers(tmp_path, tokenizer, hf_tokenizer, corpus):
@@ -74,6 +75,9 @@ def test_hf_folder_reads_flags_and_generation_config(tmp_path, hf_tokenizer):
     folder_tok = Tokenizer.from_model_path(tmp_path)
     assert folder_tok.encode_batch(["Hi"]) == [[1, *folder_tok.encode_batch(["Hi"], add_special_tokens=False)[0]]]
     assert folder_tok.eos_token_ids == [2, 0]
+    assert folder_tok.context_length is None  # no config.json in the folder
+    (tmp_path / "config.json").write_text('{"max_position_embeddings": 2048}')
+    assert Tokenizer.from_model_path(tmp_path).context_length == 2048
 
 
 def test_sentencepiece_gguf_matches_transformers(spm_gguf, spm_tokenizer, corpus):
