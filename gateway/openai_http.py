@@ -15,8 +15,9 @@ from gateway.auth import ApiKeys, http_auth_middleware
 from gateway.openai_request import parse_request
 from gateway.openai_response import ResponseFormatter, error_body
 from gateway.params import OPENAI_COMPLETIONS_DEFAULT_MAX_TOKENS
-from gateway.request_runner import GenerationSpec, LiveRequest, RequestRunner
+from gateway.request_runner import GenerationSpec, LiveRequest, ModelNotFound, RequestRunner
 from shardline.errors import InvalidArgument, ShardlineError
+from shardline.proto import generation_pb2
 from tracing import attributes as attr
 from tracing.grpc_context import start_http_server_span
 from tracing.metrics import metrics_handler
@@ -26,8 +27,8 @@ logger = logging.getLogger(__name__)
 _DONE = b"data: [DONE]\n\n"
 
 
-def error_response(status: int, message: str, param: str | None = None) -> web.Response:
-    return web.json_response(error_body(status, message, param), status=status)
+def error_response(status: int, message: str, param: str | None = None, code: str | None = None) -> web.Response:
+    return web.json_response(error_body(status, message, param, code), status=status)
 
 
 @web.middleware
@@ -38,7 +39,7 @@ async def openai_errors(
     try:
         return await handler(request)
     except ShardlineError as exc:
-        return error_response(exc.http_status, str(exc), getattr(exc, "field", None))
+        return error_response(exc.http_status, str(exc), getattr(exc, "field", None), getattr(exc, "openai_code", None))
     except web.HTTPException as exc:  # unknown route, wrong method, body over client_max_size (413)
         if exc.status < 400:
             raise
@@ -66,6 +67,7 @@ class OpenAIHttpApi:
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/v1/models/{model:.+}", self.model)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", metrics_handler)
         return app
@@ -83,7 +85,8 @@ class OpenAIHttpApi:
         default_max_tokens = self._runner.settings.default_max_tokens if chat else OPENAI_COMPLETIONS_DEFAULT_MAX_TOKENS
         spec = GenerationSpec(
             request_id=request_id, model=parsed.model, prompt=parsed.prompt, params=parsed.params,
-            default_max_tokens=default_max_tokens, priority=parsed.priority, arrival_s=arrival_s)
+            default_max_tokens=default_max_tokens, priority=parsed.priority, max_tokens_field=parsed.max_tokens_field,
+            arrival_s=arrival_s)
         span_attributes = {"http.request.method": request.method, "url.path": request.path}
         with start_http_server_span(self._tracer, "gateway.request", request.headers, span_attributes) as span:
             live = await self._runner.start(spec, span)
@@ -119,9 +122,18 @@ class OpenAIHttpApi:
 
     async def models(self, request: web.Request) -> web.Response:
         models = await self._runner.served_models()
-        data = [{"id": m.name, "object": "model", "created": self._started, "owned_by": "shardline",
-                 "max_model_len": m.max_context_length} for m in models]
-        return web.json_response({"object": "list", "data": data})
+        return web.json_response({"object": "list", "data": [self._model_card(m) for m in models]})
+
+    async def model(self, request: web.Request) -> web.Response:
+        name = request.match_info["model"]
+        for m in await self._runner.served_models():
+            if m.name == name:
+                return web.json_response(self._model_card(m))
+        raise ModelNotFound(f"model {name!r} is not served here")
+
+    def _model_card(self, m: generation_pb2.ModelInfo) -> dict[str, Any]:
+        return {"id": m.name, "object": "model", "created": self._started, "owned_by": "shardline",
+                "max_model_len": m.max_context_length}
 
     async def health(self, request: web.Request) -> web.Response:
         dependencies = await self._runner.backends.health()
@@ -136,6 +148,8 @@ async def _json_body(request: web.Request) -> Any:
         return json.loads(raw)
     except ValueError as exc:
         raise InvalidArgument("body", f"is not valid JSON ({exc})") from exc
+    except RecursionError as exc:  # nesting deeper than the parser's stack: refused, not a 500
+        raise InvalidArgument("body", "is nested too deeply") from exc
 
 
 def _sse(event: dict[str, Any]) -> bytes:

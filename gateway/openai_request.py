@@ -25,6 +25,7 @@ class OpenAIRequest:
     priority: int  # lower is served first (a vLLM extension)
     stream: bool  # answer with server-sent events
     include_usage: bool  # stream_options.include_usage: end the stream with a usage chunk
+    max_tokens_field: str = "max_tokens"  # max_completion_tokens when a chat request used that name
 
 
 def parse_request(body: Any, chat: bool) -> OpenAIRequest:
@@ -33,13 +34,13 @@ def parse_request(body: Any, chat: bool) -> OpenAIRequest:
         raise InvalidArgument("body", "must be a JSON object")
     model = json_field(body, "model", str) or ""
     prompt = _messages(body) if chat else _prompt(body)
-    params, priority = sampling_from_openai(body, chat)
+    params, priority, max_tokens_field = sampling_from_openai(body, chat)
     stream = bool(json_field(body, "stream", bool))
     options = json_field(body, "stream_options", dict)
     if options is not None and not stream:
         raise InvalidArgument("stream_options", "is only allowed when stream is true")
     include_usage = bool(json_field(options or {}, "include_usage", bool))
-    return OpenAIRequest(chat, model, prompt, params, priority, stream, include_usage)
+    return OpenAIRequest(chat, model, prompt, params, priority, stream, include_usage, max_tokens_field)
 
 
 def _prompt(body: dict[str, Any]) -> Prompt:
@@ -68,7 +69,10 @@ def _messages(body: dict[str, Any]) -> Prompt:
         role = message.get("role")
         if role not in _ROLES:
             raise InvalidArgument(f"{field}.role", f"must be one of {', '.join(_ROLES)}")
-        turns.append(sampling_pb2.ChatMessage(role=_ROLES[role], content=_content(message.get("content"), field)))
+        content = message.get("content")
+        if content is None and role == "assistant":
+            content = ""  # an assistant turn that only called tools, as replayed transcripts carry it
+        turns.append(sampling_pb2.ChatMessage(role=_ROLES[role], content=_content(content, field)))
     return Prompt(messages=turns, field="messages")
 
 
@@ -81,5 +85,5 @@ def _content(content: Any, field: str) -> str:
             if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
                 raise InvalidArgument(f"{field}.content", "only text parts are supported")
             texts.append(part["text"])
-        return "".join(texts)
+        return "\n".join(texts)  # as vLLM joins a message's text parts
     raise InvalidArgument(f"{field}.content", "must be a string or an array of text parts")

@@ -21,9 +21,10 @@ _ERROR_KINDS = {
 }
 
 
-def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
-    """`{"error": {...}}` as the OpenAI API sends it."""
-    kind, code = _ERROR_KINDS.get(status, ("server_error", "internal_error"))
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    """`{"error": {...}}` as the OpenAI API sends it; `code` overrides the status's own."""
+    kind, default_code = _ERROR_KINDS.get(status, ("server_error", "internal_error"))
+    code = code or default_code
     if status == 404 and param == "model":
         code = "model_not_found"
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
@@ -48,7 +49,7 @@ class ResponseFormatter:
         self.chat = chat
         self.include_usage = include_usage
         self.created = int(time.time())
-        self._text_offset = 0  # characters sent so far, for completions' logprobs.text_offset
+        self._text_offset = 0  # characters of the token texts so far, for completions' logprobs.text_offset
         self._sent_role = False
 
     def whole(self, completion: Completion) -> dict[str, Any]:
@@ -70,7 +71,7 @@ class ResponseFormatter:
             self._sent_role = True
             events.append(self._chunk({"role": "assistant", "content": ""}, None, None))
         if chunk.text or chunk.logprobs or chunk.finish_reason:
-            logprobs = self._logprobs(chunk.logprobs, chunk.token_texts, chunk.text)
+            logprobs = self._logprobs(chunk.logprobs, chunk.token_texts)
             body = {"content": chunk.text} if chunk.text else {}
             events.append(self._chunk(body if self.chat else chunk.text, logprobs, chunk.finish_reason))
         if chunk.finish_reason and self.include_usage:
@@ -92,8 +93,7 @@ class ResponseFormatter:
             kind = "text_completion"
         return {"id": self.request_id, "object": kind, "created": self.created, "model": self.model}
 
-    def _logprobs(self, logprobs: list[sampling_pb2.TokenLogprob], texts: dict[int, str],
-                  sent_text: str | None = None) -> dict[str, Any] | None:
+    def _logprobs(self, logprobs: list[sampling_pb2.TokenLogprob], texts: dict[int, str]) -> dict[str, Any] | None:
         if not logprobs:
             return None
         if self.chat:
@@ -102,17 +102,18 @@ class ResponseFormatter:
                  "top_logprobs": [_token_entry(alt.token_id, alt.logprob, texts) for alt in lp.top]}
                 for lp in logprobs
             ]}
+        # Each token's offset in the completion's text, the same streamed or not.
         offsets = []
         for lp in logprobs:
             offsets.append(self._text_offset)
             self._text_offset += len(texts[lp.token_id])
-        if sent_text is not None:
-            # Streams advance by the text actually sent (stop strings and held-back characters differ).
-            self._text_offset = offsets[0] + len(sent_text)
         return {
             "tokens": [texts[lp.token_id] for lp in logprobs],
             "token_logprobs": [lp.logprob for lp in logprobs],
-            "top_logprobs": [{texts[alt.token_id]: alt.logprob for alt in lp.top} for lp in logprobs],
+            # The sampled token is always among the alternatives, as OpenAI and vLLM send them
+            # (so there are up to logprobs + 1 of them).
+            "top_logprobs": [{**{texts[alt.token_id]: alt.logprob for alt in lp.top}, texts[lp.token_id]: lp.logprob}
+                             for lp in logprobs],
             "text_offset": offsets,
         }
 

@@ -47,12 +47,19 @@ class ModelLimits:
     max_tokens_limit: int  # largest max_tokens accepted
 
 
+class ContextLengthExceeded(InvalidArgument):
+    """The prompt, or the prompt plus max_tokens, does not fit the model's context."""
+
+    openai_code = "context_length_exceeded"
+
+
 def validate_sampling(
-    params: sampling_pb2.SamplingParameters, limits: ModelLimits, prefix: str = ""
+    params: sampling_pb2.SamplingParameters, limits: ModelLimits, prefix: str = "", max_tokens_field: str = "max_tokens"
 ) -> sampling_pb2.SamplingParameters:
     """A checked copy of `params` with every optional field but max_tokens resolved.
 
-    `prefix` goes before field names in errors ("params." over gRPC). max_tokens depends on the
+    `prefix` goes before field names in errors ("params." over gRPC), and `max_tokens_field` is the
+    name the client gave max_tokens (OpenAI chat: max_completion_tokens). max_tokens depends on the
     prompt's length, so `resolve_max_tokens` sets it once the prompt is tokenized.
     """
     resolved = sampling_pb2.SamplingParameters()
@@ -61,7 +68,7 @@ def validate_sampling(
         if name not in _OPTIONAL_FLOATS or resolved.HasField(name):
             _check_range(prefix + name, getattr(resolved, name), low, high, low_allowed)
     if resolved.HasField("max_tokens") and not 1 <= resolved.max_tokens <= limits.max_tokens_limit:
-        raise InvalidArgument(prefix + "max_tokens", f"must be between 1 and {limits.max_tokens_limit}")
+        raise InvalidArgument(prefix + max_tokens_field, f"must be between 1 and {limits.max_tokens_limit}")
     if resolved.HasField("max_tokens") and resolved.min_tokens > resolved.max_tokens:
         raise InvalidArgument(prefix + "min_tokens", "must not exceed max_tokens")
     if resolved.top_k > limits.vocab_size:
@@ -86,26 +93,32 @@ def validate_sampling(
 
 
 def resolve_max_tokens(
-    params: sampling_pb2.SamplingParameters, prompt_tokens: int, limits: ModelLimits, default: int, prefix: str = ""
+    params: sampling_pb2.SamplingParameters, prompt_tokens: int, limits: ModelLimits, default: int | None,
+    prefix: str = "", max_tokens_field: str = "max_tokens",
 ) -> None:
-    """Set max_tokens for a prompt of `prompt_tokens`: an explicit value must fit the context, a default shrinks."""
+    """Set max_tokens for a prompt of `prompt_tokens`: an explicit value must fit the context; without
+    one, `default` (None: the rest of the context, as vLLM's OpenAI server does) shrinks to fit."""
     room = limits.max_context_length - prompt_tokens
     if params.HasField("max_tokens"):
         if params.max_tokens > room:
-            raise InvalidArgument(
-                prefix + "max_tokens",
-                f"the prompt ({prompt_tokens} tokens) plus max_tokens ({params.max_tokens}) exceeds the model's "
-                f"context length ({limits.max_context_length})")
+            raise ContextLengthExceeded(
+                prefix + max_tokens_field,
+                f"the prompt ({prompt_tokens} tokens) plus {max_tokens_field} ({params.max_tokens}) exceeds the "
+                f"model's context length ({limits.max_context_length})")
         return
-    params.max_tokens = max(1, min(default, room, limits.max_tokens_limit))
+    params.max_tokens = max(1, min(room if default is None else default, room, limits.max_tokens_limit))
 
 
-def sampling_from_openai(body: dict[str, Any], chat: bool) -> tuple[sampling_pb2.SamplingParameters, int]:
-    """(sampling parameters, priority) from an OpenAI completions or chat body; values are checked later."""
+def sampling_from_openai(body: dict[str, Any], chat: bool) -> tuple[sampling_pb2.SamplingParameters, int, str]:
+    """(sampling parameters, priority, the name max_tokens came under) from an OpenAI completions or
+    chat body; values are checked later."""
     _reject_unsupported(body, chat)
     params = sampling_pb2.SamplingParameters()
+    max_tokens_field = "max_tokens"
     max_tokens = _integer(body, "max_completion_tokens", 0, _UINT32) if chat else None
-    if max_tokens is None:
+    if max_tokens is not None:
+        max_tokens_field = "max_completion_tokens"  # OpenAI's newer name; it wins over max_tokens
+    else:
         max_tokens = _integer(body, "max_tokens", 0, _UINT32)
     if max_tokens is not None:
         params.max_tokens = max_tokens
@@ -137,7 +150,7 @@ def sampling_from_openai(body: dict[str, Any], chat: bool) -> tuple[sampling_pb2
         params.logprobs = count is not None
         params.top_logprobs = count or 0
     priority = _integer(body, "priority", -_INT32, _INT32) or 0
-    return params, priority
+    return params, priority, max_tokens_field
 
 
 def _reject_unsupported(body: dict[str, Any], chat: bool) -> None:
@@ -153,6 +166,10 @@ def _reject_unsupported(body: dict[str, Any], chat: bool) -> None:
         raise InvalidArgument("logit_bias", "logit_bias is not supported")
     if chat and json_field(body, "tools", list):
         raise InvalidArgument("tools", "tool calling is not supported")
+    response_format = json_field(body, "response_format", dict)
+    if response_format is not None and response_format.get("type", "text") != "text":
+        # Answering free text to a client that asked for JSON would look like success and parse as garbage.
+        raise InvalidArgument("response_format", "structured output (json_object, json_schema) is not supported")
 
 
 def _stop_strings(value: Any) -> list[str]:

@@ -17,7 +17,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from opentelemetry import trace
 
 from gateway.backends import RPC_TIMEOUT_S, Backends, upstream
-from gateway.params import ModelLimits, resolve_max_tokens, validate_sampling
+from gateway.params import ContextLengthExceeded, ModelLimits, resolve_max_tokens, validate_sampling
 from gateway.request_stream import RequestStream, StreamChunk, usage_of
 from gateway.settings import GatewaySettings
 from gateway.stop_matcher import StopMatcher
@@ -60,10 +60,11 @@ class GenerationSpec:
     model: str  # requested model; empty picks the served one
     prompt: Prompt
     params: sampling_pb2.SamplingParameters  # as the client sent them, not yet validated
-    default_max_tokens: int  # max_tokens when the client gave none
+    default_max_tokens: int | None  # max_tokens when the client gave none; None: the rest of the context
     priority: int = 0  # lower is served first
     timeout_s: float | None = None  # the client's own budget, within the gateway's
     field_prefix: str = ""  # put before parameter names in errors ("params." over gRPC)
+    max_tokens_field: str = "max_tokens"  # the name the client gave max_tokens, for errors
     arrival_s: float = field(default_factory=time.perf_counter)  # for TTFT and duration
     arrival_time: Timestamp = field(default_factory=lambda: _now_timestamp(0.0))  # sent to the scheduler
 
@@ -166,16 +167,17 @@ class RequestRunner:
         if spec.model not in ("", info.model):
             raise ModelNotFound(f"model {spec.model!r} is not served here; this gateway serves {info.model!r}")
         limits = self.limits(info)
-        params = validate_sampling(spec.params, limits, spec.field_prefix)
+        params = validate_sampling(spec.params, limits, spec.field_prefix, spec.max_tokens_field)
         with self.tracer.start_as_current_span("tokenize", attributes={attr.REQUEST_ID: spec.request_id}) as tokenize:
             prompt_ids = await self._tokenize(spec.prompt, info)
             tokenize.set_attribute(attr.NUM_TOKENS, len(prompt_ids))
         if not prompt_ids:
             raise InvalidArgument(spec.prompt.field, "the prompt is empty")
         if len(prompt_ids) > limits.max_prompt_tokens:
-            raise InvalidArgument(
+            raise ContextLengthExceeded(
                 spec.prompt.field, f"the prompt has {len(prompt_ids)} tokens; at most {limits.max_prompt_tokens} fit")
-        resolve_max_tokens(params, len(prompt_ids), limits, spec.default_max_tokens, spec.field_prefix)
+        resolve_max_tokens(params, len(prompt_ids), limits, spec.default_max_tokens, spec.field_prefix,
+                           spec.max_tokens_field)
         span.set_attributes({
             attr.GEN_AI_REQUEST_MODEL: info.model, attr.GEN_AI_REQUEST_MAX_TOKENS: params.max_tokens,
             attr.GEN_AI_REQUEST_TEMPERATURE: params.temperature, attr.GEN_AI_REQUEST_TOP_P: params.top_p,

@@ -16,7 +16,7 @@ def _random_gateway_id() -> str:
 class GatewaySettings(BaseSettings):
     """Gateway knobs, from ``SHARDLINE_<FIELD>`` environment variables; `main` flags override them."""
 
-    model_config = SettingsConfigDict(env_prefix="SHARDLINE_")
+    model_config = SettingsConfigDict(env_prefix="SHARDLINE_", env_ignore_empty=True)
 
     # Interface, OpenAI-compatible HTTP port and Generation gRPC port; port 0 picks a free one.
     host: str = "0.0.0.0"
@@ -33,8 +33,9 @@ class GatewaySettings(BaseSettings):
     max_prompt_tokens: int | None = Field(None, ge=1)
     # Largest max_tokens a request may ask for; None means the model's context length.
     max_tokens_limit: int | None = Field(None, ge=1)
-    # max_tokens when a chat or gRPC request leaves it unset (/v1/completions uses OpenAI's 16).
-    default_max_tokens: int = Field(256, ge=1)
+    # max_tokens when a chat or gRPC request leaves it unset; None (the default) fills the rest of the
+    # model's context, as OpenAI and vLLM do. /v1/completions uses OpenAI's 16.
+    default_max_tokens: int | None = Field(None, ge=1)
     # Wall-clock budget of a request from arrival; the scheduler aborts it at the deadline.
     request_timeout_s: float = Field(600.0, gt=0)
     # Largest HTTP request body; beyond it the gateway answers 413.

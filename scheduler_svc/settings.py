@@ -7,7 +7,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 class SchedulerSettings(BaseSettings):
     """Scheduler knobs, from ``SHARDLINE_<FIELD>`` environment variables (flags override them)."""
 
-    model_config = SettingsConfigDict(env_prefix="SHARDLINE_")
+    model_config = SettingsConfigDict(env_prefix="SHARDLINE_", env_ignore_empty=True)
 
     # Interface and port of the Scheduler gRPC service; port 0 picks a free one.
     host: str = "0.0.0.0"

@@ -6,7 +6,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 class TokenizerSettings(BaseSettings):
     """Tokenizer service knobs, from ``SHARDLINE_<FIELD>`` variables; `main` flags override them."""
 
-    model_config = SettingsConfigDict(env_prefix="SHARDLINE_")
+    model_config = SettingsConfigDict(env_prefix="SHARDLINE_", env_ignore_empty=True)
 
     # gRPC port of the Tokenizer service; 0 picks a free one.
     port: int = 50052

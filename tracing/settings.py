@@ -10,7 +10,7 @@ class TracingSettings(BaseSettings):
     ``SHARDLINE_<FIELD>``, for example ``SHARDLINE_OTLP_ENDPOINT``.
     """
 
-    model_config = SettingsConfigDict(env_prefix="SHARDLINE_")
+    model_config = SettingsConfigDict(env_prefix="SHARDLINE_", env_ignore_empty=True)
 
     # The tracing service: interface it listens on, OTLP/gRPC port, dashboard HTTP port...
     host: str = "0.0.0.0"

@@ -12,7 +12,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 class WorkerSettings(BaseSettings):
     """Worker knobs, from ``SHARDLINE_<FIELD>`` environment variables or `main`'s flags."""
 
-    model_config = SettingsConfigDict(env_prefix="SHARDLINE_")
+    model_config = SettingsConfigDict(env_prefix="SHARDLINE_", env_ignore_empty=True)
 
     # Unique id the scheduler knows this worker by; None: worker-<host>-<port>.
     worker_id: str | None = None

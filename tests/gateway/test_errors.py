@@ -60,6 +60,10 @@ BAD_BODIES = [
     ("chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ("chat/completions", {"n": 4}, "n"),
     ("chat/completions", {"tools": [{"type": "function"}]}, "tools"),
+    ("chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("chat/completions", {"max_completion_tokens": 0}, "max_completion_tokens"),
+    ("chat/completions", {"max_completion_tokens": 8190, "max_tokens": 5}, "max_completion_tokens"),
+    ("chat/completions", {"messages": [{"role": "user", "content": None}]}, "messages[0].content"),
 ]
 
 
@@ -72,8 +76,9 @@ def test_every_bad_parameter_is_a_400_naming_its_field(tokenizer_address, text_i
                     error = (await response.json())["error"]
                     assert (response.status, error["param"]) == (400, param), (fields, error)
                     assert error["type"] == "invalid_request_error" and error["message"].startswith(param)
-            async with http.post(f"{stack.base_url}/v1/completions", data=b"{not json") as response:
-                assert response.status == 400 and (await response.json())["error"]["param"] == "body"
+            for raw in (b"{not json", b"[" * 100_000 + b"]" * 100_000):  # the second overflows the parser's stack
+                async with http.post(f"{stack.base_url}/v1/completions", data=raw) as response:
+                    assert response.status == 400 and (await response.json())["error"]["param"] == "body"
         assert stack.scheduler.submitted == []
         with pytest.raises(openai.BadRequestError) as caught:
             await openai.AsyncOpenAI(base_url=f"{stack.base_url}/v1", api_key="x").completions.create(
@@ -88,7 +93,12 @@ def test_prompt_and_body_limits(tokenizer_address, text_ids) -> None:
         async with aiohttp.ClientSession() as http:
             long_prompt = {**COMPLETION, "prompt": "one two three four five six seven"}
             async with http.post(f"{stack.base_url}/v1/completions", json=long_prompt) as response:
-                assert response.status == 400 and (await response.json())["error"]["param"] == "prompt"
+                error = (await response.json())["error"]
+                assert response.status == 400 and (error["param"], error["code"]) == ("prompt", "context_length_exceeded")
+            too_long = {**COMPLETION, "max_tokens": 8192, "prompt": "one two"}
+            async with http.post(f"{stack.base_url}/v1/completions", json=too_long) as response:
+                error = (await response.json())["error"]
+                assert (error["param"], error["code"]) == ("max_tokens", "context_length_exceeded")
             huge = {**COMPLETION, "prompt": "x" * 5000}
             async with http.post(f"{stack.base_url}/v1/completions", json=huge) as response:
                 error = (await response.json())["error"]

@@ -81,7 +81,8 @@ def test_chat_completion_applies_the_template(tokenizer_address, text_ids, token
         prompt_ids = tokenizer.encode_batch([template.render(messages)], add_special_tokens=False)[0]
         assert list(stack.scheduler.submitted[0].prompt_token_ids) == prompt_ids
         assert result.usage.prompt_tokens == len(prompt_ids)
-        assert stack.scheduler.submitted[0].params.max_tokens == 256
+        # No max_tokens: the rest of the context, as OpenAI and vLLM do.
+        assert stack.scheduler.submitted[0].params.max_tokens == 8192 - len(prompt_ids)
 
     run_on_stack(tokenizer_address, Script(text_ids), body)
 
@@ -179,3 +180,47 @@ def test_logprobs_in_completions_and_chat(tokenizer_address, text_ids, tokenizer
         assert stack.scheduler.submitted[1].params.top_logprobs == 2
 
     run_on_stack(tokenizer_address, Script(text_ids, logprobs=True), body)
+
+
+def test_chat_messages_as_clients_send_them(tokenizer_address, text_ids, tokenizer: Tokenizer) -> None:
+    # An assistant turn with null content (it only called tools) and content as several text parts.
+    sent = [{"role": "user", "content": [{"type": "text", "text": "Say"}, {"type": "text", "text": "hi"}]},
+            {"role": "assistant", "content": None}, {"role": "user", "content": "again"}]
+    meant = [{"role": "user", "content": "Say\nhi"}, {"role": "assistant", "content": ""},
+             {"role": "user", "content": "again"}]
+
+    async def body(stack: Stack) -> None:
+        await client(stack).chat.completions.create(model=MODEL, messages=sent, max_tokens=2)
+        template = ChatTemplate(tokenizer.chat_template, tokenizer.bos_token, tokenizer.eos_token)
+        expected = tokenizer.encode_batch([template.render(meant)], add_special_tokens=False)[0]
+        assert list(stack.scheduler.submitted[0].prompt_token_ids) == expected
+
+    run_on_stack(tokenizer_address, Script(text_ids), body)
+
+
+def test_streamed_logprob_offsets_equal_the_whole_ones(tokenizer_address, text_ids, tokenizer: Tokenizer) -> None:
+    # A stop string that begins like the third token's text holds that text back for a chunk.
+    stop = tokenizer.decode(text_ids[2:3]) + "\u2603"
+
+    async def body(stack: Stack) -> None:
+        request = {"model": MODEL, "prompt": PROMPT, "max_tokens": 8, "logprobs": 1, "stop": [stop]}
+        whole = await client(stack).completions.create(**request)
+        async with aiohttp.ClientSession() as http:
+            async with http.post(f"{stack.base_url}/v1/completions", json={**request, "stream": True}) as response:
+                events = await sse_events(response)
+        streamed = [e["choices"][0]["logprobs"] for e in events if e != "[DONE]" and e["choices"][0]["logprobs"]]
+        assert [o for lp in streamed for o in lp["text_offset"]] == whole.choices[0].logprobs.text_offset
+        assert [t for lp in streamed for t in lp["tokens"]] == whole.choices[0].logprobs.tokens
+        assert whole.choices[0].logprobs.text_offset[3] == len("".join(whole.choices[0].logprobs.tokens[:3]))
+
+    run_on_stack(tokenizer_address, Script(text_ids, logprobs=True), body)
+
+
+def test_model_by_id(tokenizer_address, text_ids) -> None:
+    async def body(stack: Stack) -> None:
+        model = await client(stack).models.retrieve(MODEL)
+        assert (model.id, model.object) == (MODEL, "model")
+        with pytest.raises(openai.NotFoundError):
+            await client(stack).models.retrieve("gpt-9")
+
+    run_on_stack(tokenizer_address, Script(text_ids), body)

@@ -19,6 +19,9 @@ def test_unset_fields_are_resolved_for_the_workers() -> None:
     assert not resolved.HasField("max_tokens")
     resolve_max_tokens(resolved, 8000, LIMITS, default=256)
     assert resolved.max_tokens == 192  # a default shrinks to the room left in the context
+    unset = validate_sampling(sampling_pb2.SamplingParameters(), LIMITS)
+    resolve_max_tokens(unset, 100, LIMITS, default=None)
+    assert unset.max_tokens == 8092  # no default: the rest of the context
     explicit = validate_sampling(sampling_pb2.SamplingParameters(max_tokens=500, temperature=0, seed=3), LIMITS)
     assert (explicit.temperature, explicit.seed) == (0.0, 3)
     with pytest.raises(InvalidArgument) as caught:
@@ -27,14 +30,15 @@ def test_unset_fields_are_resolved_for_the_workers() -> None:
 
 
 def test_openai_fields_map_onto_sampling_parameters() -> None:
-    params, priority = sampling_from_openai({
+    params, priority, max_tokens_field = sampling_from_openai({
         "max_completion_tokens": 12, "max_tokens": 99, "temperature": 0.7, "top_k": -1, "seed": -1,
         "stop": "END", "stop_token_ids": [7], "logprobs": True, "top_logprobs": 3, "priority": -2,
         "ignore_eos": True, "skip_special_tokens": False, "user": "ignored"}, chat=True)
     assert (params.max_tokens, params.top_k, params.seed, list(params.stop)) == (12, 0, 2**64 - 1, ["END"])
     assert (params.logprobs, params.top_logprobs, params.ignore_eos, params.skip_special_tokens) == (True, 3, True, False)
     assert abs(params.temperature - 0.7) < 1e-6 and priority == -2
-    completions, _ = sampling_from_openai({"logprobs": 0}, chat=False)
+    assert max_tokens_field == "max_completion_tokens"  # so that errors name the field the client sent
+    completions, _, _ = sampling_from_openai({"logprobs": 0}, chat=False)
     assert (completions.logprobs, completions.top_logprobs) == (True, 0)
 
 
@@ -46,3 +50,11 @@ def test_gateway_flags_override_the_environment(monkeypatch: pytest.MonkeyPatch)
     assert settings.gateway_id.startswith("gateway-") and settings.gateway_id != parse_settings([]).gateway_id
     settings = parse_settings(["--http-port", "0", "--api-keys", "k", "--scheduler-address", "sched:1"])
     assert (settings.http_port, settings.api_keys, settings.scheduler_address) == (0, ["k"], "sched:1")
+
+
+def test_an_empty_variable_means_unset(monkeypatch: pytest.MonkeyPatch) -> None:
+    # docker compose passes `SHARDLINE_X:` through as an empty string when .env leaves it blank.
+    monkeypatch.setenv("SHARDLINE_DEFAULT_MAX_TOKENS", "")
+    monkeypatch.setenv("SHARDLINE_MAX_PROMPT_TOKENS", "")
+    settings = parse_settings([])
+    assert (settings.default_max_tokens, settings.max_prompt_tokens) == (None, None)
