@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import secrets
@@ -12,12 +13,13 @@ from typing import Any
 from aiohttp import web
 
 from gateway.auth import ApiKeys, http_auth_middleware
+from gateway.openai_choices import Choice, choice_specs, close_choices, merged_chunks, start_choices, total_usage
 from gateway.openai_request import parse_request
 from gateway.openai_response import ResponseFormatter, error_body
 from gateway.params import OPENAI_COMPLETIONS_DEFAULT_MAX_TOKENS
-from gateway.request_runner import GenerationSpec, LiveRequest, ModelNotFound, RequestRunner
+from gateway.request_runner import ModelNotFound, RequestRunner
 from shardline.errors import InvalidArgument, ShardlineError
-from shardline.proto import generation_pb2
+from shardline.proto import generation_pb2, sampling_pb2
 from tracing import attributes as attr
 from tracing.grpc_context import start_http_server_span
 from tracing.metrics import metrics_handler
@@ -83,39 +85,45 @@ class OpenAIHttpApi:
         parsed = parse_request(await _json_body(request), chat)
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(16)}"
         default_max_tokens = self._runner.settings.default_max_tokens if chat else OPENAI_COMPLETIONS_DEFAULT_MAX_TOKENS
-        spec = GenerationSpec(
-            request_id=request_id, model=parsed.model, prompt=parsed.prompt, params=parsed.params,
-            default_max_tokens=default_max_tokens, priority=parsed.priority, max_tokens_field=parsed.max_tokens_field,
-            arrival_s=arrival_s)
+        specs = choice_specs(parsed, request_id, default_max_tokens, arrival_s)
         span_attributes = {"http.request.method": request.method, "url.path": request.path}
         with start_http_server_span(self._tracer, "gateway.request", request.headers, span_attributes) as span:
-            live = await self._runner.start(spec, span)
-            formatter = ResponseFormatter(request_id, live.model, chat, parsed.include_usage)
+            choices = await start_choices(self._runner, specs, parsed.n, span)
+            created = int(time.time())
+            formatters = [ResponseFormatter(request_id, choice.live.model, chat, parsed.include_usage, choice.index,
+                                            created) for choice in choices]
             try:
                 if parsed.stream:
-                    return await self._stream(request, live, formatter)
-                completion = await live.collect()
+                    return await self._stream(request, request_id, choices, formatters, parsed.include_usage)
+                completions = await asyncio.gather(*(choice.live.collect() for choice in choices))
             finally:
                 # Also reached when the client disconnects (the handler is cancelled): cancels upstream.
-                live.close()
-        if completion.finish_reason == "error":
-            raise ShardlineError(f"generation failed: {completion.error}")
-        return web.json_response(formatter.whole(completion), headers={"X-Request-Id": request_id})
+                close_choices(choices)
+        for completion in completions:
+            if completion.finish_reason == "error":
+                raise ShardlineError(f"generation failed: {completion.error}")
+        usage = total_usage(choices, [completion.usage for completion in completions])
+        return web.json_response(ResponseFormatter.whole_of(formatters, completions, usage),
+                                 headers={"X-Request-Id": request_id})
 
-    async def _stream(
-        self, request: web.Request, live: LiveRequest, formatter: ResponseFormatter
-    ) -> web.StreamResponse:
+    async def _stream(self, request: web.Request, request_id: str, choices: list[Choice],
+                      formatters: list[ResponseFormatter], include_usage: bool) -> web.StreamResponse:
         response = web.StreamResponse(headers={
-            "Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Request-Id": live.request_id})
+            "Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Request-Id": request_id})
         await response.prepare(request)
-        with self._tracer.start_as_current_span("stream_out", attributes={attr.REQUEST_ID: live.request_id}):
-            async for chunk in live.chunks():
+        usages: list[sampling_pb2.Usage | None] = [None] * len(choices)
+        with self._tracer.start_as_current_span("stream_out", attributes={attr.REQUEST_ID: request_id}):
+            async for index, chunk in merged_chunks(choices):
                 if chunk.finish_reason == "error":
                     events = [error_body(500, f"generation failed: {chunk.error}")]
                 else:
-                    events = formatter.events(chunk)
+                    events = formatters[index].choice_events(chunk)
+                if chunk.finish_reason:
+                    usages[index] = chunk.usage
                 if events:
                     await response.write(b"".join(_sse(event) for event in events))
+            if include_usage:
+                await response.write(_sse(formatters[0].usage_event(total_usage(choices, usages))))
             await response.write(_DONE)
         await response.write_eof()
         return response

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.params import json_field, sampling_from_openai
+from gateway.params import MAX_CHOICES, json_field, sampling_from_openai
 from gateway.request_runner import Prompt
 from shardline.errors import InvalidArgument
 from shardline.proto import sampling_pb2
@@ -20,12 +20,18 @@ class OpenAIRequest:
 
     chat: bool  # /v1/chat/completions rather than /v1/completions
     model: str  # requested model
-    prompt: Prompt  # prompt text, token ids or chat messages
+    prompts: list[Prompt]  # prompt texts, token ids or chat messages: several for a batch of completions
     params: sampling_pb2.SamplingParameters  # the sampling fields, unresolved
     priority: int  # lower is served first (a vLLM extension)
     stream: bool  # answer with server-sent events
     include_usage: bool  # stream_options.include_usage: end the stream with a usage chunk
     max_tokens_field: str = "max_tokens"  # max_completion_tokens when a chat request used that name
+    n: int = 1  # completions to generate per prompt
+
+    @property
+    def num_choices(self) -> int:
+        """Choices in the response: n per prompt, prompt by prompt (OpenAI's order)."""
+        return len(self.prompts) * self.n
 
 
 def parse_request(body: Any, chat: bool) -> OpenAIRequest:
@@ -33,28 +39,36 @@ def parse_request(body: Any, chat: bool) -> OpenAIRequest:
     if not isinstance(body, dict):
         raise InvalidArgument("body", "must be a JSON object")
     model = json_field(body, "model", str) or ""
-    prompt = _messages(body) if chat else _prompt(body)
-    params, priority, max_tokens_field = sampling_from_openai(body, chat)
+    prompts = [_messages(body)] if chat else _prompts(body)
+    params, priority, max_tokens_field, n = sampling_from_openai(body, chat)
+    if len(prompts) * n > MAX_CHOICES:
+        raise InvalidArgument("n" if len(prompts) == 1 else "prompt",
+                              f"a request may ask for at most {MAX_CHOICES} completions (prompts x n), "
+                              f"got {len(prompts)} x {n}")
     stream = bool(json_field(body, "stream", bool))
     options = json_field(body, "stream_options", dict)
     if options is not None and not stream:
         raise InvalidArgument("stream_options", "is only allowed when stream is true")
     include_usage = bool(json_field(options or {}, "include_usage", bool))
-    return OpenAIRequest(chat, model, prompt, params, priority, stream, include_usage, max_tokens_field)
+    return OpenAIRequest(chat, model, prompts, params, priority, stream, include_usage, max_tokens_field, n)
 
 
-def _prompt(body: dict[str, Any]) -> Prompt:
+def _prompts(body: dict[str, Any]) -> list[Prompt]:
+    """A prompt (text or token ids), or a batch of them: a list of texts or of token-id lists."""
     prompt = body.get("prompt")
-    # OpenAI also takes a batch (a list of prompts); a batch of one is the same request.
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        return Prompt(text=prompt)
-    if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        return Prompt(token_ids=prompt)
-    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
-        raise InvalidArgument("prompt", "only one prompt per request is supported")
-    raise InvalidArgument("prompt", "must be a string or a list of token ids")
+    if isinstance(prompt, str) or _is_token_ids(prompt):
+        return [_prompt(prompt, "prompt")]
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) or _is_token_ids(p) for p in prompt):
+        return [_prompt(p, f"prompt[{i}]") for i, p in enumerate(prompt)]
+    raise InvalidArgument("prompt", "must be a string, a list of token ids, or a non-empty list of either")
+
+
+def _prompt(prompt: str | list[int], field: str) -> Prompt:
+    return Prompt(text=prompt, field=field) if isinstance(prompt, str) else Prompt(token_ids=prompt, field=field)
+
+
+def _is_token_ids(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
 
 
 def _messages(body: dict[str, Any]) -> Prompt:

@@ -41,30 +41,52 @@ def usage_body(usage: sampling_pb2.Usage | None) -> dict[str, int] | None:
 
 
 class ResponseFormatter:
-    """Builds one request's response bodies; keeps what a stream needs between chunks."""
+    """Builds the response bodies of one choice of a request; keeps what its stream needs between chunks.
 
-    def __init__(self, request_id: str, model: str, chat: bool, include_usage: bool = False) -> None:
+    A request with several choices (n > 1, or a batch of prompts) has one formatter per choice, all
+    with the request's id and `created`.
+    """
+
+    def __init__(self, request_id: str, model: str, chat: bool, include_usage: bool = False, index: int = 0,
+                 created: int | None = None) -> None:
         self.request_id = request_id
         self.model = model
         self.chat = chat
         self.include_usage = include_usage
-        self.created = int(time.time())
+        self.index = index  # choices[].index
+        self.created = int(time.time()) if created is None else created
         self._text_offset = 0  # characters of the token texts so far, for completions' logprobs.text_offset
         self._sent_role = False
 
     def whole(self, completion: Completion) -> dict[str, Any]:
-        """The non-streamed response."""
+        """The non-streamed response of a single-choice request."""
+        return self.whole_of([self], [completion], completion.usage)
+
+    def choice(self, completion: Completion) -> dict[str, Any]:
+        """This choice in a non-streamed response."""
         logprobs = self._logprobs(completion.logprobs, completion.token_texts)
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": completion.text},
-                      "logprobs": logprobs, "finish_reason": completion.finish_reason}
-        else:
-            choice = {"index": 0, "text": completion.text, "logprobs": logprobs,
-                      "finish_reason": completion.finish_reason}
-        return {**self._head(chunk=False), "choices": [choice], "usage": usage_body(completion.usage)}
+            return {"index": self.index, "message": {"role": "assistant", "content": completion.text},
+                    "logprobs": logprobs, "finish_reason": completion.finish_reason}
+        return {"index": self.index, "text": completion.text, "logprobs": logprobs,
+                "finish_reason": completion.finish_reason}
+
+    @staticmethod
+    def whole_of(formatters: list[ResponseFormatter], completions: list[Completion],
+                 usage: sampling_pb2.Usage | None) -> dict[str, Any]:
+        """The non-streamed response with every choice, in index order."""
+        choices = [f.choice(c) for f, c in zip(formatters, completions)]
+        return {**formatters[0]._head(chunk=False), "choices": choices, "usage": usage_body(usage)}
 
     def events(self, chunk: StreamChunk) -> list[dict[str, Any]]:
-        """The server-sent events for one chunk; none for a chunk with nothing to tell."""
+        """The server-sent events for one chunk of a single-choice stream, the usage event included."""
+        events = self.choice_events(chunk)
+        if chunk.finish_reason and self.include_usage:
+            events.append(self.usage_event(chunk.usage))
+        return events
+
+    def choice_events(self, chunk: StreamChunk) -> list[dict[str, Any]]:
+        """This choice's events for one chunk; none for a chunk with nothing to tell."""
         events = []
         if self.chat and not self._sent_role:
             # OpenAI opens every chat stream with the role, before any content.
@@ -74,12 +96,14 @@ class ResponseFormatter:
             logprobs = self._logprobs(chunk.logprobs, chunk.token_texts)
             body = {"content": chunk.text} if chunk.text else {}
             events.append(self._chunk(body if self.chat else chunk.text, logprobs, chunk.finish_reason))
-        if chunk.finish_reason and self.include_usage:
-            events.append({**self._head(chunk=True), "choices": [], "usage": usage_body(chunk.usage)})
         return events
 
+    def usage_event(self, usage: sampling_pb2.Usage | None) -> dict[str, Any]:
+        """The stream's last event under stream_options.include_usage: no choices, the request's usage."""
+        return {**self._head(chunk=True), "choices": [], "usage": usage_body(usage)}
+
     def _chunk(self, content: Any, logprobs: dict[str, Any] | None, finish_reason: str | None) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": 0, "logprobs": logprobs, "finish_reason": finish_reason}
+        choice: dict[str, Any] = {"index": self.index, "logprobs": logprobs, "finish_reason": finish_reason}
         choice["delta" if self.chat else "text"] = content
         body = {**self._head(chunk=True), "choices": [choice]}
         if self.include_usage:

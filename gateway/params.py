@@ -18,6 +18,8 @@ from shardline.proto import sampling_pb2
 MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 1024  # characters; longer ones are surely a mistake and cost a scan per step
 MAX_TOP_LOGPROBS = 20
+# Most completions one OpenAI request may ask for (prompts x n): each is a request in the queue.
+MAX_CHOICES = 64
 # OpenAI's legacy /v1/completions generates 16 tokens when max_tokens is absent.
 OPENAI_COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 _UINT32 = 1 << 32
@@ -109,9 +111,9 @@ def resolve_max_tokens(
     params.max_tokens = max(1, min(room if default is None else default, room, limits.max_tokens_limit))
 
 
-def sampling_from_openai(body: dict[str, Any], chat: bool) -> tuple[sampling_pb2.SamplingParameters, int, str]:
-    """(sampling parameters, priority, the name max_tokens came under) from an OpenAI completions or
-    chat body; values are checked later."""
+def sampling_from_openai(body: dict[str, Any], chat: bool) -> tuple[sampling_pb2.SamplingParameters, int, str, int]:
+    """(sampling parameters, priority, the name max_tokens came under, n) from an OpenAI completions
+    or chat body; values are checked later."""
     _reject_unsupported(body, chat)
     params = sampling_pb2.SamplingParameters()
     max_tokens_field = "max_tokens"
@@ -150,14 +152,14 @@ def sampling_from_openai(body: dict[str, Any], chat: bool) -> tuple[sampling_pb2
         params.logprobs = count is not None
         params.top_logprobs = count or 0
     priority = _integer(body, "priority", -_INT32, _INT32) or 0
-    return params, priority, max_tokens_field
+    n = _integer(body, "n", 1, MAX_CHOICES + 1) or 1
+    if not chat and _integer(body, "best_of", 1, _UINT32) not in (None, n):
+        # best_of > n means ranking candidates by likelihood and returning the best n: not done here.
+        raise InvalidArgument("best_of", "only best_of equal to n is supported")
+    return params, priority, max_tokens_field, n
 
 
 def _reject_unsupported(body: dict[str, Any], chat: bool) -> None:
-    if _integer(body, "n", 1, _UINT32) not in (None, 1):
-        raise InvalidArgument("n", "only n=1 is supported")
-    if not chat and _integer(body, "best_of", 1, _UINT32) not in (None, 1):
-        raise InvalidArgument("best_of", "only best_of=1 is supported")
     if not chat and json_field(body, "echo", bool):
         raise InvalidArgument("echo", "echo is not supported")
     if not chat and json_field(body, "suffix", str):

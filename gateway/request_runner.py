@@ -70,6 +70,17 @@ class GenerationSpec:
 
 
 @dataclass(slots=True)
+class PreparedRequest:
+    """A request validated and tokenized, not yet submitted."""
+
+    spec: GenerationSpec
+    span: trace.Span  # the request's span: its attributes, and the Submit rpc's trace context
+    info: tokenizer_pb2.TokenizerInfo  # the served model's tokenizer facts
+    params: sampling_pb2.SamplingParameters  # resolved, max_tokens included
+    prompt_ids: list[int]
+
+
+@dataclass(slots=True)
 class Completion:
     """A whole generation, gathered from its chunks."""
 
@@ -162,6 +173,10 @@ class RequestRunner:
 
     async def start(self, spec: GenerationSpec, span: trace.Span) -> LiveRequest:
         """Submit `spec`; call inside `span` (current), so the Submit rpc carries the request's trace."""
+        return await self.submit(await self.prepare(spec, span))
+
+    async def prepare(self, spec: GenerationSpec, span: trace.Span) -> PreparedRequest:
+        """Validate and tokenize `spec`, submitting nothing: a request of several choices checks them all first."""
         span.set_attribute(attr.REQUEST_ID, spec.request_id)
         info = await self.backends.tokenizer_info()
         if spec.model not in ("", info.model):
@@ -182,6 +197,11 @@ class RequestRunner:
             attr.GEN_AI_REQUEST_MODEL: info.model, attr.GEN_AI_REQUEST_MAX_TOKENS: params.max_tokens,
             attr.GEN_AI_REQUEST_TEMPERATURE: params.temperature, attr.GEN_AI_REQUEST_TOP_P: params.top_p,
         })
+        return PreparedRequest(spec, span, info, params, prompt_ids)
+
+    async def submit(self, prepared: PreparedRequest) -> LiveRequest:
+        """Submit a prepared request; call inside its span (current), so the Submit rpc carries its trace."""
+        spec, info, params, prompt_ids = prepared.spec, prepared.info, prepared.params, prepared.prompt_ids
         if not await self.hub.wait_connected(SUBSCRIPTION_WAIT_S):
             raise Unavailable("the scheduler is unreachable: no output subscription")
         timeout_s = min(spec.timeout_s or self.settings.request_timeout_s, self.settings.request_timeout_s)
@@ -199,7 +219,7 @@ class RequestRunner:
             # A Submit interrupted by a client that left may still have landed: cancel it to be sure.
             self.hub.release(spec.request_id, cancel=isinstance(exc, asyncio.CancelledError))
             raise
-        return LiveRequest(self, spec, info.model, stream, span, spec.arrival_s + timeout_s)
+        return LiveRequest(self, spec, info.model, stream, prepared.span, spec.arrival_s + timeout_s)
 
     async def served_models(self) -> list[generation_pb2.ModelInfo]:
         """This gateway's model, when at least one live worker serves it (the tokenizer fixes the model)."""

@@ -63,6 +63,20 @@ def test_seed_reproducible(http_url):
     assert other not in texts
 
 
+def test_n_choices_are_the_seeded_requests_they_stand_for(http_url):
+    # Choice k of a request with seed s samples with seed s + k: it equals a lone request with that seed.
+    req = {"model": MODEL, "prompt": "My favourite animal is", "max_tokens": 12, "temperature": 1.0,
+           "ignore_eos": True}
+    status, body = post(f"{http_url}/v1/completions", {**req, "n": 2, "seed": 41})
+    assert status == 200, body
+    texts = [c["text"] for c in sorted(body["choices"], key=lambda c: c["index"])]
+    alone = [post(f"{http_url}/v1/completions", {**req, "seed": seed})[1] for seed in (41, 42)]
+    assert texts == [a["choices"][0]["text"] for a in alone] and texts[0] != texts[1]
+    # The prompt counts once, both outputs count.
+    assert body["usage"]["prompt_tokens"] == alone[0]["usage"]["prompt_tokens"]
+    assert body["usage"]["completion_tokens"] == 24
+
+
 def test_32_concurrent_streams(http_url):
     def one(i: int) -> tuple[str, str | None]:
         events = list(sse(f"{http_url}/v1/completions", {"model": MODEL, "prompt": f"Story number {i}:",

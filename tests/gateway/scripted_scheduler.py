@@ -48,6 +48,7 @@ class ScriptedScheduler(scheduler_pb2_grpc.SchedulerServicer):
         self.submit_metadata: list[dict[str, str]] = []
         self.cancelled: list[str] = []
         self.reject_with: grpc.StatusCode | None = None
+        self.accept_only: int | None = None  # Submits past this many are refused as a full queue
         self.honour_cancels = True  # False: record cancels but keep generating (a gateway lost without cancelling)
         self.batches_sent = 0
         self._subscribers: dict[str, asyncio.Queue[scheduler_pb2.TokenBatch | None]] = {}
@@ -79,8 +80,8 @@ class ScriptedScheduler(scheduler_pb2_grpc.SchedulerServicer):
                 await asyncio.sleep(0.01)
 
     async def Submit(self, request, context):
-        if self.reject_with is not None:
-            await context.abort(self.reject_with, "the queue is full")
+        if self.reject_with is not None or (self.accept_only is not None and len(self.submitted) >= self.accept_only):
+            await context.abort(self.reject_with or grpc.StatusCode.RESOURCE_EXHAUSTED, "the queue is full")
         self.submitted.append(request)
         self.submit_metadata.append({k: v for k, v in context.invocation_metadata() if isinstance(v, str)})
         self.records[request.request_id] = Record(request, self.script, request.gateway_id)

@@ -224,3 +224,59 @@ def test_model_by_id(tokenizer_address, text_ids) -> None:
             await client(stack).models.retrieve("gpt-9")
 
     run_on_stack(tokenizer_address, Script(text_ids), body)
+
+
+def test_n_completions_per_prompt_and_a_batch_of_prompts(tokenizer_address, text_ids, tokenizer: Tokenizer) -> None:
+    async def body(stack: Stack) -> None:
+        result = await client(stack).completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, n=3, seed=7)
+        assert [c.index for c in result.choices] == [0, 1, 2]
+        assert all(c.text == tokenizer.decode(text_ids[:4]) for c in result.choices)
+        submitted = stack.scheduler.submitted
+        assert [s.request_id for s in submitted] == [f"{result.id}-{i}" for i in range(3)]
+        assert sorted(s.params.seed for s in submitted) == [7, 8, 9]  # each choice samples differently
+        prompt_tokens = len(tokenizer.encode_batch([PROMPT])[0])
+        # The prompt counts once; every choice's output counts.
+        assert (result.usage.prompt_tokens, result.usage.completion_tokens) == (prompt_tokens, 12)
+
+        batch = await client(stack).completions.create(model=MODEL, prompt=["one", "two three"], max_tokens=2, n=2)
+        assert [c.index for c in batch.choices] == [0, 1, 2, 3]
+        prompts = [list(s.prompt_token_ids) for s in stack.scheduler.submitted[3:]]
+        one, two = tokenizer.encode_batch(["one", "two three"])
+        assert sorted(prompts) == sorted([one, one, two, two])
+        by_id = {s.request_id: list(s.prompt_token_ids) for s in stack.scheduler.submitted[3:]}
+        assert [by_id[f"{batch.id}-{i}"] for i in range(4)] == [one, one, two, two]  # n per prompt, in order
+        assert batch.usage.prompt_tokens == len(one) + len(two) and batch.usage.completion_tokens == 8
+
+    run_on_stack(tokenizer_address, Script(text_ids), body)
+
+
+def test_a_stream_of_several_choices(tokenizer_address, text_ids, tokenizer: Tokenizer) -> None:
+    async def body(stack: Stack) -> None:
+        stream = await client(stack).chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": PROMPT}], stream=True, n=2, max_tokens=5,
+            stream_options={"include_usage": True})
+        chunks = [chunk async for chunk in stream]
+        for index in (0, 1):
+            mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == index]
+            assert mine[0].delta.role == "assistant"  # each choice opens with its role
+            assert "".join(c.delta.content or "" for c in mine) == tokenizer.decode(text_ids[:5])
+            assert [c.finish_reason for c in mine if c.finish_reason] == ["length"]
+        assert len({c.id for c in chunks}) == 1
+        # One usage chunk, last, for the whole request.
+        assert [c.usage is not None for c in chunks].count(True) == 1 and chunks[-1].choices == []
+        assert chunks[-1].usage.completion_tokens == 10
+
+    run_on_stack(tokenizer_address, Script(text_ids), body)
+
+
+def test_a_refused_choice_refuses_the_request(tokenizer_address, text_ids) -> None:
+    async def body(stack: Stack) -> None:
+        stack.scheduler.accept_only = 2
+        with pytest.raises(openai.RateLimitError):
+            await client(stack).completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, n=3)
+        # The choices that were accepted are cancelled: the client got no response to read them from.
+        for submitted in stack.scheduler.submitted:
+            await stack.scheduler.wait_cancelled(submitted.request_id)
+        assert len(stack.scheduler.submitted) == 2
+
+    run_on_stack(tokenizer_address, Script(text_ids, hold_after=1), body)

@@ -30,7 +30,7 @@ def test_unset_fields_are_resolved_for_the_workers() -> None:
 
 
 def test_openai_fields_map_onto_sampling_parameters() -> None:
-    params, priority, max_tokens_field = sampling_from_openai({
+    params, priority, max_tokens_field, n = sampling_from_openai({
         "max_completion_tokens": 12, "max_tokens": 99, "temperature": 0.7, "top_k": -1, "seed": -1,
         "stop": "END", "stop_token_ids": [7], "logprobs": True, "top_logprobs": 3, "priority": -2,
         "ignore_eos": True, "skip_special_tokens": False, "user": "ignored"}, chat=True)
@@ -38,7 +38,8 @@ def test_openai_fields_map_onto_sampling_parameters() -> None:
     assert (params.logprobs, params.top_logprobs, params.ignore_eos, params.skip_special_tokens) == (True, 3, True, False)
     assert abs(params.temperature - 0.7) < 1e-6 and priority == -2
     assert max_tokens_field == "max_completion_tokens"  # so that errors name the field the client sent
-    completions, _, _ = sampling_from_openai({"logprobs": 0}, chat=False)
+    assert n == 1
+    completions, _, _, _ = sampling_from_openai({"logprobs": 0}, chat=False)
     assert (completions.logprobs, completions.top_logprobs) == (True, 0)
 
 
