@@ -109,7 +109,7 @@ class Dispatcher:
                 raise NotFound(f"request_id: no request {request_id!r}")
             return record.status
         if self.queue.remove(request):
-            await self.requests.finish([Outcome(request, RequestStatus.CANCELLED, FinishReason.ABORT)], notify=True)
+            await self.requests.finish([Outcome(request, RequestStatus.CANCELLED, FinishReason.ABORT)])
         elif not request.cancelled:
             # The worker frees its KV blocks and answers with an ABORT delta, which finishes it;
             # if the worker dies first (or is dying now), the death handler finishes it instead.
@@ -217,7 +217,7 @@ class Dispatcher:
         log.warning("worker %s lost (%s): re-queueing %d requests, ending %d", worker_id, reason, len(retry),
                     len(outcomes))
         await self._requeue(retry)
-        await self.requests.finish(outcomes, notify=True)
+        await self.requests.finish(outcomes)
 
     async def _recover(self) -> None:
         """Rebuilds the queue from Redis after a restart: every QUEUED or RUNNING request goes back in."""

@@ -34,6 +34,10 @@ class Outcome:
     reason: FinishReason  # the finish reason its gateway sees
     error: str | None = None  # why it failed, when it did
 
+    def stored(self) -> tuple[str, RequestStatus, FinishReason, str | None]:
+        """As RequestStore.finish_many takes it."""
+        return self.request.request_id, self.status, self.reason, self.error
+
 
 class RequestTable:
     """Every unfinished request the scheduler holds, queued or running.
@@ -110,35 +114,39 @@ class RequestTable:
             kept_per_step.append(kept)
         stats = steps[-1].stats
         self._registry.report(worker_id, stats.num_running, stats.num_waiting, stats.kv_blocks_used)
-        # Persist before relaying, so whatever a gateway has seen can be read back from Redis.
-        await self._store.append_step(new_tokens, first_token_ts)
-        await self.finish(finished, notify=False)
+        # Persist before relaying, so whatever a gateway has seen can be read back from Redis. The
+        # step's tokens and its finishes land together: recovery never sees a complete output RUNNING.
+        await self._store.append_step(new_tokens, first_token_ts, [o.stored() for o in finished])
+        self._end(finished)
         for step, kept in zip(steps, kept_per_step):
             self._publish(worker_id, step.step, kept)
 
-    async def finish(self, outcomes: Iterable[Outcome], notify: bool) -> None:
-        """Ends requests: frees their worker slot and records their terminal state.
-
-        With `notify`, their gateways get a final delta too (one TokenBatch per
-        gateway); without it the caller relays the worker's own final delta.
-        """
+    async def finish(self, outcomes: Iterable[Outcome]) -> None:
+        """Ends requests that no worker step ended (a cancel, a failure): frees their worker slot,
+        records their terminal state, and sends their gateways a final delta (one TokenBatch per gateway)."""
         outcomes = list(outcomes)
         if not outcomes:
             return
         for outcome in outcomes:
             self._forget(outcome.request)
-        await self._store.finish_many([(o.request.request_id, o.status, o.reason, o.error) for o in outcomes])
-        if notify:
-            finals = []
-            for outcome in outcomes:
-                delta = common_pb2.RequestDelta(
-                    request_id=outcome.request.request_id, offset=outcome.request.num_output_tokens,
-                    finish_reason=outcome.reason, error=outcome.error or "")
-                _fill_usage(outcome.request, delta.usage)
-                finals.append((outcome.request, delta))
-            # Not from any worker step: worker_id and step stay empty.
-            self._publish("", 0, finals)
+        await self._store.finish_many([o.stored() for o in outcomes])
+        finals = []
+        for outcome in outcomes:
+            delta = common_pb2.RequestDelta(
+                request_id=outcome.request.request_id, offset=outcome.request.num_output_tokens,
+                finish_reason=outcome.reason, error=outcome.error or "")
+            _fill_usage(outcome.request, delta.usage)
+            finals.append((outcome.request, delta))
+        # Not from any worker step: worker_id and step stay empty.
+        self._publish("", 0, finals)
         self._on_change()
+
+    def _end(self, outcomes: list[Outcome]) -> None:
+        """Ends requests whose terminal state is already in Redis."""
+        for outcome in outcomes:
+            self._forget(outcome.request)
+        if outcomes:
+            self._on_change()
 
     def _forget(self, request: LiveRequest) -> None:
         self._live.pop(request.request_id, None)

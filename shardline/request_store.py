@@ -229,23 +229,28 @@ class RequestStore:
         return bool(await self._create_script(keys=keys, args=args))
 
     async def append_step(
-        self, deltas: dict[str, list[int]], first_token_ts: dict[str, float] | None = None
-    ) -> None:
-        """Appends one engine step's new tokens for every request in ONE round trip.
+        self, deltas: dict[str, list[int]], first_token_ts: dict[str, float] | None = None,
+        finishes: Sequence[tuple[str, RequestStatus, FinishReason, str | None]] = (),
+    ) -> list[bool]:
+        """Appends one engine step's new tokens for every request, and records the requests the step
+        finished (as `finish_many`), in ONE round trip; returns finish_many's answers.
 
-        `first_token_ts` maps requests whose first token is in this step to its
-        time. Only for live requests: on the hot path, it does not check.
+        `first_token_ts` maps requests whose first token is in this step to its time. Only for live
+        requests: on the hot path, it does not check. It is one MULTI/EXEC when the step finishes a
+        request: a crash between a request's last tokens and its finish would leave it RUNNING with
+        a complete output, and recovery would run it on past its end.
         """
-        # No MULTI/EXEC: each request's append stands alone, and a plain
-        # pipeline is one round trip either way.
-        pipe = self._redis.pipeline(transaction=False)
+        pipe = self._redis.pipeline(transaction=bool(finishes))
         for request_id, token_ids in deltas.items():
             if token_ids:
                 pipe.append(_tokens_key(request_id), pack_token_ids(token_ids))
         for request_id, ts in (first_token_ts or {}).items():
             pipe.hset(_hash_key(request_id), "first_token_ts", ts)
-        if len(pipe):
-            await pipe.execute()
+        appends = len(pipe)
+        self._queue_finishes(pipe, finishes)
+        if not len(pipe):
+            return []
+        return [bool(done) for done in (await pipe.execute())[appends:]]
 
     async def _update_live(self, request_id: str, retention_ms: int, fields: dict[str, Any]) -> bool:
         keys = [_hash_key(request_id), _prompt_key(request_id), _tokens_key(request_id), ACTIVE_KEY]
@@ -290,8 +295,13 @@ class RequestStore:
         self, outcomes: Sequence[tuple[str, RequestStatus, FinishReason, str | None]]
     ) -> list[bool]:
         """finish() for many (request_id, status, reason, error) in ONE round trip: a step's finishes."""
-        now, retention_ms = time.time(), max(1, round(self.retention_s * 1000))
         pipe = self._redis.pipeline(transaction=False)
+        self._queue_finishes(pipe, outcomes)
+        return [bool(done) for done in await pipe.execute()] if outcomes else []
+
+    def _queue_finishes(self, pipe: Any, outcomes: Sequence[tuple[str, RequestStatus, FinishReason, str | None]]
+                        ) -> None:
+        now, retention_ms = time.time(), max(1, round(self.retention_s * 1000))
         for request_id, status, finish_reason, error in outcomes:
             if not status.is_finished:
                 raise ValueError(f"{status.name} is not terminal")
@@ -299,7 +309,6 @@ class RequestStore:
             if error is not None:
                 fields["error"] = error
             _queue_update(pipe, request_id, retention_ms, fields)
-        return [bool(done) for done in await pipe.execute()] if outcomes else []
 
     async def get(self, request_id: str) -> RequestRecord | None:
         """A request's record, or None if unknown or expired."""

@@ -5,7 +5,7 @@ from scheduler_svc.relay import Relay
 from scheduler_svc.request_table import RequestTable
 from scheduler_svc.worker_registry import WorkerRegistry
 from shardline.proto import common_pb2, sampling_pb2, worker_pb2
-from shardline.request_store import RequestStatus, RequestStore
+from shardline.request_store import FinishReason, RequestStatus, RequestStore
 from tests.tracing.run_async import run_async
 
 
@@ -45,7 +45,8 @@ async def test_steps_are_persisted_in_one_pipeline_and_relayed_per_step(redis_ur
         relay.close_all()
         batches = [batch async for batch in subscription]
 
-        assert len(calls) == 1  # three steps that piled up, one Redis round trip
+        assert len(calls) == 1  # three steps that piled up, one Redis round trip, the finish of "b" in it
+        assert calls[0][2] == [("b", RequestStatus.FINISHED, FinishReason.STOP, None)]
         assert await store.get_tokens("a") == [10, 11, 12]
         assert await store.get_tokens("b") == [20, 21]
         assert [batch.step for batch in batches] == [1, 2, 3]

@@ -170,6 +170,29 @@ async def test_append_step_is_one_round_trip_per_step(redis_url: str, monkeypatc
 
 
 @run_async
+async def test_a_steps_tokens_and_finishes_land_together(redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A crash between a request's last tokens and its finish would leave a complete output RUNNING,
+    # and recovery would run it past its end: one MULTI/EXEC writes both.
+    async with RequestStore(redis_url) as store:
+        for request_id in ("r1", "r2"):
+            await store.create(record(request_id), [1])
+        sends = _count_round_trips(monkeypatch)
+        done = await store.append_step({"r1": [5], "r2": [6, 2]},
+                                       finishes=[("r2", RequestStatus.FINISHED, FinishReason.STOP, None)])
+        assert done == [True] and len(sends) == 1
+        monkeypatch.undo()
+        r1, r2 = await store.get("r1"), await store.get("r2")
+        assert (r1.status, r2.status, r2.finish_reason) == (RequestStatus.QUEUED, RequestStatus.FINISHED,
+                                                             FinishReason.STOP)
+        assert await store.get_tokens("r2") == [6, 2]
+        assert await store.list_active() == ["r1"]
+        # A bad finish is refused before anything of the step is written.
+        with pytest.raises(ValueError):
+            await store.append_step({"r1": [7]}, finishes=[("r1", RequestStatus.RUNNING, FinishReason.STOP, None)])
+        assert await store.get_tokens("r1") == [5]
+
+
+@run_async
 async def test_a_steps_dispatches_and_finishes_are_one_round_trip_each(
     redis_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
