@@ -224,9 +224,16 @@ class Dispatcher:
         records = await self._store.get_many(await self._store.list_active())
         prompts = await asyncio.gather(*(self._store.get_prompt(record.request_id) for record in records))
         outputs = await asyncio.gather(*(self._store.get_tokens(record.request_id) for record in records))
-        recovered = [LiveRequest.from_record(record, prompt, output)
-                     for record, prompt, output in zip(records, prompts, outputs) if prompt is not None]
-        for request in recovered:
+        recovered = []
+        for record, prompt, output in zip(records, prompts, outputs):
+            if prompt is None:
+                continue
+            request = LiveRequest.from_record(record, prompt, output)
+            if record.status == RequestStatus.RUNNING and request.attempt:
+                # Running when this scheduler's predecessor stopped: its next dispatch resumes that
+                # attempt. Only worker failures count toward max_attempts, not scheduler restarts.
+                request.attempt -= 1
+            recovered.append(request)
             self.requests.add(request)
         await self._requeue(recovered)
         if recovered:

@@ -24,7 +24,7 @@ class LiveRequest:
     arrival_ts: float  # when it arrived (unix seconds)
     deadline_ts: float | None = None  # abort it if unfinished by then
     traceparent: str = ""  # W3C traceparent of the Submit call, for the worker's spans
-    attempt: int = 0  # dispatches so far
+    attempt: int = 0  # 1 once dispatched, one more per worker failure (what max_attempts limits)
     worker_id: str | None = None  # worker running it; None while queued
     output_token_ids: list[int] = field(default_factory=list)  # earlier attempts' tokens, prefilled on re-dispatch
     num_output_tokens: int = 0  # tokens generated so far over all attempts

@@ -68,7 +68,7 @@ class RequestRecord:
     arrival_ts: float = field(default_factory=time.time)  # when the scheduler accepted it
     status: RequestStatus = RequestStatus.QUEUED  # lifecycle state
     worker_id: str | None = None  # worker serving it now, or last, if dispatched
-    attempt: int = 0  # dispatch count; above 1 after a worker failure
+    attempt: int = 0  # 1 once dispatched, one more per worker failure (a scheduler restart adds none)
     finish_reason: FinishReason | None = None  # set once terminal
     error: str | None = None  # why it failed, if it did
     dispatch_ts: float | None = None  # last dispatch to a worker
