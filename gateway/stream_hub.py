@@ -259,8 +259,9 @@ class StreamHub:
 
     async def _cancel(self, request_id: str) -> None:
         try:
+            # Our gateway id: if a client has resumed the request on another gateway, it runs on.
             await self._backends.scheduler.Cancel(
-                common_pb2.CancelRequest(request_id=request_id), timeout=RPC_TIMEOUT_S)
+                common_pb2.CancelRequest(request_id=request_id, gateway_id=self._gateway_id), timeout=RPC_TIMEOUT_S)
         except grpc.aio.AioRpcError as exc:
             logger.warning("cancel of %s failed: %s %s", request_id, exc.code().name, exc.details())
 

@@ -100,14 +100,22 @@ class Dispatcher:
         self._wake.set()
         return position
 
-    async def cancel(self, request_id: str) -> RequestStatus:
-        """Dequeues a queued request, or asks its worker to abort it; returns the status it ends in."""
+    async def cancel(self, request_id: str, gateway_id: str = "") -> RequestStatus:
+        """Dequeues a queued request, or asks its worker to abort it; returns the status it ends in.
+
+        With `gateway_id` (a gateway whose stream of it ended), a request now streaming to another
+        gateway, which a client resumed it on, is left alone.
+        """
         request = self.requests.get(request_id)
         if request is None:
             record = await self._store.get(request_id)
             if record is None:
                 raise NotFound(f"request_id: no request {request_id!r}")
             return record.status
+        if gateway_id and request.gateway_id != gateway_id:
+            log.info("request %s: cancel from %s ignored, %s streams it now", request_id, gateway_id,
+                     request.gateway_id)
+            return RequestStatus.RUNNING if request.worker_id is not None else RequestStatus.QUEUED
         if self.queue.remove(request):
             await self.requests.finish([Outcome(request, RequestStatus.CANCELLED, FinishReason.ABORT)])
         elif not request.cancelled:
@@ -124,9 +132,11 @@ class Dispatcher:
         returns `read_record()`, read so that those deltas start exactly where the record ends."""
         async with self.requests.steps_held(request_id):
             request = self.requests.get(request_id)
-            if request is not None:
-                request.gateway_id = gateway_id
+            if request is not None and request.gateway_id != gateway_id:
+                previous, request.gateway_id = request.gateway_id, gateway_id
                 await self._store.set_gateway(request_id, gateway_id)
+                # The previous gateway's stream of it (a client gone, or one that lost track) ends.
+                self.requests.moved(request, previous)
             return await read_record()
 
     async def register_worker(self, info: worker_pb2.WorkerInfo) -> None:

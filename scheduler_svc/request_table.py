@@ -141,6 +141,14 @@ class RequestTable:
         self._publish("", 0, finals)
         self._on_change()
 
+    def moved(self, request: LiveRequest, previous_gateway: str) -> None:
+        """Ends `previous_gateway`'s stream of a request that now streams to another gateway."""
+        delta = common_pb2.RequestDelta(
+            request_id=request.request_id, offset=request.num_output_tokens,
+            finish_reason=sampling_pb2.FINISH_REASON_ABORT, error=f"resumed on gateway {request.gateway_id}")
+        _fill_usage(request, delta.usage)
+        self._relay.publish(previous_gateway, scheduler_pb2.TokenBatch(deltas=[delta]))
+
     def _end(self, outcomes: list[Outcome]) -> None:
         """Ends requests whose terminal state is already in Redis."""
         for outcome in outcomes:

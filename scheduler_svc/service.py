@@ -62,7 +62,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
 
     async def Cancel(self, request: common_pb2.CancelRequest, context: grpc.aio.ServicerContext
                      ) -> common_pb2.CancelResponse:
-        status = await self._dispatcher.cancel(require_id(request.request_id, "request_id"))
+        status = await self._dispatcher.cancel(require_id(request.request_id, "request_id"), request.gateway_id)
         return common_pb2.CancelResponse(status=int(status))
 
     async def Subscribe(self, request: scheduler_pb2.SubscribeRequest, context: grpc.aio.ServicerContext

@@ -235,6 +235,31 @@ async def test_attach_moves_a_live_request_to_another_gateway(redis_url: str) ->
 
 
 @run_async
+async def test_a_resumed_request_is_safe_from_its_old_gateway(redis_url: str) -> None:
+    # A client resumed its stream on another gateway while the first one still had it: the first
+    # gateway's stream ends, and its late cancel (its own client left) does not kill the request.
+    async with cluster(redis_url) as c:
+        old, new = await c.gateway("gw-old"), await c.gateway("gw-new")
+        await c.worker("w0")
+        await c.submit("r1", gateway_id="gw-old", max_tokens=12, seed=3)
+        await eventually(lambda: len(old.tokens("r1")) >= 2, what="tokens on the old gateway")
+        await c.stub.Attach(scheduler_pb2.AttachRequest(request_id="r1", gateway_id="gw-new"))
+        await old.wait_finished("r1")
+        assert old.final("r1").finish_reason == sampling_pb2.FINISH_REASON_ABORT
+        assert "gw-new" in old.final("r1").error
+        ignored = await c.stub.Cancel(common_pb2.CancelRequest(request_id="r1", gateway_id="gw-old"))
+        assert ignored.status == sampling_pb2.REQUEST_STATUS_RUNNING
+        await new.wait_finished("r1")
+        assert new.final("r1").finish_reason == sampling_pb2.FINISH_REASON_LENGTH
+        # The new owner's cancel, or an explicit one naming no gateway, still works.
+        await c.submit("r2", gateway_id="gw-new", max_tokens=500, seed=4)
+        await eventually(lambda: len(new.tokens("r2")) >= 1, what="tokens of r2")
+        cancelled = await c.stub.Cancel(common_pb2.CancelRequest(request_id="r2", gateway_id="gw-new"))
+        assert cancelled.status == sampling_pb2.REQUEST_STATUS_CANCELLED
+        await new.wait_finished("r2")
+
+
+@run_async
 async def test_deadline_aborts_the_request(redis_url: str) -> None:
     async with cluster(redis_url) as c:
         gateway = await c.gateway("gw-1")
