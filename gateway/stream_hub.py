@@ -57,6 +57,7 @@ class StreamHub:
         self._connected = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[None]] = set()
+        self._unsent_cancels: set[str] = set()  # cancels the scheduler could not take, sent again on resubscribe
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._subscribe_forever(), name="stream-hub")
@@ -137,6 +138,8 @@ class StreamHub:
             backoff = min(backoff * 2, _MAX_BACKOFF_S)
 
     async def _catch_up(self) -> None:
+        for request_id in list(self._unsent_cancels):
+            self._cancel_upstream(request_id)
         # Tokens persisted while the stream was down never reach it: read them from the records.
         ids = [rid for rid, stream in self._streams.items() if stream.buffered is None]
         records = await asyncio.gather(*(self._record(rid) for rid in ids), return_exceptions=True)
@@ -263,7 +266,13 @@ class StreamHub:
             await self._backends.scheduler.Cancel(
                 common_pb2.CancelRequest(request_id=request_id, gateway_id=self._gateway_id), timeout=RPC_TIMEOUT_S)
         except grpc.aio.AioRpcError as exc:
+            if exc.code() != grpc.StatusCode.NOT_FOUND:
+                # The scheduler is down or restarting: it will recover the request from Redis and run
+                # it for nobody. The cancel goes again once the subscription is back (_catch_up).
+                self._unsent_cancels.add(request_id)
             logger.warning("cancel of %s failed: %s %s", request_id, exc.code().name, exc.details())
+            return
+        self._unsent_cancels.discard(request_id)
 
 
 def _tail(ids: list[int], size: int) -> list[int]:

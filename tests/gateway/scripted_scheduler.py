@@ -49,6 +49,7 @@ class ScriptedScheduler(scheduler_pb2_grpc.SchedulerServicer):
         self.cancelled: list[str] = []
         self.reject_with: grpc.StatusCode | None = None
         self.accept_only: int | None = None  # Submits past this many are refused as a full queue
+        self.refuse_cancels: grpc.StatusCode | None = None  # answer Cancel with this, as a scheduler going down
         self.honour_cancels = True  # False: record cancels but keep generating (a gateway lost without cancelling)
         self.batches_sent = 0
         self._subscribers: dict[str, asyncio.Queue[scheduler_pb2.TokenBatch | None]] = {}
@@ -95,6 +96,8 @@ class ScriptedScheduler(scheduler_pb2_grpc.SchedulerServicer):
             yield batch
 
     async def Cancel(self, request, context):
+        if self.refuse_cancels is not None:
+            await context.abort(self.refuse_cancels, "the scheduler is going down")
         self.cancelled.append(request.request_id)
         record = self.records.get(request.request_id)
         if record is None:

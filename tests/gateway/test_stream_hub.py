@@ -66,6 +66,24 @@ def test_lost_subscription_reconnects_and_catches_up(tokenizer_address, text_ids
     run_on_stack(tokenizer_address, Script(text_ids, hold_after=5), body)
 
 
+def test_a_cancel_the_scheduler_missed_is_sent_again_once_it_is_back(tokenizer_address, text_ids) -> None:
+    # The client leaves while the scheduler is down: the request would be recovered from Redis and
+    # run for nobody, so the cancel goes again when the subscription returns.
+    async def body(stack: Stack) -> None:
+        call = stack.generation.GenerateStream(generation_pb2.GenerateRequest(prompt="hi"))
+        first = await call.read()
+        stack.scheduler.refuse_cancels = grpc.StatusCode.UNAVAILABLE
+        call.cancel()
+        await asyncio.sleep(0.2)  # the refused Cancel
+        assert first.request_id not in stack.scheduler.cancelled
+        stack.scheduler.refuse_cancels = None
+        stack.scheduler.drop_subscribers()  # the scheduler is back: the hub resubscribes and catches up
+        await stack.scheduler.wait_cancelled(first.request_id)
+        assert stack.scheduler.cancelled.count(first.request_id) == 1
+
+    run_on_stack(tokenizer_address, Script(text_ids, hold_after=2), body)
+
+
 def test_request_span_honours_traceparent_and_reaches_submit(tokenizer_address, text_ids) -> None:
     async def body(stack: Stack) -> None:
         headers = {"traceparent": f"00-{TRACE_ID}-00f067aa0ba902b7-01"}
