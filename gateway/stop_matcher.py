@@ -16,6 +16,11 @@ class StopMatcher:
         self._stops = [stop for stop in stops if stop]
         self._held = ""
 
+    @property
+    def holds_text(self) -> bool:
+        """Whether it ever holds text back: it has stop strings."""
+        return bool(self._stops)
+
     def feed(self, text: str, final: bool = False) -> tuple[str, bool]:
         """(text safe to send now, whether a stop string matched); the match and all after it are cut.
 

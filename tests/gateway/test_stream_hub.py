@@ -161,3 +161,44 @@ def test_resume_does_not_repeat_held_deltas_that_the_record_already_holds(tokeni
         hub.release(rid)
 
     run_on_stack(tokenizer_address, Script(text_ids), body)
+
+
+def test_a_resume_at_any_offset_gives_exactly_the_text_not_yet_had(tokenizer_address, text_ids, tokenizer) -> None:
+    """A stream holds text back (a character split across tokens, the start of a stop string); a client
+    resuming at the offset it reached has not had that text, and gets it: had + resumed == whole."""
+    ids = tokenizer.encode_batch([" Leaf 🍃 and 中文 end, and more"])[0]
+    stops = ["and 中X"]  # "and 中" is held back until "文" rules it out
+
+    async def streamed(hub, rid: str, count: int, final: bool) -> str:
+        stream = RequestStream(rid, 3, True, StopMatcher(stops))
+        hub.register(stream)
+        for i in range(count):
+            last = final and i == count - 1
+            await hub._handle([common_pb2.RequestDelta(
+                request_id=rid, offset=i, token_ids=[ids[i]],
+                finish_reason=sampling_pb2.FINISH_REASON_STOP if last else sampling_pb2.FINISH_REASON_UNSPECIFIED)])
+        text = ""
+        while not stream.queue.empty():
+            text += stream.queue.get_nowait().text
+        hub.release(rid, cancel=False)
+        return text
+
+    async def body(stack: Stack) -> None:
+        hub = stack.gateway.hub
+        whole = await streamed(hub, "whole", len(ids), final=True)
+        assert whole == tokenizer.decode(ids)
+        record = common_pb2.RequestInfo(output_token_ids=ids, status=sampling_pb2.REQUEST_STATUS_FINISHED,
+                                        finish_reason=sampling_pb2.FINISH_REASON_STOP)
+        for offset in range(len(ids) + 1):
+            had = await streamed(hub, f"had-{offset}", offset, final=False)
+            rid = f"resumed-{offset}"
+            stream = RequestStream(rid, 3, True, StopMatcher(stops), buffered=[])
+            hub.register(stream)
+            record.request_id = rid
+            await hub.apply_record(rid, record, offset)
+            resumed = ""
+            while not stream.queue.empty():
+                resumed += stream.queue.get_nowait().text
+            assert had + resumed == whole, (offset, had, resumed)
+
+    run_on_stack(tokenizer_address, Script(text_ids), body)
