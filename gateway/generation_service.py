@@ -6,6 +6,7 @@ import secrets
 from collections.abc import AsyncIterator
 
 import grpc
+from opentelemetry import trace
 
 from gateway.backends import RPC_TIMEOUT_S, upstream
 from gateway.request_runner import GenerationSpec, Prompt, RequestRunner
@@ -55,15 +56,27 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[generation_pb2.GenerateStreamResponse]:
         spec = self._spec(request)
-        with self._tracer.start_as_current_span("gateway.request") as span:
-            live = await self._runner.start(spec, span)
+        # No span is current across a yield: grpc abandons a stream at a yield when its client leaves
+        # mid-write, and the event loop closes the generator later, from another context.
+        span = self._tracer.start_span("gateway.request")
+        try:
+            with trace.use_span(span):  # current while submitting: the Submit rpc carries the trace
+                live = await self._runner.start(spec, span)
+            stream_out = self._tracer.start_span("stream_out", context=trace.set_span_in_context(span),
+                                                 attributes={attr.REQUEST_ID: spec.request_id})
             try:
-                with self._tracer.start_as_current_span("stream_out", attributes={attr.REQUEST_ID: spec.request_id}):
-                    async for chunk in live.chunks():
-                        yield _stream_response(spec.request_id, chunk)
+                async for chunk in live.chunks():
+                    yield _stream_response(spec.request_id, chunk)
             finally:
+                stream_out.end()
                 # Also reached when the client goes away mid-stream: close() cancels the request upstream.
                 live.close()
+        except Exception as exc:
+            span.record_exception(exc)
+            span.set_status(trace.StatusCode.ERROR, str(exc))
+            raise
+        finally:
+            span.end()
 
     async def Cancel(
         self, request: common_pb2.CancelRequest, context: grpc.aio.ServicerContext

@@ -26,7 +26,7 @@ _TRACE_KEYS = frozenset(("traceparent", "tracestate"))
 
 # gRPC metadata pairs, or a mapping such as HTTP headers.
 TraceCarrier = Iterable[tuple[str, str | bytes]] | Mapping[str, str]
-SpanOpener = Callable[[], AbstractContextManager[trace.Span]]
+SpanOpener = Callable[[], trace.Span]  # starts an rpc's span (not current yet)
 
 
 def inject_metadata(context: Context | None = None) -> list[tuple[str, str]]:
@@ -199,14 +199,12 @@ class TracingServerInterceptor(grpc.aio.ServerInterceptor):
         service, _, rpc = method.lstrip("/").partition("/")
         metadata = handler_call_details.invocation_metadata
 
-        def open_span() -> AbstractContextManager[trace.Span]:
-            return self._tracer.start_as_current_span(
+        def open_span() -> trace.Span:
+            return self._tracer.start_span(
                 f"{service}/{rpc}",
                 context=extract_context(metadata),
                 kind=trace.SpanKind.SERVER,
                 attributes={"rpc.system": "grpc", "rpc.service": service, "rpc.method": rpc},
-                # _rpc_span sets the status from the rpc's code and details, which say more.
-                set_status_on_exception=False,
             )
 
         return factory(
@@ -221,20 +219,33 @@ _CANCELLED = (asyncio.CancelledError, GeneratorExit)
 
 
 @contextmanager
-def _rpc_span(open_span: SpanOpener, context: grpc.ServicerContext) -> Iterator[None]:
-    """The rpc's span, closed with the rpc's status code.
+def _rpc_span(span: trace.Span, context: grpc.ServicerContext, current: bool = True) -> Iterator[None]:
+    """Ends the rpc's span with the rpc's status code; with `current`, the span is current meanwhile.
 
     Handlers often fail an rpc with ``context.set_code()`` and a normal
     return, so the code is read from the context, not only from exceptions.
     """
-    with open_span() as span:
-        try:
+    try:
+        # _rpc_span sets the status from the rpc's code and details, which say more than the exception.
+        with trace.use_span(span, set_status_on_exception=False) if current else _ending(span):
             yield
-        except BaseException as exc:
-            fallback = grpc.StatusCode.CANCELLED if isinstance(exc, _CANCELLED) else grpc.StatusCode.UNKNOWN
-            _record_status(span, _code(context) or fallback, context, f"{type(exc).__name__}: {exc}")
-            raise
+    except BaseException as exc:
+        fallback = grpc.StatusCode.CANCELLED if isinstance(exc, _CANCELLED) else grpc.StatusCode.UNKNOWN
+        _record_status(span, _code(context) or fallback, context, f"{type(exc).__name__}: {exc}")
+        raise
+    else:
         _record_status(span, _code(context) or grpc.StatusCode.OK, context)
+    finally:
+        span.end()
+
+
+@contextmanager
+def _ending(span: trace.Span) -> Iterator[None]:
+    try:
+        yield
+    except BaseException as exc:
+        span.record_exception(exc)
+        raise
 
 
 def _code(context: grpc.ServicerContext) -> grpc.StatusCode | None:
@@ -259,28 +270,41 @@ def _traced(behavior: Callable, open_span: SpanOpener) -> Callable:
     if inspect.isasyncgenfunction(behavior):
 
         async def traced_async_gen(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            with _rpc_span(open_span, context):
-                async for response in behavior(request, context):
-                    yield response
+            # The span is current only while the handler runs, never across a yield: grpc abandons a
+            # stream at a yield when its client leaves mid-write, and the event loop then closes the
+            # generator from another context, where a context attached here could not be detached.
+            span = open_span()
+            responses = behavior(request, context)
+            with _rpc_span(span, context, current=False):
+                try:
+                    while True:
+                        with trace.use_span(span, record_exception=False, set_status_on_exception=False):
+                            try:
+                                response = await anext(responses)
+                            except StopAsyncIteration:
+                                break
+                        yield response
+                finally:
+                    await responses.aclose()
 
         return traced_async_gen
     if inspect.iscoroutinefunction(behavior):
 
         async def traced_coroutine(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            with _rpc_span(open_span, context):
+            with _rpc_span(open_span(), context):
                 return await behavior(request, context)
 
         return traced_coroutine
     if inspect.isgeneratorfunction(behavior):
 
         def traced_gen(request: Any, context: grpc.ServicerContext) -> Any:
-            with _rpc_span(open_span, context):
+            with _rpc_span(open_span(), context):
                 yield from behavior(request, context)
 
         return traced_gen
 
     def traced_sync(request: Any, context: grpc.ServicerContext) -> Any:
-        with _rpc_span(open_span, context):
+        with _rpc_span(open_span(), context):
             return behavior(request, context)
 
     return traced_sync

@@ -202,3 +202,28 @@ def test_a_resume_at_any_offset_gives_exactly_the_text_not_yet_had(tokenizer_add
             assert had + resumed == whole, (offset, had, resumed)
 
     run_on_stack(tokenizer_address, Script(text_ids), body)
+
+
+def test_a_client_leaving_a_stream_cancels_it_and_logs_no_error(tokenizer_address, text_ids, caplog) -> None:
+    # The handler's generators must close in the task that ran them: finalized later by the event
+    # loop, they would leave their span contexts in another context (OpenTelemetry logs a traceback).
+    async def body(stack: Stack) -> None:
+        for _ in range(2):
+            call = stack.generation.GenerateStream(generation_pb2.GenerateRequest(prompt="hi"))
+            first = await call.read()
+            call.cancel()
+            await stack.scheduler.wait_cancelled(first.request_id)
+        async with aiohttp.ClientSession() as http:
+            for chat in (False, True):
+                body = {"model": MODEL, "stream": True, **({"messages": [{"role": "user", "content": "hi"}]} if chat
+                                                            else {"prompt": "hi"})}
+                url = f"{stack.base_url}/v1/{'chat/completions' if chat else 'completions'}"
+                async with http.post(url, json=body) as response:
+                    await response.content.readline()
+                    request_id = response.headers["X-Request-Id"]
+                await stack.scheduler.wait_cancelled(request_id)
+        await asyncio.sleep(0.2)
+
+    with caplog.at_level("ERROR"):
+        run_on_stack(tokenizer_address, Script(text_ids, hold_after=2), body)
+    assert [r.getMessage() for r in caplog.records if r.levelname == "ERROR"] == []

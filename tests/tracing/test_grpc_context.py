@@ -1,6 +1,7 @@
 """Trace-context propagation through real gRPC calls, recorded by the real OTel SDK."""
 
 import asyncio
+import contextvars
 from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -16,6 +17,7 @@ from tests.tracing.run_async import run_async
 from tracing.grpc_context import (
     TracingClientInterceptor,
     TracingServerInterceptor,
+    _traced,
     aio_client_interceptors,
     extract_context,
     inject_metadata,
@@ -195,3 +197,32 @@ async def test_sync_client_interceptor_propagates(recorded: tuple[trace.Tracer, 
     assert reply.status == health_pb2.HealthCheckResponse.SERVING
     spans = by_name(exporter)
     assert_child(spans[CHECK], spans["sync caller"])
+
+
+@run_async
+async def test_a_stream_abandoned_at_a_yield_closes_cleanly_from_another_context(
+    recorded: tuple[trace.Tracer, InMemorySpanExporter], caplog: pytest.LogCaptureFixture,
+) -> None:
+    # grpc abandons a response stream at a yield when its client leaves mid-write; the event loop then
+    # closes the generator from another context. The rpc span must end, with nothing logged.
+    tracer, exporter = recorded
+    current_in_handler = []
+
+    async def handler(request: bytes, context: object) -> AsyncIterator[bytes]:
+        for chunk in (b"a", b"b"):
+            current_in_handler.append(trace.get_current_span().get_span_context().span_id)
+            yield chunk
+
+    class Context:
+        def code(self) -> None:
+            return None
+
+    stream = _traced(handler, lambda: tracer.start_span("test.Echo/Stream"))(b"", Context())
+    assert await anext(stream) == b"a"
+    assert trace.get_current_span() is trace.INVALID_SPAN  # the rpc span is not left current in the caller
+    with caplog.at_level("ERROR"):
+        await asyncio.create_task(stream.aclose(), context=contextvars.Context())
+    assert [r.getMessage() for r in caplog.records if r.levelname == "ERROR"] == []
+    [span] = exporter.get_finished_spans()
+    assert current_in_handler == [span.context.span_id]  # current while the handler ran
+    assert span.attributes["rpc.grpc.status_code"] == grpc.StatusCode.CANCELLED.value[0]
