@@ -69,8 +69,9 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                     yield _stream_response(spec.request_id, chunk)
             finally:
                 stream_out.end()
-                # Also reached when the client goes away mid-stream: close() cancels the request upstream.
-                live.close()
+                # Also reached when the client goes away mid-stream: close() cancels the request
+                # upstream, after a grace in which the client may Resume it.
+                live.close(self._runner.settings.resume_grace_s)
         except Exception as exc:
             span.record_exception(exc)
             span.set_status(trace.StatusCode.ERROR, str(exc))
@@ -114,7 +115,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                 yield _stream_response(info.request_id, chunk)
         finally:
             # A client that leaves mid-stream cancels the request, as with GenerateStream.
-            hub.release(info.request_id)
+            hub.release(info.request_id, grace_s=self._runner.settings.resume_grace_s)
 
     async def GetRequest(
         self, request: common_pb2.GetRequestRequest, context: grpc.aio.ServicerContext

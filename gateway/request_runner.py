@@ -137,9 +137,10 @@ class LiveRequest:
             completion.add(chunk)
         return completion
 
-    def close(self) -> None:
-        """The consumer is done or gone: cancel upstream if unfinished, record metrics and spans."""
-        self._runner.hub.release(self.request_id)
+    def close(self, grace_s: float = 0.0) -> None:
+        """The consumer is done or gone: cancel upstream if unfinished (after `grace_s`, unless the
+        request is resumed meanwhile), record metrics and spans."""
+        self._runner.hub.release(self.request_id, grace_s=grace_s)
         timing, now = self._stream.timing, time.perf_counter()
         finished = self._last is not None and self._last.finish_reason is not None
         usage = self._last.usage if finished else usage_of(self.prompt_tokens, self._stream.next_offset)

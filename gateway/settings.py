@@ -38,6 +38,9 @@ class GatewaySettings(BaseSettings):
     default_max_tokens: int | None = Field(None, ge=1)
     # Wall-clock budget of a request from arrival; the scheduler aborts it at the deadline.
     request_timeout_s: float = Field(600.0, gt=0)
+    # How long a gRPC stream's request outlives its client's disconnect, for the client to Resume it
+    # (over HTTP a disconnect cancels at once: OpenAI clients cannot resume). 0 cancels at once.
+    resume_grace_s: float = Field(5.0, ge=0)
     # Largest HTTP request body; beyond it the gateway answers 413.
     max_body_bytes: int = Field(4 << 20, ge=1024)
     # Export spans over OTLP (SHARDLINE_TRACING=0 turns it off); trace context is propagated either way.

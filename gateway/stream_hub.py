@@ -14,7 +14,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Coroutine
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 
@@ -88,11 +90,25 @@ class StreamHub:
             raise InvalidArgument("request_id", f"{stream.request_id} is already streaming from this gateway")
         self._streams[stream.request_id] = stream
 
-    def release(self, request_id: str, cancel: bool = True) -> None:
-        """The consumer is gone: stop routing, and cancel the request upstream if it is still running."""
+    def release(self, request_id: str, cancel: bool = True, grace_s: float = 0.0) -> None:
+        """The consumer is gone: stop routing, and cancel the request upstream if it is still running.
+
+        With `grace_s`, the cancel waits that long and is dropped if a client resumed the request on
+        this gateway meanwhile (one that resumed it on another gateway owns it: the scheduler ignores
+        this gateway's cancel then).
+        """
         stream = self._streams.pop(request_id, None)
-        if stream is not None and not stream.finished and cancel:
+        if stream is None or stream.finished or not cancel:
+            return
+        if grace_s > 0:
+            self._spawn(self._cancel_unless_resumed(request_id, grace_s))
+        else:
             self._cancel_upstream(request_id)
+
+    async def _cancel_unless_resumed(self, request_id: str, grace_s: float) -> None:
+        await asyncio.sleep(grace_s)
+        if request_id not in self._streams:
+            await self._cancel(request_id)
 
     async def apply_record(self, request_id: str, info: common_pb2.RequestInfo, offset: int) -> RequestStream:
         """Start a registered, resumed stream at output `offset` from the request's record, then let
@@ -284,7 +300,10 @@ class StreamHub:
             self._cancel_upstream(stream.request_id)
 
     def _cancel_upstream(self, request_id: str) -> None:
-        task = asyncio.create_task(self._cancel(request_id))
+        self._spawn(self._cancel(request_id))
+
+    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(work)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 

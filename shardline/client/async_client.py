@@ -55,7 +55,7 @@ class AsyncShardlineClient:
         return self._stream(self._stub.GenerateStream, req, timeout)
 
     def resume(self, request_id: str, offset: int = 0, *, timeout: float | None = None) -> AsyncIterator[Chunk]:
-        """Continue a request's stream from token `offset`."""
+        """Continue a request's stream from token `offset`; see `ShardlineClient.resume`."""
         return self._stream(self._stub.Resume, generation_pb2.ResumeRequest(request_id=request_id, offset=offset),
                             timeout)
 

@@ -60,7 +60,13 @@ class ShardlineClient:
         return self._stream(self._stub.GenerateStream, req, timeout)
 
     def resume(self, request_id: str, offset: int = 0, *, timeout: float | None = None) -> Iterator[Chunk]:
-        """Continue a request's stream from token `offset` (replayed from the server's record, then live)."""
+        """Continue a request's stream from token `offset` (replayed from the server's record, then live).
+
+        Use the `offset + len(token_ids)` of the last chunk received: the text not yet received,
+        whole characters and stop-string look-ahead included, comes first. A stream whose connection
+        broke stays resumable for the gateway's `SHARDLINE_RESUME_GRACE_S` (5 s by default), through
+        any gateway; after that its request is cancelled.
+        """
         req = generation_pb2.ResumeRequest(request_id=request_id, offset=offset)
         return self._stream(self._stub.Resume, req, timeout)
 

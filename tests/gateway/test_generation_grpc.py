@@ -78,13 +78,34 @@ def test_cancel_and_disconnect_cancel_upstream(tokenizer_address, text_ids) -> N
         assert cancelled.status == sampling_pb2.REQUEST_STATUS_CANCELLED
         rest = await read_rest(call)
         assert rest[-1].finish_reason == sampling_pb2.FINISH_REASON_ABORT
-        # A client that goes away mid-stream cancels its request.
+        # A client that goes away mid-stream cancels its request, once the grace for a Resume is over.
         call = stack.generation.GenerateStream(request())
         first = await call.read()
         call.cancel()
+        await asyncio.sleep(0.1)
+        assert first.request_id not in stack.scheduler.cancelled
         await stack.scheduler.wait_cancelled(first.request_id)
 
-    run_on_stack(tokenizer_address, Script(text_ids, hold_after=3), body)
+    run_on_stack(tokenizer_address, Script(text_ids, hold_after=3), body, resume_grace_s=0.5)
+
+
+def test_a_client_that_lost_its_connection_resumes_within_the_grace(tokenizer_address, text_ids) -> None:
+    async def body(stack: Stack) -> None:
+        call = stack.generation.GenerateStream(request())
+        first = await call.read()
+        call.cancel()  # the connection is lost
+        await asyncio.sleep(0.2)
+        resume = stack.generation.Resume(generation_pb2.ResumeRequest(request_id=first.request_id, offset=1))
+        replayed = await resume.read()
+        await asyncio.sleep(0.5)  # past the grace: the resumed stream holds the request, so no cancel
+        assert first.request_id not in stack.scheduler.cancelled
+        stack.scheduler.release()
+        chunks = [replayed, *await read_rest(resume)]
+        assert [t for c in chunks for t in c.token_ids] == text_ids[1:]
+        assert first.text + "".join(c.text for c in chunks) == TEXT
+        assert chunks[-1].finish_reason == sampling_pb2.FINISH_REASON_STOP
+
+    run_on_stack(tokenizer_address, Script(text_ids, hold_after=3), body, resume_grace_s=0.4)
 
 
 def test_get_request_and_list_models(tokenizer_address, text_ids) -> None:
@@ -151,4 +172,4 @@ def test_resume_a_running_request_on_another_gateway(tokenizer_address, text_ids
         assert "".join(c.text for c in chunks) == TEXT[len(" The quick"):]
         assert chunks[-1].finish_reason == sampling_pb2.FINISH_REASON_STOP
 
-    run_on_stack(tokenizer_address, Script(text_ids, hold_after=5), body)
+    run_on_stack(tokenizer_address, Script(text_ids, hold_after=5), body, resume_grace_s=0)

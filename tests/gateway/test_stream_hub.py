@@ -81,7 +81,7 @@ def test_a_cancel_the_scheduler_missed_is_sent_again_once_it_is_back(tokenizer_a
         await stack.scheduler.wait_cancelled(first.request_id)
         assert stack.scheduler.cancelled.count(first.request_id) == 1
 
-    run_on_stack(tokenizer_address, Script(text_ids, hold_after=2), body)
+    run_on_stack(tokenizer_address, Script(text_ids, hold_after=2), body, resume_grace_s=0)
 
 
 def test_request_span_honours_traceparent_and_reaches_submit(tokenizer_address, text_ids) -> None:
@@ -225,5 +225,5 @@ def test_a_client_leaving_a_stream_cancels_it_and_logs_no_error(tokenizer_addres
         await asyncio.sleep(0.2)
 
     with caplog.at_level("ERROR"):
-        run_on_stack(tokenizer_address, Script(text_ids, hold_after=2), body)
+        run_on_stack(tokenizer_address, Script(text_ids, hold_after=2), body, resume_grace_s=0)
     assert [r.getMessage() for r in caplog.records if r.levelname == "ERROR"] == []
