@@ -98,8 +98,13 @@ def resolve_max_tokens(
     params: sampling_pb2.SamplingParameters, prompt_tokens: int, limits: ModelLimits, default: int | None,
     prefix: str = "", max_tokens_field: str = "max_tokens",
 ) -> None:
-    """Set max_tokens for a prompt of `prompt_tokens`: an explicit value must fit the context; without
-    one, `default` (None: the rest of the context, as vLLM's OpenAI server does) shrinks to fit."""
+    """Check or set max_tokens for a prompt of `prompt_tokens`: an explicit value must fit the context;
+    without one, `default` shrinks to fit.
+
+    With no default (the rest of the context, as vLLM's OpenAI server does) and no operator limit
+    below the context, max_tokens stays unset: the worker then generates up to its own context
+    length, which a small KV cache can make shorter than the model's.
+    """
     room = limits.max_context_length - prompt_tokens
     if params.HasField("max_tokens"):
         if params.max_tokens > room:
@@ -107,6 +112,8 @@ def resolve_max_tokens(
                 prefix + max_tokens_field,
                 f"the prompt ({prompt_tokens} tokens) plus {max_tokens_field} ({params.max_tokens}) exceeds the "
                 f"model's context length ({limits.max_context_length})")
+        return
+    if default is None and limits.max_tokens_limit >= room:
         return
     params.max_tokens = max(1, min(room if default is None else default, room, limits.max_tokens_limit))
 

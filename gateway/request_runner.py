@@ -195,9 +195,11 @@ class RequestRunner:
         resolve_max_tokens(params, len(prompt_ids), limits, spec.default_max_tokens, spec.field_prefix,
                            spec.max_tokens_field)
         span.set_attributes({
-            attr.GEN_AI_REQUEST_MODEL: info.model, attr.GEN_AI_REQUEST_MAX_TOKENS: params.max_tokens,
-            attr.GEN_AI_REQUEST_TEMPERATURE: params.temperature, attr.GEN_AI_REQUEST_TOP_P: params.top_p,
+            attr.GEN_AI_REQUEST_MODEL: info.model, attr.GEN_AI_REQUEST_TEMPERATURE: params.temperature,
+            attr.GEN_AI_REQUEST_TOP_P: params.top_p,
         })
+        if params.HasField("max_tokens"):  # unset: up to the worker's context length
+            span.set_attribute(attr.GEN_AI_REQUEST_MAX_TOKENS, params.max_tokens)
         return PreparedRequest(spec, span, info, params, prompt_ids)
 
     async def submit(self, prepared: PreparedRequest) -> LiveRequest:

@@ -33,6 +33,15 @@ def test_chat_completion(http_url):
     assert body["usage"]["prompt_tokens"] > 10  # the chat template's system prompt is in there
 
 
+def test_chat_without_max_tokens_runs_to_its_end(http_url):
+    # No max_tokens: up to the rest of the context as the worker holds it (this stack's small KV
+    # cache makes that shorter than the model's 8192), so it ends on the model's own end of turn.
+    status, body = post(f"{http_url}/v1/chat/completions", {
+        "model": MODEL, "messages": [{"role": "user", "content": "Say hello."}], "temperature": 0})
+    assert status == 200, body
+    assert body["choices"][0]["finish_reason"] == "stop" and body["choices"][0]["message"]["content"].strip()
+
+
 def test_streaming_sse_equals_non_streaming(http_url):
     req = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 20, "temperature": 0, "ignore_eos": True}
     _, whole = post(f"{http_url}/v1/completions", req)

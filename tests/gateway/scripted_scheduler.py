@@ -156,7 +156,8 @@ class ScriptedScheduler(scheduler_pb2_grpc.SchedulerServicer):
         script, done = record.script, len(record.output)
         if script.hold_after is not None and done >= script.hold_after and not self._released:
             return None
-        limit = min(len(script.token_ids), record.submit.params.max_tokens)
+        params = record.submit.params
+        limit = min(len(script.token_ids), params.max_tokens) if params.HasField("max_tokens") else len(script.token_ids)
         new = script.token_ids[done : min(limit, done + script.tokens_per_step)]
         record.output += new
         delta.token_ids.extend(new)

@@ -21,7 +21,10 @@ def test_unset_fields_are_resolved_for_the_workers() -> None:
     assert resolved.max_tokens == 192  # a default shrinks to the room left in the context
     unset = validate_sampling(sampling_pb2.SamplingParameters(), LIMITS)
     resolve_max_tokens(unset, 100, LIMITS, default=None)
-    assert unset.max_tokens == 8092  # no default: the rest of the context
+    assert not unset.HasField("max_tokens")  # no default: the worker fills the rest of its context
+    capped = ModelLimits(vocab_size=49152, max_context_length=8192, max_prompt_tokens=8191, max_tokens_limit=1000)
+    resolve_max_tokens(unset, 100, capped, default=None)
+    assert unset.max_tokens == 1000  # an operator's limit still applies
     explicit = validate_sampling(sampling_pb2.SamplingParameters(max_tokens=500, temperature=0, seed=3), LIMITS)
     assert (explicit.temperature, explicit.seed) == (0.0, 3)
     with pytest.raises(InvalidArgument) as caught:
