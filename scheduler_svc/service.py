@@ -40,6 +40,17 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         params = request.params
         if params.HasField("max_tokens") and params.max_tokens == 0:
             raise InvalidArgument("params.max_tokens", "must be at least 1")
+        longest = self._dispatcher.registry.longest_sequence(request.model)
+        if longest is not None:
+            # Refused here, with the field at fault, rather than failed by the worker it reaches.
+            prompt = len(request.prompt_token_ids)
+            if prompt >= longest:
+                raise InvalidArgument("prompt_token_ids", f"{prompt} tokens leave no room in the longest sequence "
+                                                          f"the workers of this model hold ({longest} tokens)")
+            if params.HasField("max_tokens") and prompt + params.max_tokens > longest:
+                raise InvalidArgument("params.max_tokens", f"the prompt ({prompt} tokens) plus max_tokens "
+                                      f"({params.max_tokens}) exceeds the longest sequence the workers of this "
+                                      f"model hold ({longest} tokens)")
         if not params.HasField("seed"):
             # Resuming after a worker failure replays (seed, index): the seed must be fixed now.
             params.seed = secrets.randbits(63)

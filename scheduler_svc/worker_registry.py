@@ -95,6 +95,11 @@ class WorkerRegistry:
         """Workers serving `model` that can take another request."""
         return [worker for worker in self._workers.values() if worker.has_room and worker.serves(model)]
 
+    def longest_sequence(self, model: str) -> int | None:
+        """The longest sequence any registered worker of `model` holds; None when none says."""
+        lengths = [w.info.max_model_len for w in self._workers.values() if w.serves(model) and w.info.max_model_len]
+        return max(lengths) if lengths else None
+
     def has_room(self) -> bool:
         """True when any worker can take another request."""
         return any(worker.has_room for worker in self._workers.values())

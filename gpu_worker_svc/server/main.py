@@ -97,7 +97,12 @@ def worker_info(s: WorkerSettings, engine: LLMEngine, address: str) -> worker_pb
     name = s.model if is_dummy(s.model) else model_name(resolve_model_path(s.model))
     return worker_pb2.WorkerInfo(worker_id=s.resolved_worker_id, address=address, model=name, tp_size=s.tp_size,
                                  kv_blocks_total=engine.block_pool.num_blocks, block_size=s.block_size,
-                                 max_num_seqs=s.max_num_seqs)
+                                 max_num_seqs=s.max_num_seqs, max_model_len=max_model_len(s, engine))
+
+
+def max_model_len(s: WorkerSettings, engine: LLMEngine) -> int:
+    """The longest sequence the worker can hold: the model's context, the rotary table and the KV cache."""
+    return min(rotary_positions(engine.model_config), engine.block_pool.num_blocks * s.block_size)
 
 
 def engine_loop_for(s: WorkerSettings, engine: LLMEngine, tracing: TracingHandle, model: str,
@@ -107,10 +112,8 @@ def engine_loop_for(s: WorkerSettings, engine: LLMEngine, tracing: TracingHandle
                        s.cpu_peak_bandwidth_gbs)
     dtype_bytes = parse_dtype(s.resolved_dtype, "cpu" if s.resolved_device == "cpu" else "cuda").itemsize
     cost = StepCostModel.for_model(cfg, dtype_bytes, peak, s.tp_size)
-    # The longest sequence the worker can hold: the model's context, the rotary table and the KV cache.
-    max_model_len = min(rotary_positions(cfg), engine.block_pool.num_blocks * s.block_size)
-    return EngineLoop(engine, StepTelemetry(tracing.tracer, cost, model, tracing.enabled), max_model_len, on_fatal,
-                      s.resolved_admission_gap_s)
+    return EngineLoop(engine, StepTelemetry(tracing.tracer, cost, model, tracing.enabled),
+                      max_model_len(s, engine), on_fatal, s.resolved_admission_gap_s)
 
 
 async def serve(s: WorkerSettings) -> int:

@@ -103,7 +103,9 @@ def test_32_concurrent_streams(http_url):
     ({"prompt": "x", "max_tokens": -1}, "max_tokens"),
     ({"prompt": "x", "temperature": 5}, "temperature"),
     ({"prompt": "x", "top_p": 0}, "top_p"),
-    ({"prompt": "x", "n": 2}, "n"),
+    ({"prompt": "x", "n": 65}, "n"),
+    # Longer than this stack's workers hold (their 64 MiB KV cache), though the model's context allows it.
+    ({"prompt": "hello " * 1500, "max_tokens": 4}, "prompt_token_ids"),
     ({"max_tokens": 4}, "prompt"),
     ({"prompt": "x", "logprobs": 50}, "logprobs"),
 ])

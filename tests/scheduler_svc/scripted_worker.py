@@ -34,9 +34,9 @@ class ScriptedWorker(worker_pb2_grpc.WorkerServicer):
     """A fake worker for component tests (see the module docstring)."""
 
     def __init__(self, worker_id: str, max_num_seqs: int = 4, block_size: int = 4, model: str = "test-model",
-                 tick_s: float = 0.01, heartbeat_s: float | None = 0.1) -> None:
+                 tick_s: float = 0.01, heartbeat_s: float | None = 0.1, max_model_len: int = 0) -> None:
         self.info = worker_pb2.WorkerInfo(worker_id=worker_id, model=model, tp_size=1, kv_blocks_total=64,
-                                          block_size=block_size, max_num_seqs=max_num_seqs)
+                                          block_size=block_size, max_num_seqs=max_num_seqs, max_model_len=max_model_len)
         self.tick_s = tick_s
         self.heartbeat_s = heartbeat_s
         self.received: list[worker_pb2.NewRequest] = []  # every NewRequest, in arrival order

@@ -260,6 +260,21 @@ async def test_a_resumed_request_is_safe_from_its_old_gateway(redis_url: str) ->
 
 
 @run_async
+async def test_a_request_no_worker_can_hold_is_refused_naming_the_field(redis_url: str) -> None:
+    async with cluster(redis_url) as c:
+        await c.submit("early", prompt=list(range(3, 23)), max_tokens=5)  # no worker says yet: queued
+        await c.worker("small", max_model_len=8)
+        await c.worker("large", max_model_len=12)
+        for prompt, max_tokens, field in ((list(range(3, 15)), 1, "prompt_token_ids"),
+                                          (list(range(3, 11)), 5, "params.max_tokens")):
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await c.submit(f"too-long-{field}", prompt=prompt, max_tokens=max_tokens)
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert refused.value.details().startswith(f"{field}:") and "12 tokens" in refused.value.details()
+        await c.submit("fits", prompt=list(range(3, 11)), max_tokens=4)  # the larger worker holds 12
+
+
+@run_async
 async def test_deadline_aborts_the_request(redis_url: str) -> None:
     async with cluster(redis_url) as c:
         gateway = await c.gateway("gw-1")
