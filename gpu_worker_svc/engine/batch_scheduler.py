@@ -250,6 +250,8 @@ class BatchScheduler:
         seq.block_hashes = [pool.block_hash(b) for b in hit_ids]
         seq.num_computed_tokens = num_cached
         seq.num_cached_tokens = num_cached
+        if seq.num_cached_prompt_tokens is None:
+            seq.num_cached_prompt_tokens = min(num_cached, seq.num_prompt_tokens)
         seq.status = RequestStatus.RUNNING
         pool.record_prefix_lookup(seq.num_tokens, num_cached)
         return self._scheduled(seq, num_new)

@@ -22,6 +22,7 @@ from gpu_worker_svc.engine.sampler import Sampler, TokenLogprobs, select_rows
 from gpu_worker_svc.engine.sampling_params import SamplingParams
 from gpu_worker_svc.engine.sequence import Sequence
 from gpu_worker_svc.model.attention_metadata import StepBatch
+from gpu_worker_svc.model.loader import rotary_positions
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +44,9 @@ class LLMEngine:
         self.scheduler = BatchScheduler(self.config.scheduler, self.block_pool)
         self.sampler = Sampler()
         self.eos_token_id = self.model_config.eos_token_ids[0] if self.model_config.eos_token_ids else None
+        # The longest sequence it can hold: the rotary table, and the KV cache.
+        self.max_model_len = min(rotary_positions(self.model_config, self.config.runner.max_model_len),
+                                 self.runner.num_blocks * self.runner.block_size)
         self._aborted: list[RequestOutput] = []
         self._step = 0
 
@@ -50,15 +54,34 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None,
                     priority: int = 0, output_token_ids: list[int] | None = None,
                     eos_token_id: int | None = None) -> None:
-        """Queue a request. `output_token_ids` resumes it after tokens it already generated."""
+        """Queue a request. `output_token_ids` resumes it after tokens it already generated.
+
+        ValueError, naming the argument, when it cannot run here: nothing else in the batch is hurt.
+        With `eos_token_id` None the model's EOS ends it, and its other EOS ids (Llama 3's
+        <|eot_id|>) stop it like stop tokens, unless params.ignore_eos.
+        """
         # Validation and the seed (fixed at admission, so a resume samples the same tokens) are the
-        # BatchScheduler's; only what needs the model is checked here.
-        params = params or SamplingParams()
-        if prompt_token_ids and (max(prompt_token_ids) >= self.model_config.vocab_size or min(prompt_token_ids) < 0):
-            raise ValueError(f"prompt_token_ids must be in [0, {self.model_config.vocab_size})")
+        # BatchScheduler's, on a copy: the caller's params may serve other requests.
+        params = dataclasses.replace(params or SamplingParams())
+        params.validate()
+        output_token_ids = list(output_token_ids or [])
+        vocab = self.model_config.vocab_size
+        for name, ids in (("prompt_token_ids", prompt_token_ids), ("output_token_ids", output_token_ids)):
+            if ids and (max(ids) >= vocab or min(ids) < 0):
+                raise ValueError(f"{name} must be in [0, {vocab})")
+        room = self.max_model_len - len(prompt_token_ids)
+        if room < 1 or room <= len(output_token_ids):
+            raise ValueError(f"prompt_token_ids: {len(prompt_token_ids)} tokens (and {len(output_token_ids)} "
+                             f"output_token_ids) leave no room in the context length of {self.max_model_len}")
+        if params.max_tokens > room:
+            raise ValueError(f"max_tokens: a prompt of {len(prompt_token_ids)} tokens + max_tokens={params.max_tokens} "
+                             f"exceeds the context length of {self.max_model_len}")
+        if eos_token_id is None and not params.ignore_eos:
+            params.stop_token_ids = [*params.stop_token_ids,
+                                     *(t for t in self.model_config.eos_token_ids[1:] if t not in params.stop_token_ids)]
         seq = Sequence(request_id, list(prompt_token_ids), params, priority=priority,
                        eos_token_id=self.eos_token_id if eos_token_id is None else eos_token_id,
-                       output_token_ids=list(output_token_ids or []))
+                       output_token_ids=output_token_ids)
         self.scheduler.add(seq)
 
     def abort_request(self, request_id: str, report: bool = True) -> bool:
@@ -72,7 +95,7 @@ class LLMEngine:
             return False
         if report:
             self._aborted.append(RequestOutput(request_id, [], seq.num_output_tokens, None, "abort",
-                                               seq.num_prompt_tokens, seq.num_cached_tokens))
+                                               seq.num_prompt_tokens, seq.num_cached_prompt_tokens or 0))
         return True
 
     @property
@@ -137,7 +160,7 @@ class LLMEngine:
             outputs.append(RequestOutput(seq.request_id, [tok], seq.num_output_tokens - 1,
                                          [lp] if lp is not None else None,
                                          seq.finish_reason if seq.is_finished else None,
-                                         seq.num_prompt_tokens, seq.num_cached_tokens))
+                                         seq.num_prompt_tokens, seq.num_cached_prompt_tokens or 0))
         return outputs
 
     def _stats(self, sched: SchedulerOutput, elapsed: float) -> StepStats:
@@ -161,12 +184,14 @@ class LLMEngine:
                  ) -> list[GenerationResult]:
         """Run every prompt to completion with continuous batching; results in prompt order."""
         per_prompt = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        if len(per_prompt) != len(prompts):
+            raise ValueError(f"params: {len(per_prompt)} SamplingParams for {len(prompts)} prompts")
         ids = [f"gen-{uuid.uuid4().hex[:12]}" for _ in prompts]
         tokens: dict[str, list[int]] = {i: [] for i in ids}
         logprobs: dict[str, list[TokenLogprobs]] = {i: [] for i in ids}
         finish: dict[str, str] = {}
         for rid, prompt, p in zip(ids, prompts, per_prompt):
-            self.add_request(rid, prompt, dataclasses.replace(p))  # copied: admission fills in the seed
+            self.add_request(rid, prompt, p)
         while len(finish) < len(ids):
             for o in self.step().outputs:
                 tokens[o.request_id] += o.new_token_ids

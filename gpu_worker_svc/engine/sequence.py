@@ -54,6 +54,9 @@ class Sequence:
     num_computed_tokens: int = 0  # leading tokens whose KV is in the cache
     block_ids: list[int] = field(default_factory=list)  # KV block table, in order
     num_cached_tokens: int = 0  # prefix-cache hit tokens at the last admission
+    # Prompt tokens its first admission found in the prefix cache: what usage reports (a re-admission
+    # after preemption or a resume also hits its own output, which is no prompt token).
+    num_cached_prompt_tokens: int | None = None
     finish_reason: str | None = None  # "stop", "length" or "abort" once finished
     # Hash chain of the sequence's full, computed blocks, so each new full
     # block is hashed once from its parent instead of rehashing the prefix.

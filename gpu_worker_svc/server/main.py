@@ -22,7 +22,7 @@ from gpu_worker_svc.engine.llm_engine import EngineConfig, LLMEngine
 from gpu_worker_svc.engine.model_runner import RunnerConfig
 from gpu_worker_svc.model.dummy import is_dummy
 from gpu_worker_svc.model.layers.quantize import QUANTIZATIONS
-from gpu_worker_svc.model.loader import parse_dtype, rotary_positions
+from gpu_worker_svc.model.loader import parse_dtype
 from gpu_worker_svc.server.engine_loop import EngineLoop
 from gpu_worker_svc.server.registration import SchedulerRegistration
 from gpu_worker_svc.server.servicer import WorkerServicer
@@ -97,12 +97,7 @@ def worker_info(s: WorkerSettings, engine: LLMEngine, address: str) -> worker_pb
     name = s.model if is_dummy(s.model) else model_name(resolve_model_path(s.model))
     return worker_pb2.WorkerInfo(worker_id=s.resolved_worker_id, address=address, model=name, tp_size=s.tp_size,
                                  kv_blocks_total=engine.block_pool.num_blocks, block_size=s.block_size,
-                                 max_num_seqs=s.max_num_seqs, max_model_len=max_model_len(s, engine))
-
-
-def max_model_len(s: WorkerSettings, engine: LLMEngine) -> int:
-    """The longest sequence the worker can hold: the model's context, the rotary table and the KV cache."""
-    return min(rotary_positions(engine.model_config), engine.block_pool.num_blocks * s.block_size)
+                                 max_num_seqs=s.max_num_seqs, max_model_len=engine.max_model_len)
 
 
 def engine_loop_for(s: WorkerSettings, engine: LLMEngine, tracing: TracingHandle, model: str,
@@ -113,7 +108,7 @@ def engine_loop_for(s: WorkerSettings, engine: LLMEngine, tracing: TracingHandle
     dtype_bytes = parse_dtype(s.resolved_dtype, "cpu" if s.resolved_device == "cpu" else "cuda").itemsize
     cost = StepCostModel.for_model(cfg, dtype_bytes, peak, s.tp_size)
     return EngineLoop(engine, StepTelemetry(tracing.tracer, cost, model, tracing.enabled),
-                      max_model_len(s, engine), on_fatal, s.resolved_admission_gap_s)
+                      engine.max_model_len, on_fatal, s.resolved_admission_gap_s)
 
 
 async def serve(s: WorkerSettings) -> int:

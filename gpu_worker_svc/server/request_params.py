@@ -43,8 +43,8 @@ def engine_request(new: worker_pb2.NewRequest, max_model_len: int) -> EngineRequ
         presence_penalty=p.presence_penalty,
         frequency_penalty=p.frequency_penalty,
         seed=p.seed if p.HasField("seed") else None,
-        # The first EOS id is the request's EOS; the others stop it like stop tokens.
-        stop_token_ids=[*p.stop_token_ids, *new.eos_token_ids[1:]],
+        # The first EOS id is the request's EOS; the others stop it like stop tokens, unless EOS is ignored.
+        stop_token_ids=[*p.stop_token_ids, *(() if p.ignore_eos else new.eos_token_ids[1:])],
         ignore_eos=p.ignore_eos,
         logprobs=_logprobs(p),
     )

@@ -4,7 +4,10 @@ from collections.abc import Callable
 import pytest
 
 from gpu_worker_svc.engine.batch_scheduler import BatchScheduler, SchedulerConfig, SchedulerOutput, StepUpdate
+from gpu_worker_svc.engine.block_pool import BlockPool
+from gpu_worker_svc.engine.sampling_params import SamplingParams
 from gpu_worker_svc.engine.sequence import RequestStatus, Sequence
+from tests.gpu_worker_svc.engine.conftest import EOS
 
 
 def fake_token(seq: Sequence) -> int:
@@ -261,3 +264,23 @@ def test_config_knows_when_new_requests_fill_a_step():
     assert not config.fills_a_step([50, 49])
     assert config.fills_a_step([50, 50])  # the token budget
     assert config.fills_a_step([1, 1, 1])  # every sequence slot
+
+
+def test_reported_cache_hits_are_prompt_tokens_of_the_first_admission():
+    # After a preemption, the recompute hits its own output's blocks too: usage must still report
+    # prompt tokens only (cached_tokens never exceeds prompt_tokens).
+    scheduler = BatchScheduler(SchedulerConfig(8, 64, True), BlockPool(9, 4))
+    seqs = [Sequence(name, list(range(base, base + n)), SamplingParams(max_tokens=m, seed=1), eos_token_id=EOS,
+                     arrival_time=float(i))
+            for i, (name, base, n, m) in enumerate((("A", 100, 6, 20), ("B", 200, 6, 12), ("C", 300, 2, 14)))]
+    for seq in seqs:
+        scheduler.add(seq)
+    token, preempted, readmitted_hits = 500, set(), 0
+    while scheduler.has_unfinished:
+        out = scheduler.schedule()
+        preempted |= set(out.preempted_ids)
+        readmitted_hits = max([readmitted_hits, *(s.seq.num_cached_tokens for s in out.scheduled
+                                                  if s.seq.request_id in preempted)])
+        scheduler.update(out, [(token := token + 1) if s.needs_sample else None for s in out.scheduled])
+    assert preempted and readmitted_hits > 6  # a re-admission did hit output blocks
+    assert all(s.num_cached_prompt_tokens <= s.num_prompt_tokens for s in seqs)

@@ -178,3 +178,43 @@ def test_rejects_bad_requests(engine):
         engine.add_request("oob", [10**9], GREEDY)
     with pytest.raises(ValueError, match="top_p"):
         engine.add_request("bad", [5], SamplingParams(top_p=1.5))
+    with pytest.raises(ValueError, match="output_token_ids"):
+        engine.add_request("bad-resume", [5], GREEDY, output_token_ids=[10**6])
+
+
+def test_a_request_too_long_for_the_context_is_refused_and_hurts_no_other(engine, prompts):
+    # Past the rotary table a step would fail for the whole batch: refused at add_request instead.
+    n = engine.max_model_len  # its 64 MiB KV cache holds 1456 tokens, fewer than the model's 8192
+    assert n == 1456
+    engine.add_request("fine", prompts[0], dataclasses.replace(GREEDY, max_tokens=6))
+    with pytest.raises(ValueError, match="prompt_token_ids"):
+        engine.add_request("long", [5] * n, GREEDY)
+    with pytest.raises(ValueError, match="max_tokens"):
+        engine.add_request("long-output", [5] * (n - 10), dataclasses.replace(GREEDY, max_tokens=20))
+    with pytest.raises(ValueError, match="prompt_token_ids"):
+        engine.add_request("long-resume", [5] * (n - 10), GREEDY, output_token_ids=[5] * 10)
+    finished = {}
+    while engine.has_unfinished:
+        finished.update({o.request_id: o.finish_reason for o in engine.step().outputs if o.finish_reason})
+    assert finished == {"fine": "length"}
+
+
+def test_requests_sharing_params_get_their_own_seeds(engine, prompts):
+    shared = SamplingParams(max_tokens=8, temperature=1.0, ignore_eos=True)
+    first, second = engine.generate([prompts[0], prompts[0]], [shared, shared])
+    assert shared.seed is None  # the caller's params are not written into
+    assert first.token_ids != second.token_ids
+    with pytest.raises(ValueError, match="params"):
+        engine.generate(prompts[:2], [shared])  # one SamplingParams short: refused, not a hang
+
+
+def test_a_models_other_eos_ids_stop_like_stop_tokens(engine, monkeypatch):
+    # Llama 3 ends turns with <|eot_id|> besides its EOS: offline requests stop on both.
+    monkeypatch.setattr(engine.model_config, "eos_token_ids", [2, 7])
+    engine.add_request("two-eos", [5, 6], SamplingParams(max_tokens=4, stop_token_ids=[9]))
+    engine.add_request("eos-ignored", [5, 6], SamplingParams(max_tokens=4, ignore_eos=True))
+    waiting = {seq.request_id: seq for seq in engine.scheduler._waiting}
+    assert (waiting["two-eos"].eos_token_id, waiting["two-eos"].params.stop_token_ids) == (2, [9, 7])
+    assert waiting["eos-ignored"].params.stop_token_ids == []
+    for request_id in waiting:
+        engine.abort_request(request_id, report=False)

@@ -23,9 +23,11 @@ def test_set_fields_map_one_to_one():
     }, eos=[2, 5, 6]), max_model_len=100)
     assert req.params == SamplingParams(
         max_tokens=7, min_tokens=2, temperature=0.0, top_k=40, top_p=0.5, min_p=pytest.approx(0.1),
-        repetition_penalty=1.5, presence_penalty=0.5, frequency_penalty=-0.5, seed=42, stop_token_ids=[9, 5, 6],
+        repetition_penalty=1.5, presence_penalty=0.5, frequency_penalty=-0.5, seed=42, stop_token_ids=[9],
         ignore_eos=True, logprobs=3)
-    assert req.eos_token_id == 2  # the first EOS; the others stop like stop tokens
+    assert req.eos_token_id == 2
+    # The first EOS is the request's; the others stop it like stop tokens, unless EOS is ignored.
+    assert engine_request(_new({"stop_token_ids": [9]}, eos=[2, 5, 6]), 100).params.stop_token_ids == [9, 5, 6]
 
 
 def test_logprobs_without_alternatives_is_zero_and_alternatives_need_logprobs():
