@@ -89,6 +89,9 @@ class OpenAIHttpApi:
         span_attributes = {"http.request.method": request.method, "url.path": request.path}
         with start_http_server_span(self._tracer, "gateway.request", request.headers, span_attributes) as span:
             choices = await start_choices(self._runner, specs, parsed.n, span)
+            if len(choices) > 1:  # the id the client gets back finds the whole trace; its choices have rows
+                span.set_attributes({attr.REQUEST_ID: request_id,
+                                     attr.CHOICES: [choice.live.request_id for choice in choices]})
             created = int(time.time())
             formatters = [ResponseFormatter(request_id, choice.live.model, chat, parsed.include_usage, choice.index,
                                             created) for choice in choices]

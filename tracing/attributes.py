@@ -22,6 +22,9 @@ THREAD_NAME = "thread.name"
 
 # Shardline. A span carrying REQUEST_ID belongs on that request's track.
 REQUEST_ID = "shardline.request_id"
+# On the gateway.request span of an OpenAI request with several choices (n > 1, a batch of prompts):
+# the request ids of its choices, each a request of its own with a gateway.choice span.
+CHOICES = "shardline.choices"
 RANK = "shardline.rank"
 STEP = "shardline.step"
 NUM_TOKENS = "shardline.num_tokens"

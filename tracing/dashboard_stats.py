@@ -3,7 +3,10 @@
 The spans a request leaves (names as the services emit them):
 
 - gateway ``gateway.request``: arrival to the last byte out; carries the
-  ``gen_ai.*`` request, usage and finish-reason attributes;
+  ``gen_ai.*`` request, usage and finish-reason attributes. An OpenAI request
+  with several choices (n > 1) is a request per choice, each rooted in a
+  ``gateway.choice`` span that carries those; the ``gateway.request`` holding
+  them lists them (``shardline.choices``) and gets no row of its own;
 - gateway ``tokenize``; scheduler ``queue`` (submitted to dispatched);
 - worker ``prefill`` (admitted to first token) and ``decode`` (first token
   to finish);
@@ -21,7 +24,8 @@ from dataclasses import dataclass, field
 from tracing import attributes as attr
 from tracing.stored_span import AttrValue, StoredSpan
 
-ROOT_SPAN = "gateway.request"
+# The span that spans a request's life at the gateway, per request.
+ROOT_SPANS = ("gateway.request", "gateway.choice")
 # Breakdown stages in order, each ending where its named span ends.
 STAGES = ("tokenize", "queue", "prefill", "decode", "detokenize")
 RUNNING = "running"
@@ -89,14 +93,17 @@ def _ms(ns: int) -> float:
 
 
 def summarize(request_id: str, spans: list[StoredSpan]) -> RequestSummary | None:
-    """The request's row, from the spans of its traces; None when none carries its id."""
+    """The request's row, from the spans of its traces; None when none carries its id, or when it is
+    an OpenAI request of several choices (they have the rows)."""
     own = [span for span in spans if span.request_id == request_id]
     if not own:
         return None
     named: dict[str, list[StoredSpan]] = {}
     for span in sorted(own, key=lambda s: s.start_ns):
         named.setdefault(span.name, []).append(span)
-    root = named.get(ROOT_SPAN, [None])[0]
+    root = next((named[name][0] for name in ROOT_SPANS if name in named), None)
+    if root is not None and attr.CHOICES in root.attributes:
+        return None
     start_ns = root.start_ns if root else min(span.start_ns for span in own)
     summary = RequestSummary(
         request_id=request_id,

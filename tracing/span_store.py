@@ -5,6 +5,9 @@ Keys, under ``shardline:trace:``:
 - ``span:{trace_id}``  hash: span id -> the span as an OTLP ``ResourceSpans``
   holding just that span, so each value is self-describing protobuf;
 - ``by_time``          sorted set of span refs, scored by start time (unix s);
+- ``by_end``           the same refs scored by end time, which the bounds trim by: a span
+  arrives when it ends, so a request's root (it starts first and ends last)
+  is among the last of its spans to go, never the first;
 - ``req:{request_id}`` sorted set of the refs of spans carrying that
   ``shardline.request_id``, scored like ``by_time``;
 - ``requests``         sorted set of request ids, scored by their first span.
@@ -32,18 +35,19 @@ PREFIX = "shardline:trace:"
 # delete at most this many spans; a backlog is worked off over later writes.
 TRIM_BATCH = 2000
 
-# Removes spans that are too old, then the oldest beyond the count bound, with
-# their blobs and request-index entries, atomically.
+# Removes spans that ended too long ago, then the earliest-ended beyond the count
+# bound, with their blobs and request-index entries, atomically.
 _TRIM_LUA = """
-local by_time, requests, prefix = KEYS[1], KEYS[2], ARGV[3]
+local by_time, requests, by_end, prefix = KEYS[1], KEYS[2], KEYS[3], ARGV[3]
 local cap = tonumber(ARGV[4])
-local old = redis.call('ZRANGEBYSCORE', by_time, '-inf', ARGV[1], 'LIMIT', 0, cap)
-local excess = math.min(redis.call('ZCARD', by_time) - #old - tonumber(ARGV[2]), cap - #old)
+local old = redis.call('ZRANGEBYSCORE', by_end, '-inf', ARGV[1], 'LIMIT', 0, cap)
+local excess = math.min(redis.call('ZCARD', by_end) - #old - tonumber(ARGV[2]), cap - #old)
 if excess > 0 then
-  for _, ref in ipairs(redis.call('ZRANGE', by_time, #old, #old + excess - 1)) do old[#old + 1] = ref end
+  for _, ref in ipairs(redis.call('ZRANGE', by_end, #old, #old + excess - 1)) do old[#old + 1] = ref end
 end
 for _, ref in ipairs(old) do
   redis.call('ZREM', by_time, ref)
+  redis.call('ZREM', by_end, ref)
   redis.call('HDEL', prefix .. 'span:' .. string.sub(ref, 1, 32), string.sub(ref, 34, 49))
   local rid = string.sub(ref, 51)
   if rid ~= '' then
@@ -128,6 +132,7 @@ class SpanStore:
         score = span.start_time_unix_nano / 1e9
         pipe.hset(f"{self._prefix}span:{trace_id}", span_id, blob)
         pipe.zadd(f"{self._prefix}by_time", {ref: score})
+        pipe.zadd(f"{self._prefix}by_end", {ref: span.end_time_unix_nano / 1e9})
         if request_id:
             pipe.zadd(f"{self._prefix}req:{request_id}", {ref: score})
             # LT keeps the earliest span's time however the exports interleave.
@@ -137,7 +142,7 @@ class SpanStore:
         """Deletes spans beyond the retention bounds (a bounded batch per call); returns how many."""
         cutoff = time.time() - self._max_age_s
         removed = await self._trim(
-            keys=[f"{self._prefix}by_time", f"{self._prefix}requests"],
+            keys=[f"{self._prefix}by_time", f"{self._prefix}requests", f"{self._prefix}by_end"],
             args=[cutoff, self._max_spans, self._prefix, TRIM_BATCH],
         )
         if removed:

@@ -108,7 +108,11 @@ def run_export(args: argparse.Namespace) -> int:
         print("shardline trace export: no stored spans match", file=sys.stderr)
         return 1
     output = args.output or Path(selection.default_name(request_ids))
-    stats = write_pftrace(spans, output)
+    try:
+        stats = write_pftrace(spans, output)
+    except OSError as exc:
+        print(f"shardline trace export: cannot write {output}: {exc.strerror or exc}", file=sys.stderr)
+        return 1
     print(f"wrote {output}: {len(spans)} spans as {stats.slices} slices on {stats.processes} processes, "
           f"{stats.request_tracks} request tracks, {stats.flows} flows, {stats.counter_samples} counter samples "
           f"({stats.bytes} bytes)")

@@ -13,6 +13,7 @@ from tests.gateway.harness import Stack, run_on_stack
 from tests.gateway.scripted_scheduler import MODEL, Script
 from tokenizer_svc.chat_template import ChatTemplate
 from tokenizer_svc.tokenizer import Tokenizer
+from tracing import attributes as attr
 
 PROMPT = "Write one sentence about a fox."
 
@@ -237,6 +238,16 @@ def test_n_completions_per_prompt_and_a_batch_of_prompts(tokenizer_address, text
         prompt_tokens = len(tokenizer.encode_batch([PROMPT])[0])
         # The prompt counts once; every choice's output counts.
         assert (result.usage.prompt_tokens, result.usage.completion_tokens) == (prompt_tokens, 12)
+        # Traces: each choice is a request rooted in its gateway.choice span, under the HTTP span,
+        # which carries the id the client got (a whole-trace export) and lists the choices.
+        spans = stack.spans.get_finished_spans()
+        [http] = [s for s in spans if s.name == "gateway.request"]
+        assert http.attributes[attr.REQUEST_ID] == result.id
+        assert list(http.attributes[attr.CHOICES]) == [f"{result.id}-{i}" for i in range(3)]
+        roots = [s for s in spans if s.name == "gateway.choice"]
+        assert sorted(s.attributes[attr.REQUEST_ID] for s in roots) == [f"{result.id}-{i}" for i in range(3)]
+        assert all(s.parent.span_id == http.context.span_id and s.attributes[attr.GEN_AI_USAGE_OUTPUT_TOKENS] == 4
+                   for s in roots)
 
         batch = await client(stack).completions.create(model=MODEL, prompt=["one", "two three"], max_tokens=2, n=2)
         assert [c.index for c in batch.choices] == [0, 1, 2, 3]

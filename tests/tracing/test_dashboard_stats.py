@@ -69,3 +69,20 @@ def test_failed_and_unknown_requests() -> None:
     spans[0].error = ""
     assert summarize("r4", spans).status == "unknown"
     assert summarize("absent", spans) is None
+
+
+def test_each_choice_of_an_n_request_is_a_row_and_their_container_is_none() -> None:
+    # n=2: the choices' own spans are rooted in gateway.choice (usage, finish reasons); the HTTP
+    # gateway.request lists them and carries the id the client got, for a whole-trace export.
+    f = SpanFactory()
+    choices = []
+    for i in range(2):
+        spans = served_request(f, f"cmpl-x-{i}", TRACE, output_tokens=6 + i, finish="length")
+        spans[0] = f.span("gateway.choice", "gateway", "gateway-0", 0, 100, trace_id=TRACE, **spans[0].attributes)
+        choices += spans
+    container = f.span("gateway.request", "gateway", "gateway-0", 0, 101, trace_id=TRACE, **{
+        attr.REQUEST_ID: "cmpl-x", attr.CHOICES: ["cmpl-x-0", "cmpl-x-1"]})
+    spans = [container, *choices]
+    rows = [summarize(rid, spans) for rid in ("cmpl-x-0", "cmpl-x-1")]
+    assert [(r.status, r.output_tokens, r.e2e_ms) for r in rows] == [("length", 6, 100.0), ("length", 7, 100.0)]
+    assert summarize("cmpl-x", spans) is None

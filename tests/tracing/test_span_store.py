@@ -85,7 +85,7 @@ async def test_count_bound_removes_the_oldest_spans_from_every_index(redis_url: 
     client = redis.Redis.from_url(redis_url)
     keys = {key.decode() for key in client.keys("shardline:trace:*")}
     client.close()
-    assert keys == {"shardline:trace:by_time", "shardline:trace:requests"} | {
+    assert keys == {"shardline:trace:by_time", "shardline:trace:by_end", "shardline:trace:requests"} | {
         f"shardline:trace:{kind}:{key}"
         for n in range(3, 8)
         for kind, key in (("req", f"r{n}"), ("span", f"{n + 1:032x}"))
@@ -109,3 +109,22 @@ async def test_age_bound_and_bounded_trim_batches(redis_url: str, monkeypatch: p
     # Each call deletes at most TRIM_BATCH spans, so a backlog never blocks Redis for long.
     assert removed == [3, 3, 1, 0]
     assert [s.request_id for s in left] == ["fresh"]
+
+
+@run_async
+async def test_a_request_that_just_finished_keeps_its_root_under_the_bounds(redis_url: str) -> None:
+    # A request's root starts first and ends (arrives) last: trimming by start time removed it the
+    # moment it arrived, leaving the newest request without its row. Trimming is by end time.
+    now = time.time()
+    spans = store(redis_url, max_spans=10, max_age_s=5)
+    try:
+        children = [(1, n + 2, "step", now - 10 + n, "long") for n in range(12)]  # ended 10 s ago .. now
+        await spans.add([otlp_export("worker-0", children)])
+        root = otlp_export("gateway-0", [(1, 1, "gateway.request", now - 10.5, "long")])
+        root.scope_spans[0].spans[0].end_time_unix_nano = int((now + 0.5) * S)  # a 11 s request ends now
+        await spans.add([root])
+        kept = await spans.by_request("long")
+    finally:
+        await spans.close()
+    assert "gateway.request" in [s.name for s in kept]
+    assert len(kept) <= 10 and all(s.end_ns >= (now - 5) * S for s in kept)

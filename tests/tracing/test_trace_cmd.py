@@ -86,6 +86,9 @@ def test_export_writes_the_selected_requests(redis_url: str, tmp_path: Path, cap
     assert main(["trace", "export", "--last", "1", "--until", "5", "--redis-url", redis_url]) == 2
     assert main(["trace", "export", "--redis-url", "redis://127.0.0.1:1/0"]) == 1
     assert "span store is unreachable" in capsys.readouterr().err
+    unwritable = tmp_path / "no-such-dir" / "x.pftrace"
+    assert main(["trace", "export", "--request", "r-a", "-o", str(unwritable), "--redis-url", redis_url]) == 1
+    assert f"cannot write {unwritable}: No such file or directory" in capsys.readouterr().err
 
 
 @run_async
