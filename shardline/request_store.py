@@ -71,7 +71,7 @@ class RequestRecord:
     attempt: int = 0  # 1 once dispatched, one more per worker failure (a scheduler restart adds none)
     finish_reason: FinishReason | None = None  # set once terminal
     error: str | None = None  # why it failed, if it did
-    dispatch_ts: float | None = None  # last dispatch to a worker
+    dispatch_ts: float | None = None  # first dispatch to a worker (kept by a re-dispatch, like first_token_ts)
     first_token_ts: float | None = None  # first output token persisted
     finish_ts: float | None = None  # reached a terminal status
     prompt_len: int = 0  # prompt tokens; create() sets it from the prompt
@@ -124,7 +124,10 @@ _UPDATE_LIVE_LUA = """
 if redis.call('EXISTS', KEYS[1]) == 0 or redis.call('HEXISTS', KEYS[1], 'finish_ts') == 1 then
   return 0
 end
-redis.call('HSET', KEYS[1], unpack(ARGV, 3))
+-- ARGV: request id, retention ms, n, then field/value pairs: the last n are set only if absent.
+local last_set = #ARGV - 2 * tonumber(ARGV[3])
+if last_set > 3 then redis.call('HSET', KEYS[1], unpack(ARGV, 4, last_set)) end
+for i = last_set + 1, #ARGV, 2 do redis.call('HSETNX', KEYS[1], ARGV[i], ARGV[i + 1]) end
 local retention_ms = tonumber(ARGV[2])
 if retention_ms > 0 then
   redis.call('SREM', KEYS[4], ARGV[1])
@@ -182,11 +185,20 @@ def _decode(request_id: str, raw: dict[bytes, bytes], num_output_tokens: int) ->
     )
 
 
-def _queue_update(pipe: Any, request_id: str, retention_ms: int, fields: dict[str, Any]) -> None:
+def _update_args(request_id: str, retention_ms: int, fields: dict[str, Any],
+                 once: dict[str, Any] | None = None) -> tuple[list[str], list[Any]]:
+    """KEYS and ARGV of _UPDATE_LIVE_LUA: `fields` are set, `once` only where absent."""
+    once = once or {}
+    keys = [_hash_key(request_id), _prompt_key(request_id), _tokens_key(request_id), ACTIVE_KEY]
+    pairs = [item for pair in [*fields.items(), *once.items()] for item in pair]
+    return keys, [request_id, retention_ms, len(once), *pairs]
+
+
+def _queue_update(pipe: Any, request_id: str, retention_ms: int, fields: dict[str, Any],
+                  once: dict[str, Any] | None = None) -> None:
     """Queues _UPDATE_LIVE_LUA on a pipeline. EVAL with the script's text, not a registered Script:
     on a pipeline, redis-py checks registered scripts with an extra SCRIPT EXISTS round trip."""
-    keys = [_hash_key(request_id), _prompt_key(request_id), _tokens_key(request_id), ACTIVE_KEY]
-    args = [request_id, retention_ms, *(item for pair in fields.items() for item in pair)]
+    keys, args = _update_args(request_id, retention_ms, fields, once)
     pipe.eval(_UPDATE_LIVE_LUA, len(keys), *keys, *args)
 
 
@@ -253,8 +265,7 @@ class RequestStore:
         return [bool(done) for done in (await pipe.execute())[appends:]]
 
     async def _update_live(self, request_id: str, retention_ms: int, fields: dict[str, Any]) -> bool:
-        keys = [_hash_key(request_id), _prompt_key(request_id), _tokens_key(request_id), ACTIVE_KEY]
-        args = [request_id, retention_ms, *(item for pair in fields.items() for item in pair)]
+        keys, args = _update_args(request_id, retention_ms, fields)
         return bool(await self._update_script(keys=keys, args=args))
 
     async def set_status(self, request_id: str, status: RequestStatus) -> bool:
@@ -264,10 +275,8 @@ class RequestStore:
         return await self._update_live(request_id, 0, {"status": status.name})
 
     async def mark_dispatched(self, request_id: str, worker_id: str, attempt: int) -> bool:
-        """Records a dispatch (RUNNING on `worker_id`, attempt, dispatch time); False if not live."""
-        now = time.time()
-        fields = {"status": RequestStatus.RUNNING.name, "worker_id": worker_id, "attempt": attempt, "dispatch_ts": now}
-        return await self._update_live(request_id, 0, fields)
+        """Records a dispatch (RUNNING on `worker_id`, attempt; the time of the first); False if not live."""
+        return (await self.mark_dispatched_many([(request_id, worker_id, attempt)]))[0]
 
     async def mark_dispatched_many(self, dispatches: Sequence[tuple[str, str, int]]) -> list[bool]:
         """mark_dispatched for many (request_id, worker_id, attempt) in ONE round trip,
@@ -275,9 +284,8 @@ class RequestStore:
         now = time.time()
         pipe = self._redis.pipeline(transaction=False)
         for request_id, worker_id, attempt in dispatches:
-            fields = {"status": RequestStatus.RUNNING.name, "worker_id": worker_id, "attempt": attempt,
-                      "dispatch_ts": now}
-            _queue_update(pipe, request_id, 0, fields)
+            fields = {"status": RequestStatus.RUNNING.name, "worker_id": worker_id, "attempt": attempt}
+            _queue_update(pipe, request_id, 0, fields, once={"dispatch_ts": now})
         return [bool(done) for done in await pipe.execute()] if dispatches else []
 
     async def set_gateway(self, request_id: str, gateway_id: str) -> bool:

@@ -79,10 +79,13 @@ async def test_lifecycle(redis_url: str) -> None:
         assert (got.status, got.worker_id, got.attempt) == (RequestStatus.RUNNING, "worker-a", 1)
         assert got.dispatch_ts is not None and got.first_token_ts == 1234.5
         assert got.num_output_tokens == 3
+        first_dispatch = got.dispatch_ts
 
         # A worker failure: back to the queue, then a second attempt elsewhere.
         assert await store.set_status("r1", RequestStatus.QUEUED)
         assert await store.mark_dispatched("r1", "worker-b", attempt=2)
+        # The first dispatch's time stays, as the first token's does: arrival <= dispatch <= first token.
+        assert (await store.get("r1")).dispatch_ts == first_dispatch
         assert await store.finish("r1", RequestStatus.FINISHED, FinishReason.LENGTH)
         got = await store.get("r1")
         assert got is not None
