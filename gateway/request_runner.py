@@ -18,7 +18,7 @@ from opentelemetry import trace
 
 from gateway.backends import RPC_TIMEOUT_S, Backends, upstream
 from gateway.params import ContextLengthExceeded, ModelLimits, resolve_max_tokens, validate_sampling
-from gateway.request_stream import RequestStream, StreamChunk, usage_of
+from gateway.request_stream import RequestStream, StreamChunk
 from gateway.settings import GatewaySettings
 from gateway.stop_matcher import StopMatcher
 from gateway.stream_hub import StreamHub
@@ -126,7 +126,7 @@ class LiveRequest:
                 self._runner.hub.release(self.request_id)
                 completed = self._stream.next_offset
                 chunk = StreamChunk("", [], completed, finish_reason="abort", error="request timed out",
-                                    usage=usage_of(self.prompt_tokens, completed))
+                                    usage=self._stream.usage())
             self._last = chunk
             yield chunk
 
@@ -143,7 +143,7 @@ class LiveRequest:
         self._runner.hub.release(self.request_id, grace_s=grace_s)
         timing, now = self._stream.timing, time.perf_counter()
         finished = self._last is not None and self._last.finish_reason is not None
-        usage = self._last.usage if finished else usage_of(self.prompt_tokens, self._stream.next_offset)
+        usage = self._last.usage if finished else self._stream.usage()
         labels = {"gen_ai_request_model": self.model}
         if timing.first_token_s is not None:
             TIME_TO_FIRST_TOKEN.labels(**labels).observe(timing.first_token_s - self._spec.arrival_s)

@@ -50,6 +50,11 @@ class RequestStream:
     buffered: list[common_pb2.RequestDelta] | None = None  # deltas held while a Resume awaits the record
     finished: bool = False  # its last chunk has been queued
     timing: StreamTiming = field(default_factory=StreamTiming)
+    cached_tokens: int = 0  # prompt tokens the worker found in its prefix cache, from the first delta
+
+    def usage(self) -> sampling_pb2.Usage:
+        """Its usage so far, for a request the gateway ends itself (a stop string, a lost consumer)."""
+        return usage_of(self.prompt_tokens, self.next_offset, self.cached_tokens)
 
 
 async def drain(stream: RequestStream) -> AsyncIterator[StreamChunk]:
@@ -61,8 +66,8 @@ async def drain(stream: RequestStream) -> AsyncIterator[StreamChunk]:
             return
 
 
-def usage_of(prompt_tokens: int, completion_tokens: int) -> sampling_pb2.Usage:
+def usage_of(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> sampling_pb2.Usage:
     """OpenAI-style token accounting."""
     return sampling_pb2.Usage(
         prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-        total_tokens=prompt_tokens + completion_tokens)
+        total_tokens=prompt_tokens + completion_tokens, cached_tokens=cached_tokens)

@@ -21,7 +21,7 @@ from typing import Any
 import grpc
 
 from gateway.backends import RPC_TIMEOUT_S, Backends, upstream
-from gateway.request_stream import RequestStream, StreamChunk, StreamTiming, usage_of
+from gateway.request_stream import RequestStream, StreamChunk, StreamTiming
 from shardline.errors import InvalidArgument, ShardlineError
 from shardline.proto import common_pb2, sampling_pb2, scheduler_pb2, tokenizer_pb2
 
@@ -273,6 +273,8 @@ class StreamHub:
                 consumed = [t for t in consumed if t not in specials]
             stream.prefix = _tail(stream.prefix + consumed, tokenizer.detokenize_prefix_window)
             stream.next_offset = w.offset + len(w.new)
+            if w.delta.HasField("usage"):  # the first delta's says what the prefix cache served
+                stream.cached_tokens = w.delta.usage.cached_tokens
             _record_timing(stream.timing, bool(w.new), now, start_ns, end_ns)
             text, stopped = stream.stop.feed(result.text, final=w.final)
             chunk = StreamChunk(text, w.new, w.offset, w.logprobs)
@@ -292,7 +294,7 @@ class StreamHub:
                 usage: sampling_pb2.Usage | None = None) -> None:
         # `cancel`: the gateway ends a request the scheduler still runs (a stop string, a failure here).
         chunk.finish_reason = reason
-        chunk.usage = usage or usage_of(stream.prompt_tokens, stream.next_offset)
+        chunk.usage = usage or stream.usage()
         stream.finished = True
         self._streams.pop(stream.request_id, None)
         stream.queue.put_nowait(chunk)

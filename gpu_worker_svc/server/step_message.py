@@ -21,7 +21,8 @@ def request_delta(out: RequestOutput) -> common_pb2.RequestDelta:
         delta.logprobs.append(sampling_pb2.TokenLogprob(
             token_id=lp.token_id, logprob=lp.logprob,
             top=[sampling_pb2.TopLogprob(token_id=t, logprob=v) for t, v in lp.top]))
-    if out.finish_reason is not None:
+    if out.finish_reason is not None or out.offset == 0:
+        # The first delta too: its prompt and cached tokens, for a gateway that ends it early (a stop string).
         completion = out.offset + len(out.new_token_ids)
         delta.usage.CopyFrom(sampling_pb2.Usage(
             prompt_tokens=out.num_prompt_tokens, completion_tokens=completion,

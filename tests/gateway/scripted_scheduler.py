@@ -26,6 +26,7 @@ class Script:
     finish_reason: int = sampling_pb2.FINISH_REASON_STOP  # when the script runs out (as on EOS)
     hold_after: int | None = None  # emit this many tokens, then wait for `release()` or a cancel
     logprobs: bool = False  # attach made-up logprobs with two alternatives per token
+    cached_tokens: int = 0  # prompt tokens the "worker" found cached, in the first and last deltas' usage
 
 
 @dataclass
@@ -159,8 +160,11 @@ class ScriptedScheduler(scheduler_pb2_grpc.SchedulerServicer):
         params = record.submit.params
         limit = min(len(script.token_ids), params.max_tokens) if params.HasField("max_tokens") else len(script.token_ids)
         new = script.token_ids[done : min(limit, done + script.tokens_per_step)]
+        first = not record.output
         record.output += new
         delta.token_ids.extend(new)
+        if first and new:  # as a worker does: the first delta says what the prefix cache served
+            delta.usage.CopyFrom(self._usage(record))
         if script.logprobs:
             for token_id in new:
                 top = [sampling_pb2.TopLogprob(token_id=token_id, logprob=-0.25),
@@ -173,10 +177,14 @@ class ScriptedScheduler(scheduler_pb2_grpc.SchedulerServicer):
 
     def _end(self, record: Record, delta: common_pb2.RequestDelta, status: int, reason: int) -> common_pb2.RequestDelta:
         record.status, record.finish_reason = status, reason
-        prompt = len(record.submit.prompt_token_ids)
         delta.finish_reason = reason
         if reason == sampling_pb2.FINISH_REASON_ERROR:
             delta.error = "worker-0 failed"
-        delta.usage.CopyFrom(sampling_pb2.Usage(
-            prompt_tokens=prompt, completion_tokens=len(record.output), total_tokens=prompt + len(record.output)))
+        delta.usage.CopyFrom(self._usage(record))
         return delta
+
+    @staticmethod
+    def _usage(record: Record) -> sampling_pb2.Usage:
+        prompt = len(record.submit.prompt_token_ids)
+        return sampling_pb2.Usage(prompt_tokens=prompt, completion_tokens=len(record.output),
+                                  total_tokens=prompt + len(record.output), cached_tokens=record.script.cached_tokens)

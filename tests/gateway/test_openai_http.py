@@ -291,3 +291,16 @@ def test_a_refused_choice_refuses_the_request(tokenizer_address, text_ids) -> No
         assert len(stack.scheduler.submitted) == 2
 
     run_on_stack(tokenizer_address, Script(text_ids, hold_after=1), body)
+
+
+def test_a_stop_string_ending_keeps_the_cached_prompt_tokens_in_usage(tokenizer_address, text_ids, tokenizer) -> None:
+    # The gateway ends the request itself on a stop string: the usage it reports still says what the
+    # worker's prefix cache served (from the first delta), not only the final delta's figures.
+    stop = tokenizer.decode(text_ids[3:5]).strip()
+
+    async def body(stack: Stack) -> None:
+        result = await client(stack).completions.create(model=MODEL, prompt=PROMPT, max_tokens=50, stop=[stop])
+        assert result.choices[0].finish_reason == "stop"
+        assert result.usage.prompt_tokens_details.cached_tokens == 4
+
+    run_on_stack(tokenizer_address, Script(text_ids, cached_tokens=4), body)
