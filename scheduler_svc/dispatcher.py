@@ -54,6 +54,7 @@ class Dispatcher:
         self._sessions: dict[str, WorkerSession] = {}
         self._tasks: list[asyncio.Task] = []
         self._background: set[asyncio.Task] = set()  # deadline cancels, kept referenced until done
+        self._admitting: dict[str, asyncio.Future[int]] = {}  # Submits still writing their request
 
     async def start(self) -> None:
         """Re-queues every unfinished request found in Redis, then starts dispatching."""
@@ -85,6 +86,14 @@ class Dispatcher:
         if request.request_id in self.requests:
             raise AlreadyExists(f"request_id: {request.request_id!r} is already in use")
         self.queue.reserve()  # before any write: a full queue leaves nothing behind in Redis
+        # Shielded: a Submit cancelled mid-write (its client left, a deadline) must still end with the
+        # request either written and held (queued, so a Cancel finds it) or not written at all.
+        admission = asyncio.ensure_future(self._admit(request))
+        self._admitting[request.request_id] = admission
+        admission.add_done_callback(lambda _: self._admitting.pop(request.request_id, None))
+        return await asyncio.shield(admission)
+
+    async def _admit(self, request: LiveRequest) -> int:
         try:
             created = await self._store.create(request.to_record(), request.prompt_token_ids)
         except BaseException:
@@ -106,11 +115,19 @@ class Dispatcher:
         With `gateway_id` (a gateway whose stream of it ended), a request now streaming to another
         gateway, which a client resumed it on, is left alone.
         """
+        admission = self._admitting.get(request_id)
+        if admission is not None:  # its Submit is still writing it: cancel what that leaves
+            await asyncio.wait([admission])
         request = self.requests.get(request_id)
         if request is None:
             record = await self._store.get(request_id)
             if record is None:
                 raise NotFound(f"request_id: no request {request_id!r}")
+            if not record.status.is_finished and await self._store.finish(
+                    request_id, RequestStatus.CANCELLED, FinishReason.ABORT):
+                # Live in Redis but held by no one here (left by a crash mid-write): nothing runs it.
+                log.warning("request %s was live in Redis only: cancelled there", request_id)
+                return RequestStatus.CANCELLED
             return record.status
         if gateway_id and request.gateway_id != gateway_id:
             log.info("request %s: cancel from %s ignored, %s streams it now", request_id, gateway_id,
@@ -250,6 +267,9 @@ class Dispatcher:
             log.info("recovered %d unfinished requests from Redis", len(recovered))
 
     async def _requeue(self, requests: list[LiveRequest]) -> None:
+        # QUEUED is written before they can be dispatched: written after, it could land on top of
+        # the RUNNING of a dispatch that came first (and a restart would then count that run again).
+        await asyncio.gather(*(self._store.set_status(r.request_id, RequestStatus.QUEUED) for r in requests))
         # Latest arrival pushed first, so each class's front ends up in arrival order.
         for request in sorted(requests, key=lambda r: r.arrival_ts, reverse=True):
             request.worker_id = None
@@ -258,7 +278,6 @@ class Dispatcher:
             if request.deadline_timer is None:
                 self._arm_deadline(request)
         self._wake.set()
-        await asyncio.gather(*(self._store.set_status(r.request_id, RequestStatus.QUEUED) for r in requests))
 
     def _open_queue_span(self, request: LiveRequest) -> None:
         request.queue_span = self._tracer.start_span(

@@ -20,15 +20,17 @@ class Subscription:
 
     def __init__(self, gateway_id: str, maxsize: int) -> None:
         self.gateway_id = gateway_id
-        self._queue: asyncio.Queue[scheduler_pb2.TokenBatch | None] = asyncio.Queue(maxsize)
+        # Bounded by offer(), not by the queue: the end marker must always fit behind the batches.
+        self._queue: asyncio.Queue[scheduler_pb2.TokenBatch | None] = asyncio.Queue()
+        self._maxsize = maxsize
         self._error: str | None = None
         self.closed = False
 
     def offer(self, batch: scheduler_pb2.TokenBatch) -> None:
-        try:
+        if self._queue.qsize() >= self._maxsize:
+            self.close(f"gateway {self.gateway_id} fell {self._maxsize} batches behind: re-subscribe")
+        else:
             self._queue.put_nowait(batch)
-        except asyncio.QueueFull:
-            self.close(f"gateway {self.gateway_id} fell {self._queue.maxsize} batches behind: re-subscribe")
 
     def close(self, error: str | None = None) -> None:
         """Ends the stream once its queue is read, or at once with `error`."""
@@ -38,8 +40,6 @@ class Subscription:
         if error is not None:
             while not self._queue.empty():
                 self._queue.get_nowait()
-        if self._queue.full():
-            self._queue.get_nowait()
         self._queue.put_nowait(None)
 
     async def __aiter__(self) -> AsyncIterator[scheduler_pb2.TokenBatch]:

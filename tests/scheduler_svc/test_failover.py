@@ -152,3 +152,24 @@ async def test_scheduler_restart_recovers_unfinished_requests_from_redis(redis_u
         # A scheduler restart is not the request's failure: the re-dispatch resumes attempt 1.
         assert (await c.info("running")).attempt == 1
         assert (await c.info("waiting-low")).status == sampling_pb2.REQUEST_STATUS_FINISHED
+
+
+@run_async
+async def test_a_request_redispatched_at_once_is_recorded_running(redis_url: str) -> None:
+    # The re-queue's QUEUED write used to land after the RUNNING of the dispatch that beat it, so the
+    # record said QUEUED while the request ran (and a restart then counted that run as a failure).
+    async with cluster(redis_url) as c:
+        await c.gateway("gw-1")
+        doomed = await c.worker("w1", max_num_seqs=4)
+        doomed.generating.clear()
+        for i in range(4):
+            await c.submit(f"r{i}", max_tokens=50)
+        await eventually(lambda: len(doomed.received) == 4, what="dispatch to w1")
+        survivor = await c.worker("w2", max_num_seqs=8)
+        survivor.generating.clear()
+        await doomed.kill()
+        await eventually(lambda: len(survivor.received) == 4, what="re-dispatch to w2")
+        await asyncio.sleep(0.2)
+        infos = [await c.info(f"r{i}") for i in range(4)]
+        assert [(i.status, i.worker_id, i.attempt) for i in infos] == [
+            (sampling_pb2.REQUEST_STATUS_RUNNING, "w2", 2)] * 4

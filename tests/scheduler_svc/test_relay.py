@@ -49,3 +49,15 @@ async def test_slow_gateway_is_cut_off_instead_of_blocking() -> None:
         relay.publish("gw-1", scheduler_pb2.TokenBatch(step=step))  # never waits
     with pytest.raises(Unavailable, match="behind"):
         await asyncio.wait_for(_collect(slow), timeout=1)
+
+
+@run_async
+async def test_closing_a_full_stream_keeps_every_batch() -> None:
+    # At shutdown a stream ends cleanly after what it holds: its oldest batch used to make room for
+    # the end marker, and the gateway saw a gap with no error telling it to catch up.
+    relay = Relay(queue_size=3)
+    full = relay.subscribe("gw-1")
+    for step in (1, 2, 3):
+        relay.publish("gw-1", scheduler_pb2.TokenBatch(step=step))
+    relay.close_all()
+    assert await _collect(full) == [1, 2, 3]

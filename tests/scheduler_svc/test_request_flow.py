@@ -1,5 +1,6 @@
 """Submit, dispatch, relay and cancel through a real scheduler, Redis and scripted workers."""
 
+import asyncio
 import socket
 import time
 
@@ -286,3 +287,32 @@ async def test_deadline_aborts_the_request(redis_url: str) -> None:
         assert gateway.final("r1").finish_reason == sampling_pb2.FINISH_REASON_ABORT
         assert worker.aborted == ["r1"]
         assert (await c.info("r1")).status == sampling_pb2.REQUEST_STATUS_CANCELLED
+
+
+@run_async
+async def test_a_submit_cancelled_mid_write_leaves_nothing_running(redis_url: str) -> None:
+    # The client (a gateway) gave up while the request was being written; it cancels "to be sure".
+    # The write used to land with the request held nowhere: Cancel could not end it, and the next
+    # scheduler recovered and ran it for no one.
+    async with cluster(redis_url) as c:
+        store = c.server.dispatcher._store
+        create = store.create
+
+        async def slow_create(*args, **kwargs):
+            await asyncio.sleep(0.4)
+            return await create(*args, **kwargs)
+
+        store.create = slow_create
+        submit = scheduler_pb2.SubmitRequest(request_id="orphan", gateway_id="gw-1", model="test-model",
+                                             prompt_token_ids=[1, 2, 3],
+                                             params=sampling_pb2.SamplingParameters(max_tokens=5))
+        with pytest.raises(grpc.aio.AioRpcError) as gave_up:
+            await c.stub.Submit(submit, timeout=0.1)
+        assert gave_up.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        cancelled = await c.stub.Cancel(common_pb2.CancelRequest(request_id="orphan"))
+        assert cancelled.status == sampling_pb2.REQUEST_STATUS_CANCELLED
+        worker = await c.worker("w0")
+        await asyncio.sleep(0.3)
+        assert worker.received == [] and (await c.info("orphan")).status == sampling_pb2.REQUEST_STATUS_CANCELLED
+        async with RequestStore(redis_url) as check:
+            assert await check.list_active() == []
