@@ -29,6 +29,9 @@ GRPC_OPTIONS = [
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
     ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+    # A port in use is an error, not a share: with SO_REUSEPORT a second server on it would take
+    # part of the first one's connections.
+    ("grpc.so_reuseport", 0),
 ]
 
 
@@ -139,7 +142,10 @@ async def start_grpc_server(services: list[GrpcService], port: int, host: str = 
         svc.add_to_server(svc.servicer, server)
     names = [svc.full_name for svc in services]
     reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    try:
+        bound = server.add_insecure_port(f"{host}:{port}")
+    except RuntimeError as exc:  # grpc's way of saying the bind failed (most often: the port is in use)
+        raise OSError(f"cannot bind gRPC port {host}:{port} (in use?)") from exc
     if bound == 0:
         raise OSError(f"cannot bind gRPC port {host}:{port}")
     await server.start()

@@ -62,8 +62,9 @@ class AsyncShardlineClient:
     async def _stream(self, fn: Callable[..., Any], req: Any, timeout: float | None) -> AsyncIterator[Chunk]:
         for attempt in range(self.retries + 1):
             started = False
+            call = fn(req, timeout=timeout or self.timeout, metadata=self._metadata)
             try:
-                async for msg in fn(req, timeout=timeout or self.timeout, metadata=self._metadata):
+                async for msg in call:
                     started = True
                     yield Chunk.from_proto(msg)
                 return
@@ -71,6 +72,11 @@ class AsyncShardlineClient:
                 if started or exc.code() not in RETRYABLE or attempt == self.retries:
                     raise
                 await asyncio.sleep(self.backoff_s * 2**attempt)
+            finally:
+                # A caller that stops early must end the rpc (the server then cancels the request after
+                # its resume grace): the call and its reader reference each other, so it would never be
+                # collected, and the request would run to the end, unresumable meanwhile.
+                call.cancel()
 
     async def cancel(self, request_id: str) -> None:
         """Stop a request; its worker frees the request's KV blocks."""

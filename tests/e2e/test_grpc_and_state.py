@@ -40,6 +40,27 @@ def test_async_client_and_resume(grpc_target):
     assert stored == full
 
 
+def test_an_async_stream_left_early_can_be_resumed_at_once(grpc_target):
+    # Breaking out of the stream must end its rpc; before, the request ran on to the end, and a
+    # Resume was refused ("already streaming") all that time.
+    async def run() -> tuple[list[int], list[int]]:
+        async with AsyncShardlineClient(grpc_target) as client:
+            stream = client.stream("Write a long story:", max_tokens=60, temperature=0.0, ignore_eos=True)
+            head: list[int] = []
+            async for chunk in stream:
+                head += chunk.token_ids
+                request_id = chunk.request_id
+                if len(head) >= 2:
+                    break
+            await stream.aclose()
+            rest = [t async for c in client.resume(request_id, offset=len(head)) for t in c.token_ids]
+            whole = await client.generate("Write a long story:", max_tokens=60, temperature=0.0, ignore_eos=True)
+            return head + rest, whole.token_ids
+
+    resumed, whole = asyncio.run(run())
+    assert resumed == whole
+
+
 def test_bad_grpc_request_is_invalid_argument(grpc_target):
     with ShardlineClient(grpc_target, retries=0) as client:
         with pytest.raises(grpc.RpcError) as err:

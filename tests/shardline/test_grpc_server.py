@@ -69,3 +69,18 @@ def test_a_handlers_own_abort_passes_through():
     with pytest.raises(_Aborted):
         asyncio.run(_wrap_unary(handler)(None, context))
     assert context.code == grpc.StatusCode.PERMISSION_DENIED
+
+
+def test_a_port_in_use_is_refused_not_shared():
+    # With SO_REUSEPORT a second server bound the same port and took part of the first one's clients.
+    from shardline.grpc_server import start_grpc_server
+
+    async def run() -> None:
+        first = await start_grpc_server([], 0, "127.0.0.1")
+        try:
+            with pytest.raises(OSError, match="cannot bind"):
+                await start_grpc_server([], first.port, "127.0.0.1")
+        finally:
+            await first.stop(0)
+
+    asyncio.run(run())
