@@ -20,7 +20,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from shardline.ports import free_port
-from shardline.signals import signals_deferred
+from shardline.signals import die_with_parent, signals_deferred
 
 logger = logging.getLogger(__name__)
 
@@ -130,7 +130,8 @@ class EmbeddedRedis:
         ]
         # The child keeps its own copy of the log descriptor.
         with open(self.log_path, "ab") as log, signals_deferred():
-            self._process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+            self._process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                                             preexec_fn=die_with_parent)
 
     def _wait_ready(self, port: int) -> None:
         assert self._process is not None

@@ -1,16 +1,29 @@
-"""Signals held back across a critical section (see signals_deferred)."""
+"""Signals held back across a critical section (see signals_deferred), and children that die with their parent."""
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import signal
+import sys
 import threading
 from collections.abc import Iterator
+
+# The signals that stop `shardline up` and the stacks it runs: Ctrl-C, kill, a closed terminal.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """Popen's preexec_fn: the child gets SIGTERM when its parent dies, however it dies (SIGKILL
+    included), so a stack's services never outlive the process that started them. Linux only."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
 
 
 @contextlib.contextmanager
 def signals_deferred() -> Iterator[None]:
-    """SIGINT and SIGTERM wait until the block ends, then take effect as they would have.
+    """SIGINT, SIGTERM and SIGHUP wait until the block ends, then take effect as they would have.
 
     Wrap the start of a child process and the line that records it: Ctrl-C inside Popen (after
     the fork, while it waits for the exec) raises out of it without killing the child, and
@@ -20,8 +33,7 @@ def signals_deferred() -> Iterator[None]:
         yield
         return
     received: list[int] = []
-    previous = {sig: signal.signal(sig, lambda sig, frame: received.append(sig))
-                for sig in (signal.SIGINT, signal.SIGTERM)}
+    previous = {sig: signal.signal(sig, lambda sig, frame: received.append(sig)) for sig in STOP_SIGNALS}
     try:
         yield
     finally:

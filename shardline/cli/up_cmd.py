@@ -9,6 +9,7 @@ import threading
 import time
 from pathlib import Path
 
+from shardline.signals import STOP_SIGNALS
 from shardline.stack import LocalStack, StackConfig
 
 
@@ -34,8 +35,10 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.monotonic()
     print(f"shardline: starting {args.workers} worker(s) at TP {args.tp} with "
           f"{args.model or 'SmolLM2-135M-Instruct (default)'} ...", flush=True)
-    # While starting, Ctrl-C (and SIGTERM, made to match) interrupts start(), which stops what it started.
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    # While starting, Ctrl-C (and SIGTERM and SIGHUP, made to match) interrupts start(), which stops
+    # what it started.
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.default_int_handler)
     try:
         stack.start(progress=lambda msg: print(f"  [{time.monotonic() - t0:5.1f}s] {msg}", flush=True))
     except KeyboardInterrupt:
@@ -45,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"shardline: failed to start: {exc}", file=sys.stderr)
         return 1
     stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in STOP_SIGNALS:  # a closed terminal (SIGHUP) too: the services must not outlive `up`
         signal.signal(sig, lambda *_: stop.set())
     traces = (f"\n  traces        http://127.0.0.1:{config.dashboard_port}/   (dashboard; OTLP on :{config.otlp_port})"
               if args.tracing else "")
