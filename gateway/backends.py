@@ -77,7 +77,8 @@ def upstream_error(service: str, exc: grpc.aio.AioRpcError) -> ShardlineError:
         field, _, problem = details.partition(": ")
         return InvalidArgument(field, problem) if problem else InvalidArgument("request", details)
     if code == grpc.StatusCode.ALREADY_EXISTS:
-        return InvalidArgument("request_id", details)
+        field, _, problem = details.partition(": ")
+        return InvalidArgument(field, problem) if problem else InvalidArgument("request_id", details)
     if code == grpc.StatusCode.NOT_FOUND:
         return NotFound(details)
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:

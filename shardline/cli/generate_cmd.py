@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+
+import grpc
+
+from shardline.cli.arg_types import at_least_one, non_negative, probability
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
@@ -22,10 +27,10 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--url", default=None, help="gateway gRPC address (host:port); default: run in-process")
     p.add_argument("--model", default=None, help="HF folder or .gguf (in-process) / served model name")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (in-process)")
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--tp", type=at_least_one, default=1, help="tensor-parallel size (in-process)")
+    p.add_argument("--max-tokens", type=at_least_one, default=128)
+    p.add_argument("--temperature", type=non_negative, default=0.0)
+    p.add_argument("--top-p", type=probability, default=None)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--api-key", default=None)
     p.add_argument("-v", "--verbose", action="store_true")
@@ -62,7 +67,38 @@ class _Backend:
             self.client.close()
 
 
+def _friendly(command: str, run: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    """`run` with its failures as one line on stderr (exit 2 for a bad value, 1 otherwise), not a traceback."""
+
+    def wrapped(args: argparse.Namespace) -> int:
+        try:
+            return run(args)
+        except KeyboardInterrupt:
+            print(file=sys.stderr)
+            return 130
+        except BrokenPipeError:  # `| head`: the reader is gone; say nothing more
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return 0
+        except grpc.RpcError as exc:
+            code = exc.code()
+            print(f"shardline {command}: {code.name}: {exc.details()}", file=sys.stderr)
+            return 2 if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND) else 1
+        except (ValueError, OSError) as exc:  # a bad model path or config, a value the engine refuses
+            print(f"shardline {command}: {exc}", file=sys.stderr)
+            return 2 if isinstance(exc, (ValueError, FileNotFoundError)) else 1
+
+    return wrapped
+
+
 def run_generate(args: argparse.Namespace) -> int:
+    return _friendly("generate", _generate)(args)
+
+
+def run_chat(args: argparse.Namespace) -> int:
+    return _friendly("chat", _chat)(args)
+
+
+def _generate(args: argparse.Namespace) -> int:
     backend = _Backend(args)
     try:
         messages = [{"role": "user", "content": args.prompt}] if args.chat else None
@@ -75,7 +111,7 @@ def run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_chat(args: argparse.Namespace) -> int:
+def _chat(args: argparse.Namespace) -> int:
     backend = _Backend(args)
     history: list[dict[str, str]] = [{"role": "system", "content": args.system}] if args.system else []
     try:
@@ -83,6 +119,7 @@ def run_chat(args: argparse.Namespace) -> int:
             try:
                 line = input("you> ").strip()
             except EOFError:
+                sys.stdout.write("\n")  # leave the terminal on a fresh line
                 break
             if not line:
                 break

@@ -9,6 +9,7 @@ import threading
 import time
 from pathlib import Path
 
+from shardline.cli.arg_types import at_least_one
 from shardline.signals import STOP_SIGNALS
 from shardline.stack import LocalStack, StackConfig
 
@@ -16,8 +17,8 @@ from shardline.stack import LocalStack, StackConfig
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("up", help="start redis, tokenizer, scheduler, workers and gateway on this machine")
     p.add_argument("--model", default=None, help="HF folder or .gguf file (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--workers", type=int, default=1, help="number of GPU worker services")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size of each worker")
+    p.add_argument("--workers", type=at_least_one, default=1, help="number of GPU worker services")
+    p.add_argument("--tp", type=at_least_one, default=1, help="tensor-parallel size of each worker")
     p.add_argument("--http-port", type=int, default=8000)
     p.add_argument("--grpc-port", type=int, default=50051)
     p.add_argument("--redis-url", default=None, help="external Redis (default: an embedded redis-server)")

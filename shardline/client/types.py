@@ -131,12 +131,16 @@ def build_request(prompt: str | list[int] | None = None, *, messages: list[dict[
     if request_id:
         req.request_id = request_id
     if timeout is not None:
-        req.timeout.FromMilliseconds(int(timeout * 1000))
+        if timeout <= 0:
+            raise ValueError(f"timeout must be positive, got {timeout}")
+        req.timeout.FromMilliseconds(max(1, round(timeout * 1000)))
     for name, value in params.items():
         if value is None:
             continue
         if name in ("stop", "stop_token_ids"):
-            getattr(req.params, name).extend([value] if isinstance(value, str) else value)
+            getattr(req.params, name).extend([value] if isinstance(value, (str, int)) else value)
+        elif name == "seed":
+            req.params.seed = value % (1 << 64)  # signed seeds (OpenAI's) map onto the wire's uint64
         elif name == "top_logprobs":
             req.params.logprobs = True
             req.params.top_logprobs = value

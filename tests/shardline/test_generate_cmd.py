@@ -1,0 +1,32 @@
+"""`shardline generate` / `chat`: bad values and failures are one line and an exit code, never a traceback."""
+
+from __future__ import annotations
+
+import pytest
+
+from shardline.cli.main import main
+from shardline.client.types import build_request
+
+
+@pytest.mark.parametrize("flags", [["--max-tokens", "0"], ["--temperature", "-1"], ["--top-p", "2"], ["--tp", "0"]])
+def test_out_of_range_flags_are_usage_errors(flags, capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(["generate", "hi", *flags])
+    assert exited.value.code == 2 and flags[0] in capsys.readouterr().err
+
+
+def test_failures_are_one_line(capsys):
+    assert main(["generate", "hi", "--model", "/nonexistent"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("shardline generate: /nonexistent: model path not found") and "Traceback" not in err
+    assert main(["generate", "hi", "--url", "127.0.0.1:1", "--max-tokens", "2"]) == 1
+    assert capsys.readouterr().err.startswith("shardline generate: UNAVAILABLE: ")
+
+
+def test_sdk_request_building_takes_what_callers_pass():
+    req = build_request("hi", stop_token_ids=198, stop="x", seed=-1, timeout=0.0004)
+    assert list(req.params.stop_token_ids) == [198] and list(req.params.stop) == ["x"]
+    assert req.params.seed == 2**64 - 1  # a signed seed, as OpenAI's, keeps its bits
+    assert req.timeout.ToMilliseconds() == 1  # rounded up, never a zero deadline
+    with pytest.raises(ValueError, match="timeout"):
+        build_request("hi", timeout=0)
