@@ -92,6 +92,7 @@ class RequestTable:
         now = time.time()
         new_tokens: dict[str, list[int]] = defaultdict(list)
         first_token_ts: dict[str, float] = {}
+        cached_tokens: dict[str, int] = {}
         finished: list[Outcome] = []
         kept_per_step: list[list[tuple[LiveRequest, common_pb2.RequestDelta]]] = []
         for step in steps:
@@ -101,6 +102,8 @@ class RequestTable:
                 # A request re-dispatched elsewhere may still trail deltas from its old worker.
                 if request is None or request.worker_id != worker_id or not _drop_repeats(request, delta):
                     continue
+                if delta.HasField("usage") and delta.usage.cached_tokens:
+                    cached_tokens[request.request_id] = delta.usage.cached_tokens
                 if delta.token_ids:
                     if request.num_output_tokens == 0:
                         first_token_ts[request.request_id] = now
@@ -116,7 +119,7 @@ class RequestTable:
         self._registry.report(worker_id, stats.num_running, stats.num_waiting, stats.kv_blocks_used)
         # Persist before relaying, so whatever a gateway has seen can be read back from Redis. The
         # step's tokens and its finishes land together: recovery never sees a complete output RUNNING.
-        await self._store.append_step(new_tokens, first_token_ts, [o.stored() for o in finished])
+        await self._store.append_step(new_tokens, first_token_ts, [o.stored() for o in finished], cached_tokens)
         self._end(finished)
         for step, kept in zip(steps, kept_per_step):
             self._publish(worker_id, step.step, kept)

@@ -151,7 +151,7 @@ def _to_request_info(record: RequestRecord, tokens: list[int]) -> common_pb2.Req
         finish_reason=int(record.finish_reason or 0),
         error=record.error or "",
         usage=sampling_pb2.Usage(prompt_tokens=record.prompt_len, completion_tokens=len(tokens),
-                               total_tokens=record.prompt_len + len(tokens)),
+                                 total_tokens=record.prompt_len + len(tokens), cached_tokens=record.cached_tokens),
         output_token_ids=tokens,
     )
     for name, ts in (("arrival_time", record.arrival_ts), ("dispatch_time", record.dispatch_ts),

@@ -5,6 +5,7 @@ Keys, all under `shardline:`:
 - `shardline:req:<id>`: hash with model, params (JSON), status, worker_id,
   attempt, gateway_id, priority, prompt_len, finish_reason, error, the
   timings arrival_ts, dispatch_ts, first_token_ts, finish_ts (unix seconds),
+  cached_tokens (prompt tokens a worker's prefix cache served),
   and what a re-dispatch needs: eos_token_ids (JSON), deadline_ts, traceparent;
 - `shardline:req:<id>:prompt`: prompt token ids, packed little-endian uint32;
 - `shardline:req:<id>:tokens`: generated token ids, packed the same way and
@@ -73,6 +74,7 @@ class RequestRecord:
     error: str | None = None  # why it failed, if it did
     dispatch_ts: float | None = None  # first dispatch to a worker (kept by a re-dispatch, like first_token_ts)
     first_token_ts: float | None = None  # first output token persisted
+    cached_tokens: int = 0  # prompt tokens the serving worker's prefix cache served (its first delta says)
     finish_ts: float | None = None  # reached a terminal status
     prompt_len: int = 0  # prompt tokens; create() sets it from the prompt
     num_output_tokens: int = 0  # tokens generated so far; read from the tokens key
@@ -177,6 +179,7 @@ def _decode(request_id: str, raw: dict[bytes, bytes], num_output_tokens: int) ->
         dispatch_ts=optional_float("dispatch_ts"),
         first_token_ts=optional_float("first_token_ts"),
         finish_ts=optional_float("finish_ts"),
+        cached_tokens=int(h.get("cached_tokens", 0)),
         prompt_len=int(h["prompt_len"]),
         num_output_tokens=num_output_tokens,
         eos_token_ids=json.loads(h.get("eos_token_ids", "[]")),
@@ -243,11 +246,13 @@ class RequestStore:
     async def append_step(
         self, deltas: dict[str, list[int]], first_token_ts: dict[str, float] | None = None,
         finishes: Sequence[tuple[str, RequestStatus, FinishReason, str | None]] = (),
+        cached_tokens: dict[str, int] | None = None,
     ) -> list[bool]:
         """Appends one engine step's new tokens for every request, and records the requests the step
         finished (as `finish_many`), in ONE round trip; returns finish_many's answers.
 
-        `first_token_ts` maps requests whose first token is in this step to its time. Only for live
+        `first_token_ts` maps requests whose first token is in this step to its time, and
+        `cached_tokens` those whose worker said how many prompt tokens it had cached. Only for live
         requests: on the hot path, it does not check. It is one MULTI/EXEC when the step finishes a
         request: a crash between a request's last tokens and its finish would leave it RUNNING with
         a complete output, and recovery would run it on past its end.
@@ -258,6 +263,8 @@ class RequestStore:
                 pipe.append(_tokens_key(request_id), pack_token_ids(token_ids))
         for request_id, ts in (first_token_ts or {}).items():
             pipe.hset(_hash_key(request_id), "first_token_ts", ts)
+        for request_id, count in (cached_tokens or {}).items():
+            pipe.hset(_hash_key(request_id), "cached_tokens", count)
         appends = len(pipe)
         self._queue_finishes(pipe, finishes)
         if not len(pipe):

@@ -122,3 +122,13 @@ def test_request_walk_timings_are_ordered_and_add_up(grpc_target):
     summary = summarize(waves[0])
     assert [name for name, _, _ in HOPS] == list(summary)[: len(HOPS)]
     assert summary["TTFT"]["max"] >= summary["dispatch -> first token"]["max"] > 0
+
+
+def test_the_record_keeps_the_prefix_cache_hits(grpc_target):
+    prompt = "A prompt long enough to fill a few KV blocks of sixteen tokens each, said twice over: " * 2
+    with ShardlineClient(grpc_target) as client:
+        client.generate(prompt, max_tokens=2, temperature=0.0)
+        again = client.generate(prompt, max_tokens=2, temperature=0.0)
+        info = client.get_request(again.request_id)
+    assert again.usage.cached_tokens > 0
+    assert info.usage.cached_tokens == again.usage.cached_tokens  # GetRequest said 0 before

@@ -9,8 +9,10 @@ from shardline.request_store import FinishReason, RequestStatus, RequestStore
 from tests.tracing.run_async import run_async
 
 
-def _delta(request_id: str, tokens: list[int], offset: int, finish: int = 0) -> common_pb2.RequestDelta:
-    return common_pb2.RequestDelta(request_id=request_id, token_ids=tokens, offset=offset, finish_reason=finish)
+def _delta(request_id: str, tokens: list[int], offset: int, finish: int = 0,
+           usage: sampling_pb2.Usage | None = None) -> common_pb2.RequestDelta:
+    return common_pb2.RequestDelta(request_id=request_id, token_ids=tokens, offset=offset, finish_reason=finish,
+                                   usage=usage)
 
 
 @run_async
@@ -36,7 +38,9 @@ async def test_steps_are_persisted_in_one_pipeline_and_relayed_per_step(redis_ur
         store.append_step = counting_append_step
         subscription = relay.subscribe("gw")
         steps = [
-            worker_pb2.StepOutput(step=1, deltas=[_delta("a", [10, 11], 0), _delta("b", [20], 0)]),
+            # A worker's first delta of a request says how many prompt tokens its prefix cache served.
+            worker_pb2.StepOutput(step=1, deltas=[_delta("a", [10, 11], 0, usage=sampling_pb2.Usage(cached_tokens=2)),
+                                                  _delta("b", [20], 0)]),
             # "a" repeats token 11; "ghost" belongs to no live request.
             worker_pb2.StepOutput(step=2, deltas=[_delta("a", [11, 12], 1), _delta("ghost", [9], 0)]),
             worker_pb2.StepOutput(step=3, deltas=[_delta("b", [21], 1, sampling_pb2.FINISH_REASON_STOP)]),
@@ -57,3 +61,4 @@ async def test_steps_are_persisted_in_one_pipeline_and_relayed_per_step(redis_ur
         assert "b" not in table and worker.in_flight == {"a"}
         record = await store.get("a")
         assert record.first_token_ts is not None and record.status == RequestStatus.QUEUED
+        assert record.cached_tokens == 2  # kept for GetRequest's usage
