@@ -9,7 +9,7 @@ from typing import Any, TypeVar
 import grpc
 
 from shardline.client.sync_client import RETRYABLE
-from shardline.client.types import Chunk, Completion, RequestInfo, build_request
+from shardline.client.types import Chunk, Completion, RequestInfo, build_request, was_taken
 from shardline.proto import common_pb2, generation_pb2, generation_pb2_grpc
 
 T = TypeVar("T")
@@ -24,7 +24,7 @@ class AsyncShardlineClient:
     """
 
     def __init__(self, target: str = "localhost:50051", *, api_key: str | None = None,
-                 timeout: float | None = None, retries: int = 3, backoff_s: float = 0.2) -> None:
+                 timeout: float | None = None, retries: int = 4, backoff_s: float = 0.2) -> None:
         self._channel = grpc.aio.insecure_channel(target)
         self._stub = generation_pb2_grpc.GenerationStub(self._channel)
         self._metadata = [("authorization", f"Bearer {api_key}")] if api_key else []
@@ -46,20 +46,32 @@ class AsyncShardlineClient:
                        timeout: float | None = None, **params: Any) -> Completion:
         """Generate a whole completion (see ShardlineClient.generate for the parameters)."""
         req = build_request(prompt, messages=messages, timeout=timeout, **params)
-        return Completion.from_proto(await self._call(self._stub.Generate, req, timeout))
+        for attempt in range(self.retries + 1):
+            try:
+                return Completion.from_proto(await self._stub.Generate(req, timeout=timeout or self.timeout,
+                                                                       metadata=self._metadata))
+            except grpc.aio.AioRpcError as exc:
+                if attempt and was_taken(exc):  # an earlier attempt started it: follow that one
+                    return Completion.from_chunks([c async for c in self.resume(req.request_id, 0, timeout=timeout)])
+                if exc.code() not in RETRYABLE or attempt == self.retries:
+                    raise
+                await asyncio.sleep(self.backoff_s * 2**attempt)
+        raise AssertionError("unreachable")
 
     def stream(self, prompt: str | list[int] | None = None, *, messages: list[dict[str, str]] | None = None,
                timeout: float | None = None, **params: Any) -> AsyncIterator[Chunk]:
         """Generate, yielding chunks as tokens arrive; the last carries finish_reason and usage."""
         req = build_request(prompt, messages=messages, timeout=timeout, **params)
-        return self._stream(self._stub.GenerateStream, req, timeout)
+        return self._stream(self._stub.GenerateStream, req, timeout, starts=True)
 
     def resume(self, request_id: str, offset: int = 0, *, timeout: float | None = None) -> AsyncIterator[Chunk]:
         """Continue a request's stream from token `offset`; see `ShardlineClient.resume`."""
         return self._stream(self._stub.Resume, generation_pb2.ResumeRequest(request_id=request_id, offset=offset),
                             timeout)
 
-    async def _stream(self, fn: Callable[..., Any], req: Any, timeout: float | None) -> AsyncIterator[Chunk]:
+    async def _stream(self, fn: Callable[..., Any], req: Any, timeout: float | None, starts: bool = False
+                      ) -> AsyncIterator[Chunk]:
+        """`fn`'s chunks, retried until the first; `starts`: it starts the generation `req` names."""
         for attempt in range(self.retries + 1):
             started = False
             call = fn(req, timeout=timeout or self.timeout, metadata=self._metadata)
@@ -69,6 +81,10 @@ class AsyncShardlineClient:
                     yield Chunk.from_proto(msg)
                 return
             except grpc.aio.AioRpcError as exc:
+                if attempt and not started and starts and was_taken(exc):
+                    async for chunk in self.resume(req.request_id, 0, timeout=timeout):
+                        yield chunk
+                    return
                 if started or exc.code() not in RETRYABLE or attempt == self.retries:
                     raise
                 await asyncio.sleep(self.backoff_s * 2**attempt)

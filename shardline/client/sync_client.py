@@ -8,7 +8,7 @@ from typing import Any, TypeVar
 
 import grpc
 
-from shardline.client.types import Chunk, Completion, RequestInfo, build_request
+from shardline.client.types import Chunk, Completion, RequestInfo, build_request, was_taken
 from shardline.proto import common_pb2, generation_pb2, generation_pb2_grpc
 
 T = TypeVar("T")
@@ -22,12 +22,14 @@ class ShardlineClient:
     >>> print(client.generate("The capital of France is", max_tokens=8).text)
 
     Calls that fail with UNAVAILABLE (a gateway restarting, say) are retried
-    `retries` times with exponential backoff; a stream is retried only until its
-    first chunk, and `resume()` continues one that broke later.
+    `retries` times with exponential backoff (3 s in all by default); a stream is
+    retried only until its first chunk, and `resume()` continues one that broke
+    later. A generation is never started twice: each has a request id (chosen here
+    unless given), and a retry that finds it taken follows the one that started.
     """
 
     def __init__(self, target: str = "localhost:50051", *, api_key: str | None = None,
-                 timeout: float | None = None, retries: int = 3, backoff_s: float = 0.2) -> None:
+                 timeout: float | None = None, retries: int = 4, backoff_s: float = 0.2) -> None:
         self._channel = grpc.insecure_channel(target)
         self._stub = generation_pb2_grpc.GenerationStub(self._channel)
         self._metadata = [("authorization", f"Bearer {api_key}")] if api_key else []
@@ -51,13 +53,23 @@ class ShardlineClient:
         top_k, min_p, seed, stop, stop_token_ids, presence/frequency/repetition_penalty, ignore_eos,
         top_logprobs, plus model, request_id and priority."""
         req = build_request(prompt, messages=messages, timeout=timeout, **params)
-        return Completion.from_proto(self._call(self._stub.Generate, req, timeout))
+        for attempt in range(self.retries + 1):
+            try:
+                return Completion.from_proto(self._stub.Generate(req, timeout=timeout or self.timeout,
+                                                                 metadata=self._metadata))
+            except grpc.RpcError as exc:
+                if attempt and was_taken(exc):
+                    return Completion.from_chunks(list(self.resume(req.request_id, 0, timeout=timeout)))
+                if exc.code() not in RETRYABLE or attempt == self.retries:
+                    raise
+                time.sleep(self.backoff_s * 2**attempt)
+        raise AssertionError("unreachable")
 
     def stream(self, prompt: str | list[int] | None = None, *, messages: list[dict[str, str]] | None = None,
                timeout: float | None = None, **params: Any) -> Iterator[Chunk]:
         """Generate, yielding chunks as tokens arrive; the last chunk carries finish_reason and usage."""
         req = build_request(prompt, messages=messages, timeout=timeout, **params)
-        return self._stream(self._stub.GenerateStream, req, timeout)
+        return self._stream(self._stub.GenerateStream, req, timeout, starts=True)
 
     def resume(self, request_id: str, offset: int = 0, *, timeout: float | None = None) -> Iterator[Chunk]:
         """Continue a request's stream from token `offset` (replayed from the server's record, then live).
@@ -70,7 +82,9 @@ class ShardlineClient:
         req = generation_pb2.ResumeRequest(request_id=request_id, offset=offset)
         return self._stream(self._stub.Resume, req, timeout)
 
-    def _stream(self, fn: Callable[..., Any], req: Any, timeout: float | None) -> Iterator[Chunk]:
+    def _stream(self, fn: Callable[..., Any], req: Any, timeout: float | None, starts: bool = False
+                ) -> Iterator[Chunk]:
+        """`fn`'s chunks, retried until the first; `starts`: it starts the generation `req` names."""
         for attempt in range(self.retries + 1):
             started = False
             try:
@@ -79,6 +93,9 @@ class ShardlineClient:
                     yield Chunk.from_proto(msg)
                 return
             except grpc.RpcError as exc:
+                if attempt and not started and starts and was_taken(exc):
+                    yield from self.resume(req.request_id, 0, timeout=timeout)
+                    return
                 if started or exc.code() not in RETRYABLE or attempt == self.retries:
                     raise
                 time.sleep(self.backoff_s * 2**attempt)

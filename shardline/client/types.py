@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass, field
 from typing import Any
+
+import grpc
 
 from shardline.proto import common_pb2, generation_pb2, sampling_pb2
 
@@ -59,6 +62,14 @@ class Completion:
     finish_reason: str | None  # "stop", "length", "abort", "error"
     usage: Usage
     logprobs: list[TokenLogprob] | None = None
+
+    @classmethod
+    def from_chunks(cls, chunks: list[Chunk]) -> Completion:
+        """The completion a whole stream of chunks makes up."""
+        logprobs = [lp for c in chunks for lp in c.logprobs or ()]
+        last = chunks[-1]
+        return cls(last.request_id, "".join(c.text for c in chunks), [t for c in chunks for t in c.token_ids],
+                   last.finish_reason, last.usage or Usage(), logprobs or None)
 
     @classmethod
     def from_proto(cls, r: generation_pb2.GenerateResponse) -> Completion:
@@ -128,8 +139,9 @@ def build_request(prompt: str | list[int] | None = None, *, messages: list[dict[
         req.prompt_token_ids.ids.extend(prompt)
     else:
         raise ValueError("give a prompt (text or token ids) or messages")
-    if request_id:
-        req.request_id = request_id
+    # Chosen here when not given: a retry after a connection lost mid-call must not start the
+    # generation twice, and with its id it finds the one that did start (see was_taken).
+    req.request_id = request_id or f"{'chatcmpl' if messages is not None else 'cmpl'}-{secrets.token_hex(16)}"
     if timeout is not None:
         if timeout <= 0:
             raise ValueError(f"timeout must be positive, got {timeout}")
@@ -147,3 +159,9 @@ def build_request(prompt: str | list[int] | None = None, *, messages: list[dict[
         else:
             setattr(req.params, name, value)  # AttributeError names an unknown parameter
     return req
+
+
+def was_taken(exc: grpc.RpcError) -> bool:
+    """A retried Generate refused because its request id is in use: the earlier attempt reached the
+    gateway before its connection broke, and the request runs on (resume it, do not start another)."""
+    return exc.code() == grpc.StatusCode.INVALID_ARGUMENT and "already in use" in (exc.details() or "")
