@@ -25,12 +25,22 @@ class AsyncShardlineClient:
 
     def __init__(self, target: str = "localhost:50051", *, api_key: str | None = None,
                  timeout: float | None = None, retries: int = 4, backoff_s: float = 0.2) -> None:
-        self._channel = grpc.aio.insecure_channel(target)
-        self._stub = generation_pb2_grpc.GenerationStub(self._channel)
+        self._target = target
+        # Opened on first use, in the event loop that uses it: a grpc.aio channel belongs to the loop
+        # it was made in, so a client built at import time (outside any loop) must not make it yet.
+        self._channel: grpc.aio.Channel | None = None
+        self._stub_: generation_pb2_grpc.GenerationStub | None = None
         self._metadata = [("authorization", f"Bearer {api_key}")] if api_key else []
         self.timeout = timeout
         self.retries = retries
         self.backoff_s = backoff_s
+
+    @property
+    def _stub(self) -> generation_pb2_grpc.GenerationStub:
+        if self._stub_ is None:
+            self._channel = grpc.aio.insecure_channel(self._target)
+            self._stub_ = generation_pb2_grpc.GenerationStub(self._channel)
+        return self._stub_
 
     async def _call(self, fn: Callable[..., Awaitable[T]], request: Any, timeout: float | None) -> T:
         for attempt in range(self.retries + 1):
@@ -109,7 +119,9 @@ class AsyncShardlineClient:
         return [m.name for m in resp.models]
 
     async def close(self) -> None:
-        await self._channel.close()
+        if self._channel is not None:
+            await self._channel.close()
+            self._channel = self._stub_ = None
 
     async def __aenter__(self) -> AsyncShardlineClient:
         return self

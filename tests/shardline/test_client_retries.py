@@ -69,3 +69,23 @@ def test_an_id_taken_on_the_first_attempt_is_the_callers_error() -> None:
         with pytest.raises(grpc.RpcError):
             client.generate("hi", request_id="mine")
         assert client._stub.resumed == []
+
+
+def test_an_async_client_built_outside_any_event_loop_works_in_one() -> None:
+    import asyncio
+
+    from shardline.client import AsyncShardlineClient
+
+    client = AsyncShardlineClient("127.0.0.1:1", retries=0)  # at import time, say: no loop running
+
+    async def use() -> grpc.StatusCode:
+        try:
+            await client.list_models()
+        except grpc.aio.AioRpcError as exc:
+            return exc.code()
+        finally:
+            await client.close()
+        return grpc.StatusCode.OK
+
+    # Its channel is made in the loop that uses it (it was bound to another loop before).
+    assert asyncio.run(use()) == grpc.StatusCode.UNAVAILABLE
