@@ -44,7 +44,7 @@ _STOP_GRACE_S = 5.0
 
 def parse_args(argv: list[str] | None) -> WorkerSettings:
     """Flags override the SHARDLINE_* environment; unset flags leave it alone."""
-    p = argparse.ArgumentParser(prog="gpu_worker", description=__doc__,
+    p = argparse.ArgumentParser(prog="shardline serve worker", description=__doc__,
                                 argument_default=argparse.SUPPRESS)
     p.add_argument("--worker-id", dest="worker_id")
     p.add_argument("--port", type=int)
