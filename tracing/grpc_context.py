@@ -11,7 +11,7 @@ pass it to ``extract_context()`` on the other.
 import asyncio
 import inspect
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, NamedTuple
 
 import grpc
@@ -226,10 +226,11 @@ def _rpc_span(span: trace.Span, context: grpc.ServicerContext, current: bool = T
     return, so the code is read from the context, not only from exceptions.
     """
     try:
-        # _rpc_span sets the status from the rpc's code and details, which say more than the exception.
-        with trace.use_span(span, set_status_on_exception=False) if current else _ending(span):
+        # The status comes from the rpc's code and details below, which say more than the exception.
+        with trace.use_span(span, record_exception=False, set_status_on_exception=False) if current else nullcontext():
             yield
     except BaseException as exc:
+        span.record_exception(exc)
         fallback = grpc.StatusCode.CANCELLED if isinstance(exc, _CANCELLED) else grpc.StatusCode.UNKNOWN
         _record_status(span, _code(context) or fallback, context, f"{type(exc).__name__}: {exc}")
         raise
@@ -237,15 +238,6 @@ def _rpc_span(span: trace.Span, context: grpc.ServicerContext, current: bool = T
         _record_status(span, _code(context) or grpc.StatusCode.OK, context)
     finally:
         span.end()
-
-
-@contextmanager
-def _ending(span: trace.Span) -> Iterator[None]:
-    try:
-        yield
-    except BaseException as exc:
-        span.record_exception(exc)
-        raise
 
 
 def _code(context: grpc.ServicerContext) -> grpc.StatusCode | None:

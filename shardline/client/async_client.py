@@ -42,11 +42,15 @@ class AsyncShardlineClient:
             self._stub_ = generation_pb2_grpc.GenerationStub(self._channel)
         return self._stub_
 
-    async def _call(self, fn: Callable[..., Awaitable[T]], request: Any, timeout: float | None) -> T:
+    async def _call(self, fn: Callable[..., Awaitable[T]], request: Any, timeout: float | None,
+                    taken: Callable[[], Awaitable[T]] | None = None) -> T:
+        """As ShardlineClient._call, awaited."""
         for attempt in range(self.retries + 1):
             try:
                 return await fn(request, timeout=timeout or self.timeout, metadata=self._metadata)
             except grpc.aio.AioRpcError as exc:
+                if attempt and taken is not None and was_taken(exc):
+                    return await taken()
                 if exc.code() not in RETRYABLE or attempt == self.retries:
                     raise
                 await asyncio.sleep(self.backoff_s * 2**attempt)
@@ -56,17 +60,14 @@ class AsyncShardlineClient:
                        timeout: float | None = None, **params: Any) -> Completion:
         """Generate a whole completion (see ShardlineClient.generate for the parameters)."""
         req = build_request(prompt, messages=messages, timeout=timeout, **params)
-        for attempt in range(self.retries + 1):
-            try:
-                return Completion.from_proto(await self._stub.Generate(req, timeout=timeout or self.timeout,
-                                                                       metadata=self._metadata))
-            except grpc.aio.AioRpcError as exc:
-                if attempt and was_taken(exc):  # an earlier attempt started it: follow that one
-                    return Completion.from_chunks([c async for c in self.resume(req.request_id, 0, timeout=timeout)])
-                if exc.code() not in RETRYABLE or attempt == self.retries:
-                    raise
-                await asyncio.sleep(self.backoff_s * 2**attempt)
-        raise AssertionError("unreachable")
+
+        async def generate_once(r: generation_pb2.GenerateRequest, **kw: Any) -> Completion:
+            return Completion.from_proto(await self._stub.Generate(r, **kw))
+
+        async def follow_started() -> Completion:
+            return Completion.from_chunks([c async for c in self.resume(req.request_id, 0, timeout=timeout)])
+
+        return await self._call(generate_once, req, timeout, taken=follow_started)
 
     def stream(self, prompt: str | list[int] | None = None, *, messages: list[dict[str, str]] | None = None,
                timeout: float | None = None, **params: Any) -> AsyncIterator[Chunk]:

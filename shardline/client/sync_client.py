@@ -37,11 +37,16 @@ class ShardlineClient:
         self.retries = retries
         self.backoff_s = backoff_s
 
-    def _call(self, fn: Callable[..., T], request: Any, timeout: float | None) -> T:
+    def _call(self, fn: Callable[..., T], request: Any, timeout: float | None,
+              taken: Callable[[], T] | None = None) -> T:
+        """`fn(request)`, retried on UNAVAILABLE; `taken` answers instead when a retry finds the
+        request it would start already started (see was_taken)."""
         for attempt in range(self.retries + 1):
             try:
                 return fn(request, timeout=timeout or self.timeout, metadata=self._metadata)
             except grpc.RpcError as exc:
+                if attempt and taken is not None and was_taken(exc):
+                    return taken()
                 if exc.code() not in RETRYABLE or attempt == self.retries:
                     raise
                 time.sleep(self.backoff_s * 2**attempt)
@@ -53,17 +58,8 @@ class ShardlineClient:
         top_k, min_p, seed, stop, stop_token_ids, presence/frequency/repetition_penalty, ignore_eos,
         top_logprobs, plus model, request_id and priority."""
         req = build_request(prompt, messages=messages, timeout=timeout, **params)
-        for attempt in range(self.retries + 1):
-            try:
-                return Completion.from_proto(self._stub.Generate(req, timeout=timeout or self.timeout,
-                                                                 metadata=self._metadata))
-            except grpc.RpcError as exc:
-                if attempt and was_taken(exc):
-                    return Completion.from_chunks(list(self.resume(req.request_id, 0, timeout=timeout)))
-                if exc.code() not in RETRYABLE or attempt == self.retries:
-                    raise
-                time.sleep(self.backoff_s * 2**attempt)
-        raise AssertionError("unreachable")
+        return self._call(lambda r, **kw: Completion.from_proto(self._stub.Generate(r, **kw)), req, timeout,
+                          taken=lambda: Completion.from_chunks(list(self.resume(req.request_id, 0, timeout=timeout))))
 
     def stream(self, prompt: str | list[int] | None = None, *, messages: list[dict[str, str]] | None = None,
                timeout: float | None = None, **params: Any) -> Iterator[Chunk]:
