@@ -62,7 +62,10 @@ class DecodeGraphs:
         g.meta.decode_gather.zero_()
         g.meta.decode_gather[:b, :length].copy_(meta.decode_gather)
         g.meta.decode_mask.zero_()
-        g.meta.decode_mask[:b, :, :, :length].copy_(meta.decode_mask)
+        if meta.decode_mask is None:  # every context is `length` long
+            g.meta.decode_mask[:b, :, :, :length] = True
+        else:
+            g.meta.decode_mask[:b, :, :, :length].copy_(meta.decode_mask)
         g.meta.decode_mask[b:, :, :, 0] = True  # padded rows attend to one slot, so they stay finite
         g.graph.replay()
         return g.hidden[:b]

@@ -51,7 +51,9 @@ class AttentionMetadata:
     prefill_mask: list[torch.Tensor | None]  # [n, context] bool causal mask of such a chunk, shared by every layer
     decode_index: torch.Tensor | None  # [B_decode] flat-batch index of each single-token chunk
     decode_gather: torch.Tensor | None  # [B_decode, L] slots of each decode's context, padded
-    decode_mask: torch.Tensor | None  # [B_decode, 1, 1, L] bool: True where a key is attended
+    # [B_decode, 1, 1, L] bool: True where a key is attended. None when every decode's context is
+    # L long (always at batch 1): SDPA is then cheaper, and its result is bitwise the same.
+    decode_mask: torch.Tensor | None
 
 
 def build_step(batch: StepBatch, block_size: int, device: torch.device | str = "cpu"
@@ -93,6 +95,7 @@ def build_step(batch: StepBatch, block_size: int, device: torch.device | str = "
         pos = torch.arange(int(ctx.max()))
         decode_index = ends[rows].to(device)
         decode_gather = (bt[rows][:, pos // block_size] * block_size + pos % block_size).to(device)
-        decode_mask = (pos[None, :] < ctx[:, None])[:, None, None, :].to(device)
+        if int(ctx.min()) < len(pos):
+            decode_mask = (pos[None, :] < ctx[:, None])[:, None, None, :].to(device)
     meta = AttentionMetadata(slot_mapping.to(device), bounds, gathers, masks, decode_index, decode_gather, decode_mask)
     return positions.to(device), meta

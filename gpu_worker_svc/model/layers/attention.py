@@ -25,6 +25,8 @@ class PagedAttention(nn.Module):
         k_cache.index_copy_(0, meta.slot_mapping, k)
         v_cache.index_copy_(0, meta.slot_mapping, v)
 
+        if not meta.prefill_bounds:  # the common step: the batch is the decodes, in order
+            return self._decode(q, k_cache, v_cache, meta)
         out = torch.empty_like(q)
         for (start, end), gather, mask in zip(meta.prefill_bounds, meta.prefill_gather, meta.prefill_mask):
             if gather is None:  # no cached prefix: the chunk attends to itself, causally
@@ -33,19 +35,21 @@ class PagedAttention(nn.Module):
                 out[start:end] = self._sdpa(q[start:end], k_cache.index_select(0, gather),
                                             v_cache.index_select(0, gather), mask, causal=False)
         if meta.decode_gather is not None:
-            only_decodes = not meta.prefill_bounds  # the common step: the batch is the decodes, in order
-            qd = (q if only_decodes else q.index_select(0, meta.decode_index)).unsqueeze(2)  # [B, Hq, 1, D]
-            # index_select on the flattened slots is several times faster than advanced indexing.
-            b, length = meta.decode_gather.shape
-            flat = meta.decode_gather.flatten()
-            kd = k_cache.index_select(0, flat).view(b, length, *k_cache.shape[1:]).transpose(1, 2)  # [B, Hkv, L, D]
-            vd = v_cache.index_select(0, flat).view(b, length, *v_cache.shape[1:]).transpose(1, 2)
-            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask,
-                                                enable_gqa=self.num_heads != self.num_kv_heads).squeeze(2)
-            if only_decodes:
-                return od.flatten(1)
-            out.index_copy_(0, meta.decode_index, od)  # index_copy_ is far cheaper than index_put on CPU
+            decodes = self._decode(q.index_select(0, meta.decode_index), k_cache, v_cache, meta)
+            out.flatten(1).index_copy_(0, meta.decode_index, decodes)  # far cheaper than index_put on CPU
         return out.flatten(1)
+
+    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """The single-token queries q [B, Hq, D] against their cached contexts → [B, Hq * D]."""
+        # index_select on the flattened slots is several times faster than advanced indexing.
+        b, length = meta.decode_gather.shape
+        flat = meta.decode_gather.flatten()
+        kd = k_cache.index_select(0, flat).view(b, length, *k_cache.shape[1:]).transpose(1, 2)  # [B, Hkv, L, D]
+        vd = v_cache.index_select(0, flat).view(b, length, *v_cache.shape[1:]).transpose(1, 2)
+        od = F.scaled_dot_product_attention(q.unsqueeze(2), kd, vd, attn_mask=meta.decode_mask,
+                                            enable_gqa=self.num_heads != self.num_kv_heads)
+        return od.flatten(1)
 
     def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
               causal: bool) -> torch.Tensor:

@@ -1,4 +1,10 @@
-"""RMSNorm, with the residual add fused in (computed in float32, as HF does)."""
+"""RMSNorm, with the residual add fused in (computed in float32, as HF does).
+
+In float32 on CPU it calls torch.rms_norm: one dispatch instead of seven small
+ones (a decode step runs 61 norms), and bitwise equal to HF's spelled-out form
+(tested). In bf16 it is not, and on CUDA it may be a fused kernel, so those keep
+HF's form.
+"""
 
 from __future__ import annotations
 
@@ -18,9 +24,12 @@ class RMSNorm(nn.Module):
         if residual is not None:
             x = x + residual
             residual = x
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        out = self.weight * h.to(x.dtype)
+        if x.dtype == torch.float32 and not x.is_cuda:
+            out = torch.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        else:
+            h = x.float()
+            h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+            out = self.weight * h.to(x.dtype)
         return out if residual is None else (out, residual)
 
     def divide_channels(self, s: torch.Tensor) -> None:
