@@ -73,7 +73,11 @@ def _refusal(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHand
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
         yield  # an async generator, as grpc expects of a streaming handler
 
+    # The request is never parsed: a caller without a key learns nothing from a parse error.
     if handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(
-            refuse_stream, handler.request_deserializer, handler.response_serializer)
-    return grpc.unary_unary_rpc_method_handler(refuse, handler.request_deserializer, handler.response_serializer)
+        return grpc.unary_stream_rpc_method_handler(refuse_stream, _unread, handler.response_serializer)
+    return grpc.unary_unary_rpc_method_handler(refuse, _unread, handler.response_serializer)
+
+
+def _unread(raw: bytes) -> None:
+    return None

@@ -12,7 +12,7 @@ from gateway.backends import RPC_TIMEOUT_S, upstream
 from gateway.request_runner import GenerationSpec, Prompt, RequestRunner
 from gateway.request_stream import RequestStream, StreamChunk, drain
 from gateway.stop_matcher import StopMatcher
-from shardline.errors import InvalidArgument, ShardlineError, Unavailable
+from shardline.errors import InvalidArgument, Unavailable
 from shardline.ids import require_id
 from shardline.proto import common_pb2, generation_pb2, generation_pb2_grpc, sampling_pb2, scheduler_pb2
 from tracing import attributes as attr
@@ -45,8 +45,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                 completion = await live.collect()
             finally:
                 live.close()
-        if completion.finish_reason == "error":
-            raise ShardlineError(f"generation failed: {completion.error}")
+        if (failure := completion.failure()) is not None:
+            raise failure
         return generation_pb2.GenerateResponse(
             request_id=spec.request_id, text=completion.text, token_ids=completion.token_ids,
             logprobs=completion.logprobs, finish_reason=_FINISH_REASONS[completion.finish_reason or "abort"],
@@ -152,8 +152,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
 
 
 def _stream_response(request_id: str, chunk: StreamChunk) -> generation_pb2.GenerateStreamResponse:
-    if chunk.finish_reason == "error":
-        raise ShardlineError(f"generation failed: {chunk.error}")
+    if (failure := chunk.failure()) is not None:
+        raise failure
     response = generation_pb2.GenerateStreamResponse(
         request_id=request_id, text=chunk.text, token_ids=chunk.token_ids, offset=chunk.offset,
         logprobs=chunk.logprobs)

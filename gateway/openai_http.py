@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
+import re
 import secrets
 import time
 from collections.abc import Awaitable, Callable
@@ -13,6 +15,7 @@ from typing import Any
 from aiohttp import web
 
 from gateway.auth import ApiKeys, http_auth_middleware
+from gateway.backends import HEALTH_TIMEOUT_S
 from gateway.openai_choices import Choice, choice_specs, close_choices, merged_chunks, start_choices, total_usage
 from gateway.openai_request import parse_request
 from gateway.openai_response import ResponseFormatter, error_body
@@ -103,8 +106,8 @@ class OpenAIHttpApi:
                 # Also reached when the client disconnects (the handler is cancelled): cancels upstream.
                 close_choices(choices)
         for completion in completions:
-            if completion.finish_reason == "error":
-                raise ShardlineError(f"generation failed: {completion.error}")
+            if (failure := completion.failure()) is not None:
+                raise failure
         usage = total_usage(choices, [completion.usage for completion in completions])
         return web.json_response(ResponseFormatter.whole_of(formatters, completions, usage),
                                  headers={"X-Request-Id": request_id})
@@ -117,8 +120,8 @@ class OpenAIHttpApi:
         usages: list[sampling_pb2.Usage | None] = [None] * len(choices)
         with self._tracer.start_as_current_span("stream_out", attributes={attr.REQUEST_ID: request_id}):
             async for index, chunk in merged_chunks(choices):
-                if chunk.finish_reason == "error":
-                    events = [error_body(500, f"generation failed: {chunk.error}")]
+                if (failure := chunk.failure()) is not None:
+                    events = [error_body(failure.http_status, str(failure))]
                 else:
                     events = formatters[index].choice_events(chunk)
                 if chunk.finish_reason:
@@ -147,20 +150,51 @@ class OpenAIHttpApi:
                 "max_model_len": m.max_context_length}
 
     async def health(self, request: web.Request) -> web.Response:
+        """200 when a request could be served now: the tokenizer and scheduler answer, this gateway's
+        output subscription is open, and a live worker serves the model; else 503 (a readiness check)."""
         dependencies = await self._runner.backends.health()
-        healthy = all(dependencies.values())
-        body = {"status": "ok" if healthy else "unavailable", **dependencies, "subscribed": self._runner.hub.connected}
+        workers = 0
+        if all(dependencies.values()):
+            with contextlib.suppress(ShardlineError):
+                workers = sum(m.num_workers for m in await self._runner.served_models(HEALTH_TIMEOUT_S))
+        subscribed = self._runner.hub.connected
+        healthy = all(dependencies.values()) and subscribed and workers > 0
+        body = {"status": "ok" if healthy else "unavailable", **dependencies, "subscribed": subscribed,
+                "workers": workers}
         return web.json_response(body, status=200 if healthy else 503)
+
+
+# A JSON escape of a UTF-16 surrogate (valid in pairs, which json.loads joins into one character).
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
 async def _json_body(request: web.Request) -> Any:
     raw = await request.read()  # over client_max_size this raises HTTPRequestEntityTooLarge: a 413
     try:
-        return json.loads(raw)
+        body = json.loads(raw)
+        if _SURROGATE_ESCAPE.search(raw):
+            _refuse_lone_surrogates(body, "")
+        return body
     except ValueError as exc:
         raise InvalidArgument("body", f"is not valid JSON ({exc})") from exc
     except RecursionError as exc:  # nesting deeper than the parser's stack: refused, not a 500
         raise InvalidArgument("body", "is nested too deeply") from exc
+
+
+def _refuse_lone_surrogates(value: Any, path: str) -> None:
+    """JSON can spell a lone surrogate ("\\ud800"), which is no Unicode text: refuse it, naming the field."""
+    if isinstance(value, str):
+        try:
+            value.encode()
+        except UnicodeEncodeError:
+            raise InvalidArgument(path or "body", "contains a lone UTF-16 surrogate, which is not text") from None
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _refuse_lone_surrogates(key, path or "body")
+            _refuse_lone_surrogates(item, f"{path}.{key}" if path else key)
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            _refuse_lone_surrogates(item, f"{path}[{i}]")
 
 
 def _sse(event: dict[str, Any]) -> bytes:

@@ -18,6 +18,7 @@ _ERROR_KINDS = {
     413: ("invalid_request_error", "request_too_large"),
     429: ("rate_limit_error", "rate_limit_exceeded"),
     503: ("service_unavailable_error", "service_unavailable"),
+    504: ("timeout_error", "timeout"),
 }
 
 

@@ -18,11 +18,11 @@ from opentelemetry import trace
 
 from gateway.backends import RPC_TIMEOUT_S, Backends, upstream
 from gateway.params import ContextLengthExceeded, ModelLimits, resolve_max_tokens, validate_sampling
-from gateway.request_stream import RequestStream, StreamChunk
+from gateway.request_stream import RequestStream, StreamChunk, failure_of
 from gateway.settings import GatewaySettings
 from gateway.stop_matcher import StopMatcher
 from gateway.stream_hub import StreamHub
-from shardline.errors import InvalidArgument, NotFound, Unavailable
+from shardline.errors import InvalidArgument, NotFound, ShardlineError, Unavailable
 from shardline.proto import generation_pb2, sampling_pb2, scheduler_pb2, tokenizer_pb2
 from tracing import attributes as attr
 from tracing.metrics import REQUEST_DURATION, TIME_PER_OUTPUT_TOKEN, TIME_TO_FIRST_TOKEN
@@ -34,6 +34,9 @@ logger = logging.getLogger(__name__)
 SUBSCRIPTION_WAIT_S = 2.0
 # The scheduler aborts a request at its deadline; the gateway gives it this long to say so.
 DEADLINE_GRACE_S = 5.0
+# An abort that arrives this close to the deadline (or later) is the scheduler's deadline cancel;
+# the scheduler's clock is another machine's, so allow some skew.
+DEADLINE_SKEW_S = 1.0
 
 
 class ModelNotFound(NotFound):
@@ -99,6 +102,10 @@ class Completion:
         self.token_texts.update(chunk.token_texts)
         self.finish_reason, self.usage, self.error = chunk.finish_reason, chunk.usage, chunk.error
 
+    def failure(self) -> ShardlineError | None:
+        """The client's error when the generation failed or timed out."""
+        return failure_of(self.finish_reason, self.error)
+
 
 class LiveRequest:
     """A submitted request: its chunks, and the bookkeeping when its consumer is done."""
@@ -121,14 +128,19 @@ class LiveRequest:
             try:
                 async with asyncio.timeout(max(0.0, self._deadline_s - time.perf_counter()) + DEADLINE_GRACE_S):
                     chunk = await self._stream.queue.get()
+                if chunk.finish_reason == "abort" and time.perf_counter() > self._deadline_s - DEADLINE_SKEW_S:
+                    chunk.error = self._timed_out()  # the scheduler ends a request at its deadline by cancelling it
             except TimeoutError:
                 logger.warning("%s: no end from the scheduler past the deadline; aborting", self.request_id)
                 self._runner.hub.release(self.request_id)
                 completed = self._stream.next_offset
-                chunk = StreamChunk("", [], completed, finish_reason="abort", error="request timed out",
+                chunk = StreamChunk("", [], completed, finish_reason="abort", error=self._timed_out(),
                                     usage=self._stream.usage())
             self._last = chunk
             yield chunk
+
+    def _timed_out(self) -> str:
+        return f"request timed out after {self._deadline_s - self._spec.arrival_s:g} s"
 
     async def collect(self) -> Completion:
         """The whole output, once the request finishes."""
@@ -224,11 +236,11 @@ class RequestRunner:
             raise
         return LiveRequest(self, spec, info.model, stream, prepared.span, spec.arrival_s + timeout_s)
 
-    async def served_models(self) -> list[generation_pb2.ModelInfo]:
+    async def served_models(self, timeout_s: float = RPC_TIMEOUT_S) -> list[generation_pb2.ModelInfo]:
         """This gateway's model, when at least one live worker serves it (the tokenizer fixes the model)."""
         info = await self.backends.tokenizer_info()
         with upstream("scheduler"):
-            pool = await self.backends.scheduler.ListWorkers(scheduler_pb2.ListWorkersRequest(), timeout=RPC_TIMEOUT_S)
+            pool = await self.backends.scheduler.ListWorkers(scheduler_pb2.ListWorkersRequest(), timeout=timeout_s)
         workers = sum(1 for state in pool.workers if state.alive and state.worker.model == info.model)
         if not workers:
             return []

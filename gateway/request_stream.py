@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from gateway.stop_matcher import StopMatcher
+from shardline.errors import DeadlineExceeded, ShardlineError
 from shardline.proto import common_pb2, sampling_pb2
 
 
@@ -21,7 +22,20 @@ class StreamChunk:
     token_texts: dict[int, str] = field(default_factory=dict)  # text of each token named in logprobs
     finish_reason: str | None = None  # "stop", "length", "abort" or "error" on the last chunk only
     usage: sampling_pb2.Usage | None = None  # token accounting, on the last chunk only
-    error: str = ""  # why the request failed, with finish_reason "error"
+    error: str = ""  # why the request failed, with finish_reason "error"; with "abort", that it timed out
+
+    def failure(self) -> ShardlineError | None:
+        """The client's error for a last chunk that ends in failure, or at the request's deadline
+        (the client gets an error, not a short answer)."""
+        return failure_of(self.finish_reason, self.error)
+
+
+def failure_of(finish_reason: str | None, error: str) -> ShardlineError | None:
+    if finish_reason == "error":
+        return ShardlineError(f"generation failed: {error}")
+    if finish_reason == "abort" and error:
+        return DeadlineExceeded(error)
+    return None
 
 
 @dataclass(slots=True)

@@ -44,6 +44,13 @@ class ResourceExhausted(ShardlineError):
     http_status = 429
 
 
+class DeadlineExceeded(ShardlineError):
+    """The request ran out of its time budget (the gateway's request timeout, or the client's own)."""
+
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+    http_status = 504
+
+
 class Unavailable(ShardlineError):
     """A dependency (worker, scheduler, tokenizer) cannot be reached right now."""
 

@@ -8,6 +8,7 @@ holding the deltas of every running request, and records what the gateway asked 
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 
 import grpc
@@ -52,6 +53,7 @@ class ScriptedScheduler(scheduler_pb2_grpc.SchedulerServicer):
         self.accept_only: int | None = None  # Submits past this many are refused as a full queue
         self.refuse_cancels: grpc.StatusCode | None = None  # answer Cancel with this, as a scheduler going down
         self.honour_cancels = True  # False: record cancels but keep generating (a gateway lost without cancelling)
+        self.workers_alive = True  # False: ListWorkers reports the one worker dead
         self.batches_sent = 0
         self._subscribers: dict[str, asyncio.Queue[scheduler_pb2.TokenBatch | None]] = {}
         self._released = False
@@ -123,7 +125,8 @@ class ScriptedScheduler(scheduler_pb2_grpc.SchedulerServicer):
 
     async def ListWorkers(self, request, context):
         worker = worker_pb2.WorkerInfo(worker_id="worker-0", model=MODEL, tp_size=1)
-        return scheduler_pb2.ListWorkersResponse(workers=[scheduler_pb2.WorkerState(worker=worker, alive=True)])
+        state = scheduler_pb2.WorkerState(worker=worker, alive=self.workers_alive)
+        return scheduler_pb2.ListWorkersResponse(workers=[state])
 
     def _info(self, record: Record) -> common_pb2.RequestInfo:
         submit = record.submit
@@ -152,7 +155,9 @@ class ScriptedScheduler(scheduler_pb2_grpc.SchedulerServicer):
         if record.status != sampling_pb2.REQUEST_STATUS_RUNNING:
             return None
         delta = common_pb2.RequestDelta(request_id=record.submit.request_id, offset=len(record.output))
-        if record.cancel_pending:
+        submit = record.submit
+        past_deadline = submit.HasField("deadline") and submit.deadline.ToNanoseconds() <= time.time_ns()
+        if record.cancel_pending or past_deadline:  # the real scheduler cancels a request at its deadline
             return self._end(record, delta, sampling_pb2.REQUEST_STATUS_CANCELLED, sampling_pb2.FINISH_REASON_ABORT)
         script, done = record.script, len(record.output)
         if script.hold_after is not None and done >= script.hold_after and not self._released:

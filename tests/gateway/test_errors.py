@@ -202,6 +202,13 @@ def test_api_keys_over_http_and_grpc(tokenizer_address, text_ids) -> None:
             with pytest.raises(grpc.aio.AioRpcError) as caught:
                 await call
             assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        # A caller without a key is refused before its request is read: a body that is no valid
+        # protobuf (field 1 as a string of bad UTF-8) gets UNAUTHENTICATED, not a parse error.
+        raw = stack.channel.unary_unary("/shardline.v1.Generation/Generate", request_serializer=None,
+                                        response_deserializer=None)
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await raw(b"\x0a\x02\xff\xfe")
+        assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED
         reply = await stack.generation.Generate(request, metadata=[("authorization", "Bearer k1")])
         assert reply.finish_reason == sampling_pb2.FINISH_REASON_STOP
 
@@ -236,3 +243,60 @@ def test_a_failed_generation_is_reported(tokenizer_address, text_ids) -> None:
         assert caught.value.code() == grpc.StatusCode.INTERNAL and "worker-0 failed" in caught.value.details()
 
     run_on_stack(tokenizer_address, Script(text_ids[:3], finish_reason=sampling_pb2.FINISH_REASON_ERROR), body)
+
+
+def test_health_needs_a_live_worker(tokenizer_address, text_ids) -> None:
+    """/health is a readiness check: 503 while no live worker serves the model, though its services answer."""
+    async def body(stack: Stack) -> None:
+        async with aiohttp.ClientSession() as http:
+            async with http.get(f"{stack.base_url}/health") as response:
+                assert response.status == 200 and (await response.json())["workers"] == 1
+            stack.scheduler.workers_alive = False
+            async with http.get(f"{stack.base_url}/health") as response:
+                assert response.status == 503
+                assert await response.json() == {"status": "unavailable", "tokenizer": True, "scheduler": True,
+                                                 "subscribed": True, "workers": 0}
+
+    run_on_stack(tokenizer_address, Script(text_ids[:3]), body)
+
+
+def test_lone_surrogates_are_a_400_naming_the_field(tokenizer_address, text_ids) -> None:
+    """JSON can spell "\\ud800", which no UTF-8 text holds: a 400, not a 500 from deep inside."""
+    cases = [("completions", {"prompt": "\ud800"}, "prompt"),
+             ("completions", {"prompt": ["ok", "a\udfffb"]}, "prompt[1]"),
+             ("completions", {"stop": ["x", "\ud800"]}, "stop[1]"),
+             ("chat/completions", {"messages": [{"role": "user", "content": "hi \udc00"}]}, "messages[0].content")]
+
+    async def body(stack: Stack) -> None:
+        async with aiohttp.ClientSession() as http:
+            for endpoint, fields, param in cases:
+                base = CHAT if endpoint.startswith("chat") else COMPLETION
+                async with http.post(f"{stack.base_url}/v1/{endpoint}", json={**base, **fields}) as response:
+                    error = (await response.json())["error"]
+                    assert (response.status, error["param"]) == (400, param), error
+            # A surrogate pair is one character (an emoji here), and welcome.
+            async with http.post(f"{stack.base_url}/v1/completions", json={**COMPLETION, "prompt": "\U0001f343"}) as r:
+                assert r.status == 200
+
+    run_on_stack(tokenizer_address, Script(text_ids[:3]), body)
+
+
+def test_a_request_past_its_deadline_is_a_timeout_error(tokenizer_address, text_ids) -> None:
+    """The scheduler cancels a request at its deadline; the client gets 504 / DEADLINE_EXCEEDED, not a
+    short answer with finish_reason "abort"."""
+    async def body(stack: Stack) -> None:
+        async with aiohttp.ClientSession() as http:
+            async with http.post(f"{stack.base_url}/v1/completions", json=COMPLETION) as response:
+                error = (await response.json())["error"]
+                assert response.status == 504 and error["code"] == "timeout"
+                assert "timed out after 1 s" in error["message"]
+            async with http.post(f"{stack.base_url}/v1/completions", json={**COMPLETION, "stream": True}) as response:
+                lines = [line async for line in response.content if line.startswith(b"data: ")]
+            assert b'"code":"timeout"' in lines[-2] and lines[-1] == b"data: [DONE]\n"
+        for call in (stack.generation.Generate(generation_pb2.GenerateRequest(prompt="hi")),
+                     _drain(stack.generation.GenerateStream(generation_pb2.GenerateRequest(prompt="hi")))):
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await call
+            assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+
+    run_on_stack(tokenizer_address, Script(text_ids[:6], hold_after=2), body, request_timeout_s=1)

@@ -134,7 +134,7 @@ def test_metrics_models_and_health(tokenizer_address, text_ids) -> None:
             async with http.get(f"{stack.base_url}/health") as response:
                 assert response.status == 200
                 assert await response.json() == {"status": "ok", "tokenizer": True, "scheduler": True,
-                                                 "subscribed": True}
+                                                 "subscribed": True, "workers": 1}
             async with http.get(f"{stack.base_url}/v1/nothing") as response:
                 assert response.status == 404 and "error" in await response.json()
 
