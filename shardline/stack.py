@@ -36,9 +36,11 @@ class StackConfig:
     tp_size: int = 1
     http_port: int = 8000
     grpc_port: int = 50051
-    tokenizer_port: int = 50052
-    scheduler_port: int = 50053
-    worker_base_port: int = 50060
+    # The internal services' ports; 0 (the default): free ones, picked when the stack is made, so a
+    # second stack on this machine can never find (and join) the first one's services.
+    tokenizer_port: int = 0
+    scheduler_port: int = 0
+    worker_base_port: int = 0  # 0: a free port per worker
     redis_url: str | None = None  # None: start an embedded redis-server with AOF in data_dir
     data_dir: Path | None = None
     tracing: bool = False  # start the tracing service first and export every service's spans to it
@@ -47,11 +49,14 @@ class StackConfig:
     log_dir: Path | None = None  # None: children log to this process's stderr
     env: dict[str, str] = field(default_factory=dict)  # extra SHARDLINE_* settings for every service
 
+    def __post_init__(self) -> None:
+        self.tokenizer_port = self.tokenizer_port or free_port()
+        self.scheduler_port = self.scheduler_port or free_port()
+
     @classmethod
     def on_free_ports(cls, **kwargs) -> StackConfig:
-        ports = {k: free_port() for k in ("http_port", "grpc_port", "tokenizer_port", "scheduler_port", "otlp_port",
-                                          "dashboard_port")}
-        return cls(**{**ports, "worker_base_port": 0, **kwargs})
+        ports = {k: free_port() for k in ("http_port", "grpc_port", "otlp_port", "dashboard_port")}
+        return cls(**{**ports, **kwargs})
 
 
 @dataclass(slots=True)
