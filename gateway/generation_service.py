@@ -103,8 +103,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         params = info.params
         stop = StopMatcher(list(params.stop))
         # Deltas wait in `buffered` until the record is in, so none is lost or doubled around Attach.
-        hub.register(RequestStream(
-            info.request_id, info.usage.prompt_tokens, params.skip_special_tokens, stop, buffered=[]))
+        hub.register(RequestStream(info.request_id, info.usage.prompt_tokens, params.skip_special_tokens, stop,
+                                   buffered=[], min_tokens=params.min_tokens))
         try:
             if running:
                 attach = scheduler_pb2.AttachRequest(request_id=info.request_id, gateway_id=self._gateway_id)

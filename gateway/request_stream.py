@@ -65,6 +65,7 @@ class RequestStream:
     finished: bool = False  # its last chunk has been queued
     timing: StreamTiming = field(default_factory=StreamTiming)
     cached_tokens: int = 0  # prompt tokens the worker found in its prefix cache, from the first delta
+    min_tokens: int = 0  # stop strings end the request only once it has this many tokens (as in vLLM)
 
     def usage(self) -> sampling_pb2.Usage:
         """Its usage so far, for a request the gateway ends itself (a stop string, a lost consumer)."""

@@ -21,14 +21,17 @@ class StopMatcher:
         """Whether it ever holds text back: it has stop strings."""
         return bool(self._stops)
 
-    def feed(self, text: str, final: bool = False) -> tuple[str, bool]:
+    def feed(self, text: str, final: bool = False, armed: bool = True) -> tuple[str, bool]:
         """(text safe to send now, whether a stop string matched); the match and all after it are cut.
 
         `final` releases the held-back text: no further piece can complete a stop string.
+        `armed` False (the request has not yet generated its min_tokens, as vLLM counts them) lets
+        complete stop strings through, but still holds back a partial one that the next piece,
+        armed, may complete.
         """
         buffer = self._held + text
         self._held = ""
-        matches = [index for stop in self._stops if (index := buffer.find(stop)) >= 0]
+        matches = [index for stop in self._stops if (index := buffer.find(stop)) >= 0] if armed else []
         if matches:
             return buffer[: min(matches)], True
         if final:

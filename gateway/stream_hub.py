@@ -150,7 +150,7 @@ class StreamHub:
         stream.prefix = _tail(early + consumed, tokenizer.detokenize_prefix_window)
         if stream.stop.holds_text:
             earlier = reply.results[1].text if len(items) > 1 else ""
-            stream.stop.feed(earlier + tail.text)  # sent before: only what it holds back matters
+            stream.stop.feed(earlier + tail.text, armed=False)  # sent before: only what it holds back matters
 
     async def _subscribe_forever(self) -> None:
         backoff = _FIRST_BACKOFF_S
@@ -276,7 +276,8 @@ class StreamHub:
             if w.delta.HasField("usage"):  # the first delta's says what the prefix cache served
                 stream.cached_tokens = w.delta.usage.cached_tokens
             _record_timing(stream.timing, bool(w.new), now, start_ns, end_ns)
-            text, stopped = stream.stop.feed(result.text, final=w.final)
+            armed = stream.next_offset >= stream.min_tokens
+            text, stopped = stream.stop.feed(result.text, final=w.final, armed=armed)
             chunk = StreamChunk(text, w.new, w.offset, w.logprobs)
             if w.logprobs:
                 chunk.token_texts = {t: texts[t] for t in _named_tokens(w.logprobs)}

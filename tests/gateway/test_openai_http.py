@@ -304,3 +304,20 @@ def test_a_stop_string_ending_keeps_the_cached_prompt_tokens_in_usage(tokenizer_
         assert result.usage.prompt_tokens_details.cached_tokens == 4
 
     run_on_stack(tokenizer_address, Script(text_ids, cached_tokens=4), body)
+
+
+@pytest.mark.parametrize("tokens_per_step", [1, 4])
+def test_stop_strings_wait_for_min_tokens(tokenizer_address, text_ids, tokens_per_step) -> None:
+    """As in vLLM, a stop string ends a request only once it has min_tokens tokens: the "o" of " brown"
+    (token 3) passes, and the first one from the 6th token on (" over") ends it."""
+    async def body(stack: Stack) -> None:
+        for stream in (False, True):
+            reply = await client(stack).completions.create(model=MODEL, prompt=PROMPT, stop="o", extra_body={"min_tokens": 6},
+                                                           max_tokens=32, stream=stream)
+            chunks = [chunk async for chunk in reply] if stream else [reply]
+            assert "".join(c.choices[0].text for c in chunks) == " The quick brown fox jumps "
+            assert chunks[-1].choices[0].finish_reason == "stop"
+        plain = await client(stack).completions.create(model=MODEL, prompt=PROMPT, stop="o", max_tokens=32)
+        assert plain.choices[0].text == " The quick br"
+
+    run_on_stack(tokenizer_address, Script(text_ids, tokens_per_step=tokens_per_step), body)

@@ -39,3 +39,9 @@ def test_final_flushes_held_text_and_no_stops_passes_everything() -> None:
 
 def test_a_stop_at_the_very_start() -> None:
     assert StopMatcher(["<"]).feed("<tag>") == ("", True)
+
+
+def test_unarmed_feeds_pass_whole_stops_but_hold_partial_ones() -> None:
+    matcher = StopMatcher(["world"])
+    assert matcher.feed("hello world, wor", armed=False) == ("hello world, ", False)  # "wor" may become a stop
+    assert matcher.feed("ld!", armed=True) == ("", True)  # completed once armed: cut
