@@ -16,6 +16,7 @@ from aiohttp import web
 
 from gateway.auth import ApiKeys, http_auth_middleware
 from gateway.backends import HEALTH_TIMEOUT_S
+from gateway.metrics import metrics_handler
 from gateway.openai_choices import Choice, choice_specs, close_choices, merged_chunks, start_choices, total_usage
 from gateway.openai_request import parse_request
 from gateway.openai_response import ResponseFormatter, error_body
@@ -25,7 +26,6 @@ from shardline.errors import InvalidArgument, ShardlineError
 from shardline.proto import generation_pb2, sampling_pb2
 from tracing import attributes as attr
 from tracing.grpc_context import start_http_server_span
-from tracing.metrics import metrics_handler
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ class OpenAIHttpApi:
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/v1/models/{model:.+}", self.model)
         app.router.add_get("/health", self.health)
-        app.router.add_get("/metrics", metrics_handler)
+        app.router.add_get("/metrics", metrics_handler(self._runner.backends.scheduler))
         return app
 
     async def completions(self, request: web.Request) -> web.StreamResponse:

@@ -17,12 +17,13 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from opentelemetry import trace
 
 from gateway.backends import RPC_TIMEOUT_S, Backends, upstream
+from gateway.metrics import GENERATION_TOKENS, PROMPT_TOKENS, REQUESTS
 from gateway.params import ContextLengthExceeded, ModelLimits, resolve_max_tokens, validate_sampling
 from gateway.request_stream import RequestStream, StreamChunk, failure_of
 from gateway.settings import GatewaySettings
 from gateway.stop_matcher import StopMatcher
 from gateway.stream_hub import StreamHub
-from shardline.errors import InvalidArgument, NotFound, ShardlineError, Unavailable
+from shardline.errors import DeadlineExceeded, InvalidArgument, NotFound, ShardlineError, Unavailable
 from shardline.proto import generation_pb2, sampling_pb2, scheduler_pb2, tokenizer_pb2
 from tracing import attributes as attr
 from tracing.metrics import REQUEST_DURATION, TIME_PER_OUTPUT_TOKEN, TIME_TO_FIRST_TOKEN
@@ -166,6 +167,10 @@ class LiveRequest:
         self._span.set_attribute(attr.GEN_AI_USAGE_INPUT_TOKENS, usage.prompt_tokens)
         self._span.set_attribute(attr.GEN_AI_USAGE_OUTPUT_TOKENS, usage.completion_tokens)
         reason = self._last.finish_reason if finished else "abort"
+        PROMPT_TOKENS.labels(**labels).inc(usage.prompt_tokens)
+        GENERATION_TOKENS.labels(**labels).inc(usage.completion_tokens)
+        timed_out = isinstance(self._last.failure() if finished else None, DeadlineExceeded)
+        REQUESTS.labels(**labels, finish_reason="timeout" if timed_out else reason).inc()
         self._span.set_attribute(attr.GEN_AI_RESPONSE_FINISH_REASONS, [reason])
         if timing.detokenize_calls:
             # One span per request for all its per-step detokenize calls, which are batched across requests.

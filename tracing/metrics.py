@@ -4,7 +4,8 @@ Names follow the OpenTelemetry GenAI conventions as they map to Prometheus
 (``gen_ai.server.time_to_first_token`` in seconds becomes
 ``gen_ai_server_time_to_first_token_seconds``, the ``gen_ai.request.model``
 attribute becomes the ``gen_ai_request_model`` label). Each service process
-exposes the metrics it updates; the others stay at zero.
+exposes the metrics it updates; the others stay at zero. The gateway's /metrics
+(gateway/metrics.py) adds the scheduler's figures at scrape time instead.
 """
 
 from wsgiref.simple_server import WSGIServer

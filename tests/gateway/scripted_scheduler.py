@@ -123,9 +123,13 @@ class ScriptedScheduler(scheduler_pb2_grpc.SchedulerServicer):
         record.gateway_id = request.gateway_id
         return self._info(record)
 
+    async def GetStats(self, request, context):
+        running = sum(r.status == sampling_pb2.REQUEST_STATUS_RUNNING for r in self.records.values())
+        return scheduler_pb2.SchedulerStats(queue_depth={0: 2, 5: 1}, running=running, workers=int(self.workers_alive))
+
     async def ListWorkers(self, request, context):
-        worker = worker_pb2.WorkerInfo(worker_id="worker-0", model=MODEL, tp_size=1)
-        state = scheduler_pb2.WorkerState(worker=worker, alive=self.workers_alive)
+        worker = worker_pb2.WorkerInfo(worker_id="worker-0", model=MODEL, tp_size=1, kv_blocks_total=64)
+        state = scheduler_pb2.WorkerState(worker=worker, alive=self.workers_alive, kv_blocks_used=16)
         return scheduler_pb2.ListWorkersResponse(workers=[state])
 
     def _info(self, record: Record) -> common_pb2.RequestInfo:

@@ -112,13 +112,15 @@ def test_request_span_honours_traceparent_and_reaches_submit(tokenizer_address, 
 
 
 def _sample(metrics: str, name: str) -> float:
-    found = re.search(rf'^{name}\{{gen_ai_request_model="{MODEL}"\}} (\S+)$', metrics, re.MULTILINE)
-    return float(found.group(1)) if found else 0.0
+    found = re.search(rf'^{name}\{{(finish_reason="length",)?gen_ai_request_model="{MODEL}"\}} (\S+)$', metrics,
+                      re.MULTILINE)
+    return float(found.group(2)) if found else 0.0
 
 
 def test_metrics_models_and_health(tokenizer_address, text_ids) -> None:
     names = ["gen_ai_server_time_to_first_token_seconds_count", "gen_ai_server_time_per_output_token_seconds_count",
-             "gen_ai_server_request_duration_seconds_count"]
+             "gen_ai_server_request_duration_seconds_count", "shardline_prompt_tokens_total",
+             "shardline_generation_tokens_total", "shardline_requests_total"]
 
     async def body(stack: Stack) -> None:
         async with aiohttp.ClientSession() as http:
@@ -127,8 +129,16 @@ def test_metrics_models_and_health(tokenizer_address, text_ids) -> None:
             oai = openai.AsyncOpenAI(base_url=f"{stack.base_url}/v1", api_key="x")
             await oai.completions.create(model=MODEL, prompt="hi", max_tokens=10)
             async with http.get(f"{stack.base_url}/metrics") as response:
-                after = [_sample(await response.text(), name) for name in names]
-            assert [a - b for a, b in zip(after, before)] == [1, 1, 1]  # per request, not per token
+                metrics = await response.text()
+            after = [_sample(metrics, name) for name in names]
+            # Per request, not per token; the request ended with finish_reason "length".
+            assert [a - b for a, b in zip(after, before)] == [1, 1, 1, 1, 10, 1]
+            # The scheduler's queue and pool, asked for at scrape time, and not the zeros of gauges
+            # that only the scheduler and workers set.
+            for line in ("shardline_queue_depth 3.0", "shardline_running_requests 0.0", "shardline_workers_alive 1.0",
+                         'shardline_kv_cache_usage_ratio{worker_id="worker-0"} 0.25'):
+                assert len(re.findall(rf"^{re.escape(line)}$", metrics, re.MULTILINE)) == 1, line
+            assert "shardline_generation_tokens_per_second" not in metrics
             models = await oai.models.list()
             assert [(m.id, m.owned_by) for m in models.data] == [(MODEL, "shardline")]
             async with http.get(f"{stack.base_url}/health") as response:

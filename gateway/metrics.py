@@ -1,0 +1,80 @@
+"""The gateway's /metrics: its own request metrics, plus the scheduler's queue and pool, read at scrape time.
+
+The scheduler and workers export their gauges on metrics ports of their own (compose
+sets them), but `shardline up` opens none, and a gateway exporting those gauges
+from its own registry would show zeros it never sets. So the gateway leaves them
+out of its registry and asks the scheduler for the live figures on each scrape:
+its /metrics is then the whole stack's page, in the manner of vLLM's one /metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import grpc
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from shardline.proto import scheduler_pb2, scheduler_pb2_grpc
+from tracing.metrics import KV_CACHE_USAGE, MODEL_LABEL, QUEUE_DEPTH, RUNNING_REQUESTS, TOKENS_PER_SECOND
+
+# Token and request counts per scheduler request (each of n choices is one), as vLLM's
+# vllm:prompt_tokens_total, vllm:generation_tokens_total and vllm:request_success_total.
+PROMPT_TOKENS = Counter("shardline_prompt_tokens", "Prompt tokens of ended requests.", [MODEL_LABEL])
+GENERATION_TOKENS = Counter("shardline_generation_tokens", "Tokens generated for ended requests.", [MODEL_LABEL])
+REQUESTS = Counter("shardline_requests", "Requests ended, by finish reason (stop, length, abort, timeout, error).",
+                   [MODEL_LABEL, "finish_reason"])
+
+SCRAPE_TIMEOUT_S = 2.0
+# Gauges the scheduler and workers set in their own processes; here they come from the scheduler.
+_ELSEWHERE = frozenset(g.describe()[0].name for g in (QUEUE_DEPTH, RUNNING_REQUESTS, KV_CACHE_USAGE, TOKENS_PER_SECOND))
+
+
+class _OwnMetrics(Collector):
+    """This process's registry without the gauges that other services set."""
+
+    def collect(self) -> Iterator[Metric]:
+        return (metric for metric in REGISTRY.collect() if metric.name not in _ELSEWHERE)
+
+
+class _SchedulerView(Collector):
+    def __init__(self, stats: scheduler_pb2.SchedulerStats, pool: scheduler_pb2.ListWorkersResponse) -> None:
+        self._stats, self._pool = stats, pool
+
+    def collect(self) -> Iterator[Metric]:
+        yield _gauge(QUEUE_DEPTH, sum(self._stats.queue_depth.values()))
+        yield _gauge(RUNNING_REQUESTS, self._stats.running)
+        yield GaugeMetricFamily("shardline_workers_alive", "Live workers in the scheduler's registry.",
+                                self._stats.workers)
+        kv = _gauge(KV_CACHE_USAGE, labels=["worker_id"])
+        for state in self._pool.workers:
+            if state.alive:
+                kv.add_metric([state.worker.worker_id], state.kv_blocks_used / max(1, state.worker.kv_blocks_total))
+        yield kv
+
+
+def _gauge(like: Gauge, value: float | None = None, labels: list[str] | None = None) -> GaugeMetricFamily:
+    """A family named and documented as `like`, one of the gauges the scheduler and workers set."""
+    described = like.describe()[0]
+    return GaugeMetricFamily(described.name, described.documentation, value, labels)
+
+
+def metrics_handler(scheduler: scheduler_pb2_grpc.SchedulerStub):
+    """aiohttp handler for the gateway's /metrics; without the scheduler it serves its own metrics alone."""
+
+    async def handle(_request: web.Request) -> web.Response:
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(_OwnMetrics())
+        try:
+            stats, pool = await asyncio.gather(
+                scheduler.GetStats(scheduler_pb2.GetStatsRequest(), timeout=SCRAPE_TIMEOUT_S),
+                scheduler.ListWorkers(scheduler_pb2.ListWorkersRequest(), timeout=SCRAPE_TIMEOUT_S))
+            registry.register(_SchedulerView(stats, pool))
+        except grpc.aio.AioRpcError:
+            pass
+        return web.Response(body=generate_latest(registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    return handle
