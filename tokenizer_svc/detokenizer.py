@@ -15,6 +15,12 @@ specials left out when they are skipped). Then the deltas of a stream add up to
 decode(first prefix + all tokens) minus decode(first prefix): with an empty first prefix, to
 `tokenizer.decode(all tokens)`.
 
+A byte-fallback decoder (sentencepiece) reads a run of <0xNN> tokens as a whole: valid UTF-8
+becomes its characters, anything else one U+FFFD per byte, the run's finished characters included.
+So a run that ends the new tokens waits until a non-byte token ends it (or final): text emitted
+from a run that a stray byte later spoils would differ from the full decode. Runs longer than
+_MAX_BYTE_RUN (a stretch of characters the vocabulary lacks) are emitted as they come instead.
+
 Limits: a U+FFFD the model really means is held back until final, and a run of more than
 _MAX_HELD_BACK tokens that decode to invalid UTF-8 waits for the next clean token; the total text
 is right in both cases.
@@ -36,6 +42,8 @@ PREFIX_WINDOW = 6
 # Shorter cuts tried when all new tokens end in an incomplete character. Such a character has at
 # most 3 of its bytes, so at most 3 tokens; one more covers malformed bytes just before it.
 _MAX_HELD_BACK = 4
+# Longest unfinished run of byte-fallback tokens held back whole (16 four-byte characters).
+_MAX_BYTE_RUN = 64
 _REPLACEMENT = "\ufffd"
 
 
@@ -67,6 +75,7 @@ def detokenize_batch(tokenizer: Tokenizer, items: Sequence[DetokenizeItem]) -> l
     Phase 1 decodes every prefix and every prefix + all new tokens. Only an item whose text then
     ends in an incomplete character, with more than one new token, needs phase 2: its shorter cuts.
     """
+    items = [_without_open_byte_run(tokenizer, it) for it in items]
     prefixes = [_visible(tokenizer, _context(tokenizer, it.prefix_token_ids), it.skip_special_tokens) for it in items]
     news = [_visible_each(tokenizer, it.new_token_ids, it.skip_special_tokens) for it in items]
     live = [i for i, it in enumerate(items) if it.new_token_ids]
@@ -109,6 +118,19 @@ def _shorter_cuts(
         if i not in done and not text.endswith(_REPLACEMENT):
             results[i] = (_delta(prefix_texts[i], text), k)
             done.add(i)
+
+
+def _without_open_byte_run(tokenizer: Tokenizer, item: DetokenizeItem) -> DetokenizeItem:
+    """The item without the run of byte-fallback tokens that ends it, unless final: the next token
+    may still join that run and change how all of it decodes. The caller re-sends the run."""
+    new, run = item.new_token_ids, 0
+    if item.final or not tokenizer.byte_token_ids:
+        return item
+    while run < len(new) and new[len(new) - 1 - run] in tokenizer.byte_token_ids:
+        run += 1
+    if run == 0 or run > _MAX_BYTE_RUN:
+        return item
+    return DetokenizeItem(item.prefix_token_ids, new[: len(new) - run], item.skip_special_tokens, item.final)
 
 
 def _delta(prefix_text: str, full_text: str) -> str:

@@ -44,6 +44,7 @@ class Tokenizer:
         "chat_template",
         "special_token_ids",
         "continuation_byte_ids",
+        "byte_token_ids",
         "vocab_size",
         "context_length",
     )
@@ -72,6 +73,10 @@ class Tokenizer:
         # a context window on one, or the decoder turns the whole run of byte tokens into U+FFFD.
         self.continuation_byte_ids = frozenset(
             token_id for b in range(0x80, 0xC0) if (token_id := backend.token_to_id(f"<0x{b:02X}>")) is not None
+        )
+        # All byte-fallback tokens <0x00>..<0xFF>: the decoder reads a run of them as a whole.
+        self.byte_token_ids = frozenset(
+            token_id for b in range(256) if (token_id := backend.token_to_id(f"<0x{b:02X}>")) is not None
         )
         self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
         self.eos_token_ids = self._stop_token_ids(extra_eos_token_ids)
