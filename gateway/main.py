@@ -9,8 +9,7 @@ import sys
 
 from gateway.server import serve
 from gateway.settings import GatewaySettings
-
-logger = logging.getLogger(__name__)
+from shardline.service_main import run_service
 
 
 def parse_settings(argv: list[str] | None) -> GatewaySettings:
@@ -25,7 +24,8 @@ def parse_settings(argv: list[str] | None) -> GatewaySettings:
     parser.add_argument("--api-keys", help="comma-separated accepted API keys (default: no authentication)")
     parser.add_argument("--max-prompt-tokens", type=int, help="longest prompt accepted, in tokens")
     parser.add_argument("--max-tokens-limit", type=int, help="largest max_tokens accepted")
-    parser.add_argument("--default-max-tokens", type=int, help="max_tokens when a request gives none (default 256)")
+    parser.add_argument("--default-max-tokens", type=int, help="cap on max_tokens when a chat or gRPC request gives none "
+                        "(default: none, the rest of the context)")
     parser.add_argument("--request-timeout-s", type=float, help="per-request wall-clock budget (default 600)")
     args = parser.parse_args(argv)
     return GatewaySettings(**{key: value for key, value in vars(args).items() if value is not None})
@@ -33,13 +33,7 @@ def parse_settings(argv: list[str] | None) -> GatewaySettings:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    settings = parse_settings(argv)
-    try:
-        asyncio.run(serve(settings))
-    except OSError as exc:
-        logger.error("gateway cannot start: %s", exc)
-        return 1
-    return 0
+    return run_service("gateway", lambda: asyncio.run(serve(parse_settings(argv))))
 
 
 if __name__ == "__main__":

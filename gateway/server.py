@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from dataclasses import dataclass
 
@@ -50,23 +51,30 @@ class GatewayServer:
 async def start_gateway(settings: GatewaySettings, tracer: trace.Tracer | None = None) -> GatewayServer:
     """Start both front ends; ports 0 pick free ones."""
     tracer = tracer or trace.get_tracer("shardline.gateway")
-    backends = Backends(settings.tokenizer_address, settings.scheduler_address)
-    hub = StreamHub(settings.gateway_id, backends)
-    hub.start()
-    if not await hub.wait_connected(STARTUP_SUBSCRIBE_WAIT_S):
-        logger.warning("scheduler at %s not reachable yet; requests get 503 until it is", settings.scheduler_address)
-    runner = RequestRunner(settings, backends, hub, tracer)
-    keys = ApiKeys(settings.api_keys)
-    service = GrpcService(GenerationService(runner), generation_pb2_grpc.add_GenerationServicer_to_server, SERVICE_NAME)
-    grpc_server = await start_grpc_server(
-        [service], settings.grpc_port, host=settings.host,
-        interceptors=[TracingServerInterceptor(tracer), GrpcAuthInterceptor(keys, SERVICE_NAME)])
-    # handler_cancellation: a client that disconnects cancels its handler, which cancels the request upstream.
-    http = web.AppRunner(OpenAIHttpApi(runner, keys).application(), handler_cancellation=True, access_log=None)
-    await http.setup()
-    site = web.TCPSite(http, settings.host, settings.http_port)
-    await site.start()
-    http_port = http.addresses[0][1]
+    async with contextlib.AsyncExitStack() as started:  # a failed start (a port taken) stops what it started
+        backends = Backends(settings.tokenizer_address, settings.scheduler_address)
+        started.push_async_callback(backends.close)
+        hub = StreamHub(settings.gateway_id, backends)
+        hub.start()
+        started.push_async_callback(hub.stop)
+        if not await hub.wait_connected(STARTUP_SUBSCRIBE_WAIT_S):
+            logger.warning("scheduler at %s not reachable yet; requests get 503 until it is",
+                           settings.scheduler_address)
+        runner = RequestRunner(settings, backends, hub, tracer)
+        keys = ApiKeys(settings.api_keys)
+        service = GrpcService(GenerationService(runner), generation_pb2_grpc.add_GenerationServicer_to_server,
+                              SERVICE_NAME)
+        grpc_server = await start_grpc_server(
+            [service], settings.grpc_port, host=settings.host,
+            interceptors=[TracingServerInterceptor(tracer), GrpcAuthInterceptor(keys, SERVICE_NAME)])
+        started.push_async_callback(grpc_server.stop, 0)
+        # handler_cancellation: a client that disconnects cancels its handler, which cancels the request upstream.
+        http = web.AppRunner(OpenAIHttpApi(runner, keys).application(), handler_cancellation=True, access_log=None)
+        await http.setup()
+        started.push_async_callback(http.cleanup)
+        await web.TCPSite(http, settings.host, settings.http_port).start()
+        http_port = http.addresses[0][1]
+        started.pop_all()
     logger.info("gateway %s: HTTP on %d, gRPC on %d", settings.gateway_id, http_port, grpc_server.port)
     return GatewayServer(settings, backends, hub, grpc_server, http, http_port)
 
@@ -74,10 +82,12 @@ async def start_gateway(settings: GatewaySettings, tracer: trace.Tracer | None =
 async def serve(settings: GatewaySettings) -> None:
     """Run until SIGTERM/SIGINT."""
     tracing = setup_tracing("gateway", settings.gateway_id, enabled=settings.tracing)
-    gateway = await start_gateway(settings, tracing.tracer)
     try:
-        await gateway.grpc.wait_for_signal(on_stop=gateway.http.cleanup)
+        gateway = await start_gateway(settings, tracing.tracer)
+        try:
+            await gateway.grpc.wait_for_signal(on_stop=gateway.http.cleanup)
+        finally:
+            await gateway.hub.stop()
+            await gateway.backends.close()
     finally:
-        await gateway.hub.stop()
-        await gateway.backends.close()
         await asyncio.to_thread(tracing.shutdown)

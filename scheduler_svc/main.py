@@ -6,6 +6,7 @@ import logging
 
 from scheduler_svc.server import serve
 from scheduler_svc.settings import SchedulerSettings
+from shardline.service_main import run_service
 
 
 def parse_args(argv: list[str] | None) -> tuple[SchedulerSettings, str]:
@@ -32,10 +33,14 @@ def parse_args(argv: list[str] | None) -> tuple[SchedulerSettings, str]:
 
 def main(argv: list[str] | None = None) -> int:
     """Runs the scheduler until SIGTERM or SIGINT; returns the exit status."""
-    settings, log_level = parse_args(argv)
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    asyncio.run(serve(settings))
-    return 0
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    def run() -> None:
+        settings, log_level = parse_args(argv)
+        logging.getLogger().setLevel(log_level.upper())
+        asyncio.run(serve(settings))
+
+    return run_service("scheduler", run)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ from scheduler_svc.settings import SchedulerSettings
 from shardline.grpc_server import GrpcService, RunningServer, start_grpc_server
 from shardline.proto import scheduler_pb2, scheduler_pb2_grpc
 from shardline.request_store import RequestStore
+from shardline.service_main import redacted
 from tracing.grpc_context import TracingServerInterceptor
 from tracing.metrics import start_metrics_server
 from tracing.otel_setup import setup_tracing
@@ -63,7 +64,7 @@ async def start_scheduler(settings: SchedulerSettings, tracer: trace.Tracer | No
         settings.port, settings.host, interceptors=[TracingServerInterceptor(tracer)])
     metrics = start_metrics_server(settings.metrics_port) if settings.metrics_port > 0 else None
     log.info("scheduler serving on port %d (redis %s, queue capacity %d)",
-             running.port, settings.redis_url, settings.queue_capacity)
+             running.port, redacted(settings.redis_url), settings.queue_capacity)
     return SchedulerServer(running, dispatcher, relay, store, metrics)
 
 

@@ -164,12 +164,24 @@ class LocalStack:
                 raise TimeoutError(f"gateway /health not OK after {timeout_s:.0f}s")
             time.sleep(0.2)
 
+    def _last_words(self, child: Child) -> str:
+        """With --log-dir, the end of a failed child's log (what it said on stderr, otherwise)."""
+        if self.config.log_dir is None:
+            return ""
+        try:
+            lines = (self.config.log_dir / f"{child.name}.log").read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        tail = [line for line in lines if line.strip()][-3:]
+        return "".join(f"\n  {line}" for line in tail)
+
     def _wait_healthy(self, children: list[Child], progress: Callable[[str], None], deadline: float) -> None:
         pending = [child for child in children if not child.ready]
         while pending:
             for child in list(pending):
                 if child.proc.poll() is not None:
-                    raise RuntimeError(f"{child.name} exited with code {child.proc.returncode} while starting")
+                    raise RuntimeError(f"{child.name} exited with code {child.proc.returncode} while starting"
+                                       + self._last_words(child))
                 if child.health is None or grpc_serving(child.health):
                     progress(f"{child.name:<10} ready ({child.health})")
                     child.ready = True

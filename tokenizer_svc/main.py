@@ -11,8 +11,7 @@ from shardline.model_path import ModelNotFoundError
 from tokenizer_svc.server import serve
 from tokenizer_svc.settings import TokenizerSettings
 from tokenizer_svc.tokenizer import TokenizerError
-
-logger = logging.getLogger(__name__)
+from shardline.service_main import run_service
 
 
 def parse_settings(argv: list[str] | None) -> TokenizerSettings:
@@ -26,13 +25,8 @@ def parse_settings(argv: list[str] | None) -> TokenizerSettings:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    settings = parse_settings(argv)
-    try:
-        asyncio.run(serve(settings))
-    except (ModelNotFoundError, TokenizerError, OSError) as exc:
-        logger.error("tokenizer service cannot start: %s", exc)
-        return 1
-    return 0
+    return run_service("tokenizer", lambda: asyncio.run(serve(parse_settings(argv))),
+                       startup_errors=(ModelNotFoundError, TokenizerError))
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """The one place where the tokenizer service reads its environment."""
 
+from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -9,7 +10,7 @@ class TokenizerSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="SHARDLINE_", env_ignore_empty=True)
 
     # gRPC port of the Tokenizer service; 0 picks a free one.
-    port: int = 50052
+    port: int = Field(50052, ge=0, le=65535)
     # A Hugging Face folder or a .gguf file; None serves the default model (SmolLM2-135M-Instruct).
     model: str | None = None
     # Export spans over OTLP (SHARDLINE_TRACING=0 turns it off).

@@ -15,6 +15,7 @@ from aiohttp import web
 
 from tracing.dashboard_app import build_app
 from tracing.otlp_receiver import serve_receiver
+from shardline.service_main import run_service
 from tracing.settings import TracingSettings
 
 logger = logging.getLogger(__name__)
@@ -61,10 +62,15 @@ async def serve(settings: TracingSettings, stop: asyncio.Event | None = None) ->
 
 def main(argv: list[str] | None = None) -> int:
     """Runs the tracing service until SIGTERM or SIGINT; returns the exit status."""
-    settings, log_level = parse_args(argv)
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    asyncio.run(serve(settings))
-    return 0
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    def run() -> None:
+        settings, log_level = parse_args(argv)
+        logging.getLogger().setLevel(log_level.upper())
+        asyncio.run(serve(settings))
+
+    # grpc reports a taken OTLP port as a RuntimeError.
+    return run_service("tracing", run, startup_errors=(RuntimeError,))
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from redis.exceptions import RedisError
 
+from shardline.service_main import redacted
 from tracing.settings import TracingSettings
 from tracing.span_store import SpanStore
 
@@ -57,6 +58,11 @@ async def serve_receiver(
     """
     settings = settings or TracingSettings()
     store = SpanStore.from_url(redis_url, max_spans=settings.trace_max_spans, max_age_s=settings.trace_max_age_s)
+    try:  # a receiver that could store nothing must not answer SERVING
+        await store.ping()
+    except BaseException:
+        await store.close()
+        raise
     server = grpc.aio.server()
     trace_service_pb2_grpc.add_TraceServiceServicer_to_server(OtlpTraceReceiver(store), server)
     health_servicer = health.aio.HealthServicer()
@@ -64,5 +70,5 @@ async def serve_receiver(
     bound = server.add_insecure_port(f"{host}:{port}")
     await server.start()
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-    logger.info("OTLP receiver on port %d, storing into %s", bound, redis_url)
+    logger.info("OTLP receiver on port %d, storing into %s", bound, redacted(redis_url))
     return RunningReceiver(server=server, port=bound, store=store)

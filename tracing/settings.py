@@ -1,5 +1,6 @@
 """The one place where tracing reads its environment."""
 
+from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -14,8 +15,8 @@ class TracingSettings(BaseSettings):
 
     # The tracing service: interface it listens on, OTLP/gRPC port, dashboard HTTP port...
     host: str = "0.0.0.0"
-    otlp_port: int = 4317
-    http_port: int = 8080
+    otlp_port: int = Field(4317, ge=0, le=65535)
+    http_port: int = Field(8080, ge=0, le=65535)
     # ...and the Redis it stores spans in (the request-state Redis will do; keys are apart).
     redis_url: str = "redis://127.0.0.1:6379/0"
     # Where services send spans: host:port (or http(s)://host:port) of an OTLP/gRPC collector.

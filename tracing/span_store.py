@@ -97,6 +97,10 @@ class SpanStore:
         """A store on its own connection pool to ``redis_url``."""
         return cls(Redis.from_url(redis_url), max_spans=max_spans, max_age_s=max_age_s)
 
+    async def ping(self) -> None:
+        """Raises a RedisError unless Redis answers (and takes the URL's password and database)."""
+        await self._redis.ping()
+
     async def close(self) -> None:
         """Closes the Redis connections."""
         await self._redis.aclose()

@@ -27,6 +27,7 @@ from gpu_worker_svc.server.engine_loop import EngineLoop
 from gpu_worker_svc.server.registration import SchedulerRegistration
 from gpu_worker_svc.server.servicer import WorkerServicer
 from gpu_worker_svc.server.settings import WorkerSettings
+from shardline.service_main import run_service
 from gpu_worker_svc.server.telemetry import StepTelemetry
 from gpu_worker_svc.server.utilization import StepCostModel, device_peak
 from shardline.grpc_server import GrpcService, RunningServer, start_grpc_server
@@ -171,11 +172,8 @@ async def _stop_when_dead(engine_died: asyncio.Event, server: RunningServer) -> 
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    try:
-        return asyncio.run(serve(parse_args(argv)))
-    except (ValueError, OSError) as exc:  # bad settings, a missing model, a taken port: no traceback needed
-        log.error("cannot run the worker: %s", exc)
-        return 2
+    try:  # bad settings, a missing model, a taken port: one line, no traceback
+        return run_service("worker", lambda: asyncio.run(serve(parse_args(argv))))
     except Exception:
         log.exception("worker failed")
         return 1

@@ -5,7 +5,7 @@ from __future__ import annotations
 import socket
 
 import torch
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -69,6 +69,15 @@ class WorkerSettings(BaseSettings):
     # A few AVX2/AVX-512 cores: rough figures, override them for your machine.
     cpu_peak_tflops: float = Field(0.5, gt=0)
     cpu_peak_bandwidth_gbs: float = Field(20.0, gt=0)
+
+    @field_validator("device")
+    @classmethod
+    def _known_device(cls, device: str) -> str:
+        if device not in ("auto", "cpu", "cuda"):
+            raise ValueError('must be "auto", "cpu" or "cuda"')
+        if device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("is cuda, but torch sees no CUDA device here")
+        return device
 
     @property
     def resolved_device(self) -> str:

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 from shardline.cli.arg_types import at_least_one
+from shardline.service_main import redacted
 from shardline.signals import STOP_SIGNALS
 from shardline.stack import LocalStack, StackConfig
 
@@ -58,7 +59,7 @@ shardline is up ({time.monotonic() - t0:.1f}s):
   OpenAI HTTP   http://127.0.0.1:{args.http_port}/v1   (curl .../v1/completions, .../v1/chat/completions)
   gRPC          127.0.0.1:{args.grpc_port}           (shardline.client.ShardlineClient)
   metrics       http://127.0.0.1:{args.http_port}/metrics{traces}
-  redis         {stack.redis_url}
+  redis         {redacted(stack.redis_url)}
 Ctrl-C stops everything.""", flush=True)
     restarts: dict[str, list[float]] = {}
     code = 0

@@ -1,11 +1,15 @@
-"""The OTLP receiver's answers when its Redis is gone."""
+"""The OTLP receiver without its Redis: no start, and exports refused as UNAVAILABLE once it is gone."""
 
+import asyncio
 import socket
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+from redis.exceptions import ConnectionError as RedisConnectionError
+
+from shardline.redis_server import EmbeddedRedis
 
 from tests.tracing.fake_request import otlp_export
 from tests.tracing.run_async import run_async
@@ -18,9 +22,20 @@ def closed_port() -> int:
         return sock.getsockname()[1]
 
 
+def test_no_redis_at_start_is_a_failed_start() -> None:
+    """A receiver that could store nothing must not start and answer SERVING to health checks."""
+    async def start() -> None:
+        await serve_receiver(0, f"redis://127.0.0.1:{closed_port()}/0", host="127.0.0.1")
+
+    with pytest.raises(RedisConnectionError):
+        asyncio.run(start())
+
+
 @run_async
-async def test_export_without_redis_is_unavailable_so_exporters_retry() -> None:
-    receiver = await serve_receiver(0, f"redis://127.0.0.1:{closed_port()}/0", host="127.0.0.1")
+async def test_export_once_redis_is_gone_is_unavailable_so_exporters_retry(tmp_path) -> None:
+    redis_server = EmbeddedRedis(tmp_path / "redis").start()
+    receiver = await serve_receiver(0, redis_server.url, host="127.0.0.1")
+    redis_server.stop()
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{receiver.port}") as channel:
             health = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())

@@ -1,4 +1,5 @@
 import pytest
+import torch
 from pydantic import ValidationError
 
 from gpu_worker_svc.server.main import parse_args
@@ -20,8 +21,16 @@ def test_defaults_resolve_from_the_port_and_device(monkeypatch):
     assert s.resolved_worker_id.startswith("worker-") and s.resolved_worker_id.endswith("-50061")
     assert (s.resolved_device, s.resolved_dtype, s.resolved_admission_gap_s) == ("cpu", "float32", 0.020)
     assert s.address(50061) == "127.0.0.1:50061"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     cuda = parse_args(["--device", "cuda"])
     assert (cuda.resolved_dtype, cuda.resolved_admission_gap_s) == ("bfloat16", 0.0)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValidationError, match="torch sees no CUDA device"):
+        parse_args(["--device", "cuda"])
+    monkeypatch.setenv("SHARDLINE_DEVICE", "gpu")  # the flag's choices refuse it before the settings see it
+    with pytest.raises(ValidationError, match='must be "auto", "cpu" or "cuda"'):
+        parse_args([])
+    monkeypatch.delenv("SHARDLINE_DEVICE")
     assert parse_args(["--advertise-address", "w0:1"]).address(50061) == "w0:1"
 
 
