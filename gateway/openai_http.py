@@ -32,8 +32,16 @@ logger = logging.getLogger(__name__)
 _DONE = b"data: [DONE]\n\n"
 
 
-def error_response(status: int, message: str, param: str | None = None, code: str | None = None) -> web.Response:
-    return web.json_response(error_body(status, message, param, code), status=status)
+# Seconds a client should wait before retrying a full queue (429) or a missing dependency (503).
+RETRY_AFTER_S = 1
+
+
+def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
+                   headers: dict[str, str] | None = None) -> web.Response:
+    headers = dict(headers or {})
+    if status in (429, 503):
+        headers["Retry-After"] = str(RETRY_AFTER_S)
+    return web.json_response(error_body(status, message, param, code), status=status, headers=headers)
 
 
 @web.middleware
@@ -48,7 +56,8 @@ async def openai_errors(
     except web.HTTPException as exc:  # unknown route, wrong method, body over client_max_size (413)
         if exc.status < 400:
             raise
-        return error_response(exc.status, exc.text or exc.reason)
+        allow = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None  # a 405's methods
+        return error_response(exc.status, exc.text or exc.reason, headers=allow)
     except ConnectionResetError:
         raise  # the client left mid-stream; nothing can be sent
     except Exception:

@@ -14,6 +14,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -36,7 +37,9 @@ GRPC_OPTIONS = [
 
 
 class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
-    """Turns ShardlineError/ValueError raised by a handler into a proper status, never a traceback."""
+    """Turns ShardlineError/ValueError raised by a handler into a proper status, never a traceback,
+    and a request that is no valid message (bad UTF-8 in a string, say) into INVALID_ARGUMENT: grpc
+    itself answers UNKNOWN with a Python exception's text."""
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
@@ -44,14 +47,40 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
             return None
         if handler.unary_unary:
             return grpc.unary_unary_rpc_method_handler(
-                _wrap_unary(handler.unary_unary), handler.request_deserializer, handler.response_serializer)
+                _wrap_unary(handler.unary_unary), _tolerant(handler.request_deserializer), handler.response_serializer)
         if handler.unary_stream:
             return grpc.unary_stream_rpc_method_handler(
-                _wrap_stream(handler.unary_stream), handler.request_deserializer, handler.response_serializer)
+                _wrap_stream(handler.unary_stream), _tolerant(handler.request_deserializer),
+                handler.response_serializer)
         if handler.stream_stream:
             return grpc.stream_stream_rpc_method_handler(
                 _wrap_stream(handler.stream_stream), handler.request_deserializer, handler.response_serializer)
         return handler
+
+
+@dataclass(frozen=True, slots=True)
+class _Undecodable:
+    """Stands in for a request message that failed to parse, so its rpc can answer INVALID_ARGUMENT."""
+
+    problem: str
+
+
+def _tolerant(parse: Callable[[bytes], object] | None) -> Callable[[bytes], object] | None:
+    if parse is None:
+        return None
+
+    def parse_or_flag(raw: bytes) -> object:
+        try:
+            return parse(raw)
+        except DecodeError as exc:
+            return _Undecodable(str(exc))
+
+    return parse_or_flag
+
+
+async def _refuse_undecodable(request: object, context: grpc.aio.ServicerContext) -> None:
+    if isinstance(request, _Undecodable):
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request: not a valid message ({request.problem})")
 
 
 async def _abort_for(exc: Exception, context: grpc.aio.ServicerContext) -> None:
@@ -65,6 +94,7 @@ async def _abort_for(exc: Exception, context: grpc.aio.ServicerContext) -> None:
 
 def _wrap_unary(fn):
     async def wrapper(request, context):
+        await _refuse_undecodable(request, context)
         try:
             return await fn(request, context)
         except grpc.aio.AbortError:
@@ -76,6 +106,7 @@ def _wrap_unary(fn):
 
 def _wrap_stream(fn):
     async def wrapper(request, context):
+        await _refuse_undecodable(request, context)
         try:
             async for item in fn(request, context):
                 yield item

@@ -15,6 +15,7 @@ from tests.gateway.scripted_scheduler import MODEL, Script
 
 COMPLETION = {"model": MODEL, "prompt": "Hello"}
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hello"}]}
+BAD = b"\x0a\x02\xff\xfe"  # no GenerateRequest: field 1 (the model) as a string of bad UTF-8
 
 # (endpoint, fields merged into a valid body, the field the 400 must name)
 BAD_BODIES = [
@@ -139,6 +140,13 @@ def test_invalid_arguments_over_grpc(tokenizer_address, text_ids) -> None:
                     await call
                 assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (field, caught.value.details())
                 assert caught.value.details().startswith(f"{field}:"), caught.value.details()
+        # Bytes that are no GenerateRequest: grpc would answer UNKNOWN, with a Python exception's text.
+        for method, call in (("Generate", stack.channel.unary_unary), ("GenerateStream", stack.channel.unary_stream)):
+            raw = call(f"/shardline.v1.Generation/{method}", request_serializer=None, response_deserializer=None)
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await (_drain(raw(BAD)) if method == "GenerateStream" else raw(BAD))
+            assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT, caught.value.details()
+            assert caught.value.details().startswith("request: not a valid message")
 
     run_on_stack(tokenizer_address, Script(text_ids), body)
 
@@ -170,6 +178,7 @@ def test_a_full_scheduler_queue_is_429_and_resource_exhausted(tokenizer_address,
             await openai.AsyncOpenAI(base_url=f"{stack.base_url}/v1", api_key="x", max_retries=0).completions.create(
                 model=MODEL, prompt="hi")
         assert caught.value.body["type"] == "rate_limit_error"
+        assert caught.value.response.headers["Retry-After"] == "1"  # the openai client honours it
         with pytest.raises(grpc.aio.AioRpcError) as grpc_caught:
             await stack.generation.Generate(generation_pb2.GenerateRequest(prompt="hi"))
         assert grpc_caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -202,12 +211,11 @@ def test_api_keys_over_http_and_grpc(tokenizer_address, text_ids) -> None:
             with pytest.raises(grpc.aio.AioRpcError) as caught:
                 await call
             assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED
-        # A caller without a key is refused before its request is read: a body that is no valid
-        # protobuf (field 1 as a string of bad UTF-8) gets UNAUTHENTICATED, not a parse error.
+        # A caller without a key is refused before its request is read: UNAUTHENTICATED, not a parse error.
         raw = stack.channel.unary_unary("/shardline.v1.Generation/Generate", request_serializer=None,
                                         response_deserializer=None)
         with pytest.raises(grpc.aio.AioRpcError) as caught:
-            await raw(b"\x0a\x02\xff\xfe")
+            await raw(BAD)
         assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED
         reply = await stack.generation.Generate(request, metadata=[("authorization", "Bearer k1")])
         assert reply.finish_reason == sampling_pb2.FINISH_REASON_STOP
@@ -224,7 +232,10 @@ def test_scheduler_unavailable_is_503(tokenizer_address, text_ids) -> None:
                 assert (await response.json())["scheduler"] is False
             await asyncio.sleep(0.1)
             async with http.post(f"{stack.base_url}/v1/completions", json=COMPLETION) as response:
-                assert response.status == 503
+                assert response.status == 503 and response.headers["Retry-After"] == "1"
+            async with http.get(f"{stack.base_url}/v1/completions") as response:  # a 405 says what is allowed
+                assert response.status == 405 and response.headers["Allow"] == "POST"
+                assert (await response.json())["error"]["code"] == "method_not_allowed"
 
     run_on_stack(tokenizer_address, Script(text_ids), body)
 
