@@ -191,6 +191,7 @@ class ModelRunner:
         ready = mp.connection.wait(list(sentinels))
         if not getattr(self, "_closing", False):
             p = sentinels[ready[0]]
+            p.join(timeout=1.0)  # reaps it: its exit code (or -signal) is known only once it is reaped
             log.error("tensor-parallel rank %s died with exit code %s", p.name, p.exitcode)
             self._dead.set()
 

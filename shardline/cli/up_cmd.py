@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import threading
@@ -17,7 +18,8 @@ from shardline.stack import LocalStack, StackConfig
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("up", help="start redis, tokenizer, scheduler, workers and gateway on this machine")
-    p.add_argument("--model", default=None, help="HF folder or .gguf file (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--model", default=os.environ.get("SHARDLINE_MODEL") or None,
+                   help="HF folder or .gguf file (default: $SHARDLINE_MODEL, else SmolLM2-135M-Instruct)")
     p.add_argument("--workers", type=at_least_one, default=1, help="number of GPU worker services")
     p.add_argument("--tp", type=at_least_one, default=1, help="tensor-parallel size of each worker")
     p.add_argument("--http-port", type=int, default=8000)

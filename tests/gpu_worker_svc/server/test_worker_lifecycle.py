@@ -104,6 +104,7 @@ def test_killed_rank_makes_the_worker_exit_nonzero(tp_worker):
         ended = session.end()
         assert ended is not None and ended.code() == grpc.StatusCode.UNAVAILABLE
         assert "engine died" in ended.details()
+        assert "died with exit code -9" in proc.log()  # reaped before it is reported (it said None)
     finally:
         session.close()
     assert _gone(children)
