@@ -6,8 +6,10 @@ same folder brings the state back, as a real deployment's Redis would.
 """
 
 import atexit
+import fcntl
 import importlib.util
 import logging
+import os
 import shutil
 import subprocess
 import time
@@ -25,6 +27,7 @@ from shardline.signals import die_with_parent, signals_deferred
 logger = logging.getLogger(__name__)
 
 LOG_NAME = "redis-server.log"
+LOCK_NAME = "shardline.lock"  # held (flock) by the process whose server uses the directory
 
 
 class RedisServerError(RuntimeError):
@@ -67,6 +70,7 @@ class EmbeddedRedis:
         self._start_timeout_s = start_timeout_s
         self._port: int | None = None
         self._process: subprocess.Popen[bytes] | None = None
+        self._lock: int | None = None  # fd holding the data directory's lock while the server runs
 
     @property
     def port(self) -> int:
@@ -90,7 +94,19 @@ class EmbeddedRedis:
         if self._process is not None:
             raise RedisServerError("embedded Redis is already running")
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        binary = find_redis_server()
+        self._lock_data_dir()
+        try:
+            port = self._spawn_until_ready(find_redis_server())
+        except BaseException:
+            self._unlock()
+            raise
+        self._port = port
+        atexit.register(self.stop)
+        logger.info("embedded redis-server on port %d, data in %s", port, self.data_dir)
+        return self
+
+    def _spawn_until_ready(self, binary: Path) -> int:
+        """Starts redis-server and waits for its PING; returns its port."""
         # A picked free port can be taken by someone else before redis binds it.
         attempts = 3 if self._requested_port is None else 1
         for attempt in range(attempts):
@@ -108,10 +124,24 @@ class EmbeddedRedis:
             except BaseException:  # Ctrl-C or SIGTERM while waiting: nothing else knows about the server yet
                 self._kill()
                 raise
-        self._port = port
-        atexit.register(self.stop)
-        logger.info("embedded redis-server on port %d, data in %s", port, self.data_dir)
-        return self
+        return port
+
+    def _lock_data_dir(self) -> None:
+        """Two servers appending to one AOF would corrupt it: the second stack on a directory is refused.
+
+        An flock, so it goes with the process that holds it, however that process ends.
+        """
+        fd = os.open(self.data_dir / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "another process"
+            os.close(fd)
+            raise RedisServerError(f"{self.data_dir} is in use by another Shardline stack (pid {holder}); "
+                                   "give this one its own data directory (shardline up --data-dir)") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        self._lock = fd
 
     def _spawn(self, binary: Path, port: int) -> None:
         command = [
@@ -189,6 +219,7 @@ class EmbeddedRedis:
             except subprocess.TimeoutExpired:
                 self._kill()
         self._release()
+        self._unlock()
 
     def _kill(self) -> None:
         if self._process is not None and self._process.poll() is None:
@@ -199,6 +230,11 @@ class EmbeddedRedis:
     def _release(self) -> None:
         self._process = None
         self._port = None
+
+    def _unlock(self) -> None:
+        if self._lock is not None:
+            os.close(self._lock)  # closing the last descriptor releases the flock
+            self._lock = None
 
     def __enter__(self) -> Self:
         return self.start()

@@ -28,6 +28,10 @@ from shardline.signals import die_with_parent, signals_deferred
 
 log = logging.getLogger(__name__)
 
+# Where the stack's internal services and the trace dashboard (which has no authentication) listen:
+# this machine only. The gateway listens on every interface, as vLLM's server does.
+LOOPBACK = "127.0.0.1"
+
 
 @dataclass(slots=True)
 class StackConfig:
@@ -104,11 +108,12 @@ class LocalStack:
         deadline = time.monotonic() + timeout_s
         if c.tracing:
             # Ready before anything else starts, so no service's first spans wait on retries.
-            tracing = self._spawn("tracing", {"OTLP_PORT": c.otlp_port, "HTTP_PORT": c.dashboard_port,
+            tracing = self._spawn("tracing", {"HOST": LOOPBACK, "OTLP_PORT": c.otlp_port, "HTTP_PORT": c.dashboard_port,
                                               "REDIS_URL": self.redis_url}, f"127.0.0.1:{c.otlp_port}")
             self._wait_healthy([tracing], progress, deadline)
-        self._spawn("tokenizer", {"PORT": c.tokenizer_port, "MODEL": c.model}, f"127.0.0.1:{c.tokenizer_port}")
-        self._spawn("scheduler", {"PORT": c.scheduler_port, "REDIS_URL": self.redis_url},
+        self._spawn("tokenizer", {"HOST": LOOPBACK, "PORT": c.tokenizer_port, "MODEL": c.model},
+                    f"127.0.0.1:{c.tokenizer_port}")
+        self._spawn("scheduler", {"HOST": LOOPBACK, "PORT": c.scheduler_port, "REDIS_URL": self.redis_url},
                     f"127.0.0.1:{c.scheduler_port}")
         for i in range(c.workers):
             self.add_worker(i)
@@ -122,7 +127,7 @@ class LocalStack:
         port = c.worker_base_port + index if c.worker_base_port else free_port()
         self.worker_ports.append(port)
         return self._spawn(f"worker-{index}", {
-            "PORT": port, "WORKER_ID": f"worker-{index}", "ADVERTISE_ADDRESS": f"127.0.0.1:{port}",
+            "HOST": LOOPBACK, "PORT": port, "WORKER_ID": f"worker-{index}", "ADVERTISE_ADDRESS": f"127.0.0.1:{port}",
             "SCHEDULER_ADDRESS": f"127.0.0.1:{c.scheduler_port}", "MODEL": c.model, "TP_SIZE": c.tp_size,
         }, f"127.0.0.1:{port}", service="worker")
 

@@ -38,12 +38,12 @@ def build_service(model: str | None) -> TokenizerService:
 
 
 async def start_tokenizer_server(
-    service: TokenizerService, port: int, tracer: trace.Tracer | None = None
+    service: TokenizerService, port: int, tracer: trace.Tracer | None = None, host: str = "0.0.0.0"
 ) -> RunningServer:
-    """Serve `service` (with health and reflection) on `port`; 0 picks a free port."""
+    """Serve `service` (with health and reflection) on `host:port`; port 0 picks a free port."""
     interceptors = [TracingServerInterceptor(tracer)] if tracer is not None else []
     registered = GrpcService(service, tokenizer_pb2_grpc.add_TokenizerServicer_to_server, SERVICE_NAME)
-    return await start_grpc_server([registered], port, interceptors=interceptors)
+    return await start_grpc_server([registered], port, host=host, interceptors=interceptors)
 
 
 async def serve(settings: TokenizerSettings) -> None:
@@ -51,7 +51,7 @@ async def serve(settings: TokenizerSettings) -> None:
     service = await asyncio.to_thread(build_service, settings.model)
     instance_id = settings.instance_id or f"tokenizer-{socket.gethostname()}:{settings.port}"
     tracing = setup_tracing("tokenizer", instance_id, enabled=settings.tracing)
-    server = await start_tokenizer_server(service, settings.port, tracing.tracer)
+    server = await start_tokenizer_server(service, settings.port, tracing.tracer, settings.host)
     logger.info("tokenizer service listening on port %d", server.port)
     try:
         await server.wait_for_signal()

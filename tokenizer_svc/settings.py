@@ -9,6 +9,8 @@ class TokenizerSettings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="SHARDLINE_", env_ignore_empty=True)
 
+    # Interface the gRPC server binds.
+    host: str = "0.0.0.0"
     # gRPC port of the Tokenizer service; 0 picks a free one.
     port: int = Field(50052, ge=0, le=65535)
     # A Hugging Face folder or a .gguf file; None serves the default model (SmolLM2-135M-Instruct).

@@ -55,6 +55,7 @@ def run(args: argparse.Namespace) -> int:
     for sig in STOP_SIGNALS:  # a closed terminal (SIGHUP) too: the services must not outlive `up`
         signal.signal(sig, lambda *_: stop.set())
     traces = (f"\n  traces        http://127.0.0.1:{config.dashboard_port}/   (dashboard; OTLP on :{config.otlp_port})"
+              f"\n                shardline trace export --redis-url {redacted(stack.redis_url)} --last 1"
               if args.tracing else "")
     print(f"""
 shardline is up ({time.monotonic() - t0:.1f}s):

@@ -175,3 +175,7 @@ def test_readme_documents_every_variable():
     section = readme[readme.index("## Deploy with docker compose"):]
     missing = [name for name in env_example_variables() if f"`{name}`" not in section]
     assert not missing
+    # And the other way: a setting the README's table offers must reach its service through .env.
+    tabled = {name for row in section.splitlines() if row.startswith("| `")
+              for name in re.findall(r"`([A-Z][A-Z0-9_]*)`", row.split("|")[1])}
+    assert tabled - set(env_example_variables()) == set()

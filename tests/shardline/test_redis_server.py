@@ -83,3 +83,14 @@ def test_ctrl_c_while_waiting_for_the_server_stops_it(tmp_path: Path, monkeypatc
     with pytest.raises(KeyboardInterrupt):
         server.start()
     assert started and started[0].poll() is not None  # killed and reaped
+
+
+def test_a_second_server_on_one_data_dir_is_refused(tmp_path: Path) -> None:
+    """Two redis-servers appending to one AOF corrupt it: a second `shardline up` from the same
+    folder (the default --data-dir) used to start anyway."""
+    with EmbeddedRedis(tmp_path) as first:
+        with pytest.raises(RedisServerError, match=rf"in use by another Shardline stack \(pid {os.getpid()}\)"):
+            EmbeddedRedis(tmp_path).start()
+        assert redis.Redis.from_url(first.url).ping()  # the first is untouched
+    with EmbeddedRedis(tmp_path) as again:  # stopping released the directory
+        assert redis.Redis.from_url(again.url).ping()
