@@ -251,7 +251,8 @@ class RequestRunner:
         if not workers:
             return []
         context = info.max_context_length
-        return [generation_pb2.ModelInfo(name=info.model, max_context_length=context, num_workers=workers)]
+        return [generation_pb2.ModelInfo(name=info.model, max_context_length=context, num_workers=workers,
+                                         vocab_size=info.vocab_size)]
 
     def limits(self, info: tokenizer_pb2.TokenizerInfo) -> ModelLimits:
         context = info.max_context_length

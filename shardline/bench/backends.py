@@ -33,6 +33,15 @@ class StackBackend:
                 timing.output_len += len(chunk.token_ids)
             if chunk.finish_reason == "error":
                 raise RuntimeError(f"request {chunk.request_id} failed")
+            if chunk.usage is not None:
+                timing.cached_tokens = chunk.usage.cached_tokens
+
+    async def vocab_size(self) -> int:
+        """The served model's vocabulary size: random prompts must be ids it has."""
+        models = await self.client.models()
+        if not models:
+            raise RuntimeError("the stack serves no model (no live worker)")
+        return min(model.vocab_size for model in models)
 
     async def close(self) -> None:
         await self.client.close()

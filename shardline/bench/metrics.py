@@ -13,6 +13,7 @@ class RequestTiming:
     input_len: int
     chunk_times: list[float] = field(default_factory=list)  # arrival of each chunk that carried tokens
     output_len: int = 0
+    cached_tokens: int = 0  # prompt tokens a worker's prefix cache served (0 where unknown)
     ok: bool = True
     error: str = ""
 
@@ -34,20 +35,45 @@ class RequestTiming:
 
 
 def _summary(values: list[float], scale: float = 1000.0) -> dict[str, float]:
+    """mean, std (population, as numpy's), median and p99 (interpolated, as numpy's percentile)."""
     if not values:
-        return {"mean": 0.0, "median": 0.0, "p99": 0.0}
+        return {"mean": 0.0, "std": 0.0, "median": 0.0, "p99": 0.0}
     v = sorted(x * scale for x in values)
-    return {"mean": statistics.fmean(v), "median": statistics.median(v), "p99": v[min(len(v) - 1, int(0.99 * len(v)))]}
+    return {"mean": statistics.fmean(v), "std": statistics.pstdev(v), "median": statistics.median(v),
+            "p99": percentile(v, 99)}
 
 
-def summarize(timings: list[RequestTiming], wall_s: float, slo_ttft_ms: float | None = None,
-              slo_tpot_ms: float | None = None) -> dict:
+def percentile(ordered: list[float], q: float) -> float:
+    """The q-th percentile of sorted values, interpolated linearly between ranks (numpy's default)."""
+    rank = (len(ordered) - 1) * q / 100
+    low = int(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+@dataclass(slots=True)
+class Slos:
+    """Goodput's service-level objectives, in ms; a request is good when it meets every one given."""
+
+    ttft_ms: float | None = None
+    tpot_ms: float | None = None
+    e2el_ms: float | None = None
+
+    def given(self) -> bool:
+        return any(x is not None for x in (self.ttft_ms, self.tpot_ms, self.e2el_ms))
+
+    def met_by(self, t: RequestTiming) -> bool:
+        return ((self.ttft_ms is None or t.ttft * 1000 <= self.ttft_ms)
+                and (self.tpot_ms is None or (t.tpot or 0) * 1000 <= self.tpot_ms)
+                and (self.e2el_ms is None or t.e2el * 1000 <= self.e2el_ms))
+
+
+def summarize(timings: list[RequestTiming], wall_s: float, slos: Slos | None = None) -> dict:
+    """The run's figures, as `vllm bench serve` defines them; goodput only when SLOs are given."""
+    slos = slos or Slos()
     done = [t for t in timings if t.ok and t.chunk_times]
     out_tokens = sum(t.output_len for t in done)
     in_tokens = sum(t.input_len for t in done)
-    good = [t for t in done
-            if (slo_ttft_ms is None or t.ttft * 1000 <= slo_ttft_ms)
-            and (slo_tpot_ms is None or (t.tpot or 0) * 1000 <= slo_tpot_ms)]
     errors: dict[str, int] = {}
     for t in timings:
         if not t.ok:
@@ -60,32 +86,39 @@ def summarize(timings: list[RequestTiming], wall_s: float, slo_ttft_ms: float | 
         "request_throughput": len(done) / wall_s,
         "output_throughput": out_tokens / wall_s,
         "total_token_throughput": (in_tokens + out_tokens) / wall_s,
-        "goodput": len(good) / wall_s,
+        "goodput": sum(slos.met_by(t) for t in done) / wall_s if slos.given() else None,
+        "cached_prompt_tokens": sum(t.cached_tokens for t in done),
         "ttft_ms": _summary([t.ttft for t in done]),
         "tpot_ms": _summary([t.tpot for t in done if t.tpot is not None]),
         "itl_ms": _summary([x for t in done for x in t.itl]),
         "e2el_ms": _summary([t.e2el for t in done]),
-        # Per request, in send order (like `vllm bench serve --save-detailed`): where a median hides a pattern.
-        "detail": {"ttft_ms": [round(t.ttft * 1000, 1) for t in done],
-                   "e2el_ms": [round(t.e2el * 1000, 1) for t in done]},
+        # Per request, in send order, failures included (like `vllm bench serve --save-detailed`):
+        # where a median hides a pattern, and every figure above can be recomputed.
+        "detail": [_detail(t) for t in timings],
     }
 
 
-def median_of_rounds(rounds: list[dict]) -> dict:
-    """One summary from several rounds' `summarize` results: each figure's median over the rounds.
+def _detail(t: RequestTiming) -> dict:
+    ms = [round(x * 1000, 3) for x in t.chunk_times]
+    return {"input_len": t.input_len, "output_len": t.output_len, "cached_tokens": t.cached_tokens,
+            "ttft_ms": ms[0] if ms else None, "e2el_ms": ms[-1] if ms else None,
+            "itl_ms": [round(b - a, 3) for a, b in zip(ms, ms[1:])], "error": t.error or None}
 
-    Counts of completed and failed requests and of errors are totals; per-request detail stays
-    with each round.
+
+def median_of_rounds(rounds: list[dict]) -> dict:
+    """One summary from several rounds' `summarize` results: each figure's median over the rounds
+    (completed and failed too, so they compare with one round's prompts).
+
+    Errors are counted over all rounds; per-request detail stays with each round.
     """
     def median(values: list):
         if isinstance(values[0], dict):
             return {key: median([v[key] for v in values]) for key in values[0]}
+        if values[0] is None:
+            return None
         return statistics.median(values)
 
-    out = {key: median([r[key] for r in rounds]) for key in rounds[0]
-           if key not in ("errors", "completed", "failed", "detail")}
-    out["completed"] = sum(r["completed"] for r in rounds)
-    out["failed"] = sum(r["failed"] for r in rounds)
+    out = {key: median([r[key] for r in rounds]) for key in rounds[0] if key not in ("errors", "detail")}
     errors: dict[str, int] = {}
     for r in rounds:
         for error, count in r["errors"].items():

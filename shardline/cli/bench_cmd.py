@@ -11,7 +11,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from shardline.bench.load import LoadSpec, run_load
-from shardline.bench.metrics import median_of_rounds, summarize
+from shardline.bench.metrics import Slos, median_of_rounds, summarize
+from shardline.cli.arg_types import at_least_one
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -23,10 +24,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)
-    p.add_argument("--request-rate", type=float, default=float("inf"), help="Poisson rate (req/s); inf: all at t=0")
-    p.add_argument("--max-concurrency", type=int, default=16)
-    p.add_argument("--slo-ttft-ms", type=float, default=None)
-    p.add_argument("--slo-tpot-ms", type=float, default=None)
+    p.add_argument("--request-rate", type=float, default=float("inf"),
+                   help="Poisson arrivals (req/s); inf: every request arrives at t=0 (and waits for a slot)")
+    p.add_argument("--max-concurrency", type=at_least_one, default=16,
+                   help="requests in flight at once (default 16; vLLM's default is no limit)")
+    p.add_argument("--slo-ttft-ms", type=float, default=None, help="goodput: time to first token at most this")
+    p.add_argument("--slo-tpot-ms", type=float, default=None, help="goodput: time per output token at most this")
+    p.add_argument("--slo-e2el-ms", type=float, default=None, help="goodput: end-to-end latency at most this")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--rounds", type=int, default=1,
                    help="alternate the backends this many times, on fresh prompts each round, and report medians "
@@ -40,12 +44,18 @@ async def _measure(makers: dict[str, Callable[[], object]], spec: LoadSpec, args
                    ) -> dict[str, list[dict]]:
     """Each backend's summary per round; rounds alternate which backend goes first."""
     backends = {}
+    slos = Slos(args.slo_ttft_ms, args.slo_tpot_ms, args.slo_e2el_ms)
     try:
         for name, make in makers.items():
             backends[name] = make()  # inside the loop: grpc.aio channels belong to the loop that creates them
+        if "stack" in backends:  # prompts are random ids: ids the served model has, not the local one
+            spec = dataclasses.replace(spec, vocab_size=min(spec.vocab_size, await backends["stack"].vocab_size()))
+        for name, backend in backends.items():
             warm = LoadSpec(num_prompts=min(4, spec.num_prompts), input_len=spec.input_len, output_len=4,
                             max_concurrency=spec.max_concurrency, seed=spec.seed + 100, vocab_size=spec.vocab_size)
-            await run_load(warm, backends[name].send, f"{name} warm-up")
+            timings, _ = await run_load(warm, backend.send, f"{name} warm-up")
+            if failed := [t.error for t in timings if not t.ok]:
+                print(f"{name} warm-up: {len(failed)} of {len(timings)} requests failed, first with {failed[0]}")
         rounds: dict[str, list[dict]] = {name: [] for name in backends}
         for r in range(args.rounds):
             # Fresh prompts each round, the same for every backend within it.
@@ -54,7 +64,7 @@ async def _measure(makers: dict[str, Callable[[], object]], spec: LoadSpec, args
             for name in order:
                 label = name if args.rounds == 1 else f"{name} {r + 1}/{args.rounds}"
                 timings, wall = await run_load(round_spec, backends[name].send, label)
-                rounds[name].append(summarize(timings, wall, args.slo_ttft_ms, args.slo_tpot_ms))
+                rounds[name].append(summarize(timings, wall, slos))
         return rounds
     finally:
         for backend in backends.values():
@@ -71,6 +81,7 @@ def run(args: argparse.Namespace) -> int:
     if args.rounds < 1:
         print("--rounds must be at least 1")
         return 2
+    # With --url the served model's vocabulary may be smaller: _measure asks the stack.
     spec = LoadSpec(args.num_prompts, args.input_len, args.output_len, args.request_rate, args.max_concurrency,
                     args.seed, load_config(args.model).vocab_size)
     if not (args.url or args.launch or args.engine):
@@ -142,12 +153,17 @@ def _print(results: dict[str, dict], spec: LoadSpec, rounds: int) -> None:
     rows = [("completed", "completed", None), ("failed", "failed", None),
             ("request throughput (req/s)", "request_throughput", None),
             ("output throughput (tok/s)", "output_throughput", None),
-            ("total throughput (tok/s)", "total_token_throughput", None), ("goodput (req/s)", "goodput", None)]
+            ("total throughput (tok/s)", "total_token_throughput", None)]
+    if any(results[n]["goodput"] is not None for n in names):
+        rows.append(("goodput (req/s)", "goodput", None))
     for metric in ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms"):
-        rows += [(f"{metric[:-3].upper()} {stat} (ms)", metric, stat) for stat in ("mean", "median", "p99")]
+        rows += [(f"{metric[:-3].upper()} {stat} (ms)", metric, stat) for stat in ("mean", "std", "median", "p99")]
     for label, key, stat in rows:
         vals = [results[n][key][stat] if stat else results[n][key] for n in names]
         print(f"{label:<28}" + "".join(f"{v:>14.2f}" if isinstance(v, float) else f"{v:>14}" for v in vals))
     for name, r in results.items():
         for error, count in r["errors"].items():
             print(f"{name}: {count} failed with {error}")
+        if r["cached_prompt_tokens"]:
+            print(f"{name}: the prefix cache served {r['cached_prompt_tokens']:.0f} prompt tokens per round: these "
+                  "prompts were seen before (give another --seed to measure cold prefills)")

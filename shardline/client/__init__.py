@@ -2,6 +2,7 @@
 
 from shardline.client.async_client import AsyncShardlineClient
 from shardline.client.sync_client import ShardlineClient
-from shardline.client.types import Chunk, Completion, RequestInfo, TokenLogprob, Usage
+from shardline.client.types import Chunk, Completion, ModelInfo, RequestInfo, TokenLogprob, Usage
 
-__all__ = ["AsyncShardlineClient", "Chunk", "Completion", "RequestInfo", "ShardlineClient", "TokenLogprob", "Usage"]
+__all__ = ["AsyncShardlineClient", "Chunk", "Completion", "ModelInfo", "RequestInfo", "ShardlineClient", "TokenLogprob",
+           "Usage"]

@@ -9,7 +9,7 @@ from typing import Any, TypeVar
 import grpc
 
 from shardline.client.sync_client import RETRYABLE
-from shardline.client.types import Chunk, Completion, RequestInfo, build_request, was_taken
+from shardline.client.types import Chunk, Completion, ModelInfo, RequestInfo, build_request, was_taken
 from shardline.proto import common_pb2, generation_pb2, generation_pb2_grpc
 
 T = TypeVar("T")
@@ -116,8 +116,12 @@ class AsyncShardlineClient:
 
     async def list_models(self) -> list[str]:
         """Names of the models this gateway serves."""
+        return [m.name for m in await self.models()]
+
+    async def models(self) -> list[ModelInfo]:
+        """The models this gateway serves (those with a live worker), with their limits."""
         resp = await self._call(self._stub.ListModels, generation_pb2.ListModelsRequest(), None)
-        return [m.name for m in resp.models]
+        return [ModelInfo.from_proto(m) for m in resp.models]
 
     async def close(self) -> None:
         if self._channel is not None:

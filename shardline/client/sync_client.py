@@ -8,7 +8,7 @@ from typing import Any, TypeVar
 
 import grpc
 
-from shardline.client.types import Chunk, Completion, RequestInfo, build_request, was_taken
+from shardline.client.types import Chunk, Completion, ModelInfo, RequestInfo, build_request, was_taken
 from shardline.proto import common_pb2, generation_pb2, generation_pb2_grpc
 
 T = TypeVar("T")
@@ -107,8 +107,12 @@ class ShardlineClient:
 
     def list_models(self) -> list[str]:
         """Names of the models this gateway serves."""
+        return [m.name for m in self.models()]
+
+    def models(self) -> list[ModelInfo]:
+        """The models this gateway serves (those with a live worker), with their limits."""
         resp = self._call(self._stub.ListModels, generation_pb2.ListModelsRequest(), None)
-        return [m.name for m in resp.models]
+        return [ModelInfo.from_proto(m) for m in resp.models]
 
     def close(self) -> None:
         self._channel.close()

@@ -125,6 +125,20 @@ class RequestInfo:
                    ts("dispatch_time"), ts("first_token_time"), ts("finish_time"), list(r.output_token_ids))
 
 
+@dataclass(slots=True)
+class ModelInfo:
+    """A served model: its name (for `model=`), context length, live workers and vocabulary size."""
+
+    name: str
+    max_context_length: int
+    num_workers: int
+    vocab_size: int
+
+    @classmethod
+    def from_proto(cls, m: generation_pb2.ModelInfo) -> ModelInfo:
+        return cls(m.name, m.max_context_length, m.num_workers, m.vocab_size)
+
+
 def build_request(prompt: str | list[int] | None = None, *, messages: list[dict[str, str]] | None = None,
                   model: str = "", request_id: str | None = None, priority: int = 0,
                   timeout: float | None = None, **params: Any) -> generation_pb2.GenerateRequest:

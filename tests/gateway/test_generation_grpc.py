@@ -7,6 +7,8 @@ import asyncio
 import grpc
 import pytest
 
+from shardline.bench.backends import StackBackend
+from shardline.client import AsyncShardlineClient, ModelInfo
 from shardline.proto import common_pb2, generation_pb2, generation_pb2_grpc, sampling_pb2
 from tests.gateway.conftest import TEXT
 from tests.gateway.harness import Stack, run_on_stack, start_gateway_for
@@ -117,7 +119,16 @@ def test_get_request_and_list_models(tokenizer_address, text_ids) -> None:
             await stack.generation.GetRequest(common_pb2.GetRequestRequest(request_id="nope"))
         assert caught.value.code() == grpc.StatusCode.NOT_FOUND
         models = await stack.generation.ListModels(generation_pb2.ListModelsRequest())
-        assert [(m.name, m.max_context_length, m.num_workers) for m in models.models] == [(MODEL, 8192, 1)]
+        assert [(m.name, m.max_context_length, m.num_workers, m.vocab_size) for m in models.models] == [
+            (MODEL, 8192, 1, 49152)]
+        # The SDK's typed view, and the vocabulary `shardline bench` draws its prompts from.
+        async with AsyncShardlineClient(f"127.0.0.1:{stack.gateway.grpc.port}") as client:
+            assert await client.models() == [ModelInfo(MODEL, 8192, 1, 49152)]
+        backend = StackBackend(f"127.0.0.1:{stack.gateway.grpc.port}")
+        try:
+            assert await backend.vocab_size() == 49152
+        finally:
+            await backend.close()
 
     run_on_stack(tokenizer_address, Script(text_ids), body)
 

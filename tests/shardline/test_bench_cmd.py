@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from shardline.bench.metrics import RequestTiming, median_of_rounds, summarize
+from shardline.bench.metrics import RequestTiming, Slos, median_of_rounds, summarize
 from shardline.cli.main import main
 
 
@@ -16,14 +16,39 @@ def _round(ttfts: list[float], wall_s: float, errors: int = 0) -> dict:
     return summarize(timings, wall_s)
 
 
-def test_median_of_rounds_takes_each_figures_median_and_totals_the_counts():
+def test_median_of_rounds_takes_each_figures_median_and_totals_the_errors():
     rounds = [_round([0.1, 0.2], 1.0), _round([0.3, 0.4], 4.0, errors=1), _round([0.5, 0.6], 2.0)]
     out = median_of_rounds(rounds)
     assert out["output_throughput"] == pytest.approx(2.0)  # 4 tokens over 1, 4 and 2 s: median 2 tok/s
     assert out["ttft_ms"]["median"] == pytest.approx(350.0)  # round medians 150, 350, 550
     assert out["wall_s"] == 2.0
-    assert (out["completed"], out["failed"], out["errors"]) == (6, 1, {"boom": 1})
+    # Counts compare with one round's prompts; errors are counted over all rounds.
+    assert (out["completed"], out["failed"], out["errors"]) == (2, 0, {"boom": 1})
+    assert out["goodput"] is None  # no SLO given: no goodput, as in vLLM
     assert "detail" not in out
+
+
+def test_percentiles_and_std_are_numpys():
+    numpy = pytest.importorskip("numpy")
+    ttfts = [0.013, 0.5, 0.021, 0.2, 0.8, 0.05, 0.3, 0.9]
+    out = _round(ttfts, 1.0)["ttft_ms"]
+    values = numpy.array(ttfts) * 1000
+    assert out["p99"] == pytest.approx(numpy.percentile(values, 99))  # interpolated: not simply the maximum
+    assert out["std"] == pytest.approx(numpy.std(values))
+    assert out["p99"] < max(values)
+
+
+def test_goodput_counts_requests_meeting_every_slo_and_detail_keeps_every_request():
+    timings = [RequestTiming(input_len=8, output_len=3, cached_tokens=4, chunk_times=[0.1, 0.15, 0.2]),
+               RequestTiming(input_len=8, output_len=3, chunk_times=[0.5, 0.55, 0.6]),
+               RequestTiming(input_len=8, output_len=3, chunk_times=[0.1, 0.4, 0.7]),
+               RequestTiming(input_len=8, ok=False, error="boom")]
+    out = summarize(timings, 2.0, Slos(ttft_ms=200, e2el_ms=650))
+    assert out["goodput"] == pytest.approx(0.5)  # the first and third meet both; the second is late
+    assert out["cached_prompt_tokens"] == 4
+    assert [d["error"] for d in out["detail"]] == [None, None, None, "boom"]  # send order, failures kept
+    assert out["detail"][2] == {"input_len": 8, "output_len": 3, "cached_tokens": 0, "ttft_ms": 100.0,
+                                "e2el_ms": 700.0, "itl_ms": [300.0, 300.0], "error": None}
 
 
 @pytest.mark.slow
@@ -33,6 +58,6 @@ def test_bench_runs_rounds_on_the_engine_and_writes_them(tmp_path, capsys):
                  "--output-len", "3", "--rounds", "2", "--out", str(out)]) == 0
     report = json.loads(out.read_text())
     assert [r["completed"] for r in report["rounds"]["engine"]] == [2, 2]
-    assert report["results"]["engine"]["completed"] == 4
+    assert report["results"]["engine"]["completed"] == 2
     assert report["comparison"] is None  # no stack to compare with
     assert "medians of 2 alternating rounds" in capsys.readouterr().out
