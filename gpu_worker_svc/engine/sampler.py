@@ -4,6 +4,18 @@ The random draw of a row is a pure function of (seed, token index), and every
 step after it is row-wise. So a row's token never depends on the other rows of
 the batch, nor on the step, and a request resumed on another worker from a
 prefix of its output continues exactly as an unbroken run would.
+
+The draw is an exponential race, as in vLLM: each token gets its own Exp(1)
+noise E, keyed by token id, and the token with the largest p / E wins, which
+picks token i with probability p_i. An inverse-CDF draw over the sorted
+probabilities picks the same way in theory, but in float32 the logits of one
+request differ by ~1e-5 between batch shapes (the GEMMs reduce in other orders),
+and in the long flat tail of a vocabulary that is enough to reorder tokens and
+shift the running sum: in a test with 30% of the mass spread over 1,000 tokens,
+1e-5 of jitter changed 371 of 2,000 seeded draws (most of those that landed in
+the tail), and a reviewer saw one seed give two texts under load. The race
+changed none: it changes its pick only if its two best scores lie within the
+jitter of each other.
 """
 
 from dataclasses import dataclass
@@ -14,6 +26,8 @@ from gpu_worker_svc.engine.penalties import PenaltyState, param_column
 from gpu_worker_svc.engine.sequence import Sequence
 
 _MASK64 = (1 << 64) - 1
+# Tokens a top-p row looks among before it sorts its whole vocabulary.
+_NUCLEUS_HEAD = 1024
 _GOLDEN_GAMMA = 0x9E3779B97F4A7C15
 
 
@@ -37,14 +51,23 @@ def _splitmix64(x: int) -> int:
     return x ^ (x >> 31)
 
 
-def uniform_draw(seed: int, token_index: int) -> float:
-    """A uniform float in (0, 1) that depends only on (seed, token_index).
+def draw_key(seed: int, token_index: int) -> int:
+    """The 64-bit key of a row's random draw: a function of (seed, token_index) alone."""
+    return _splitmix64(_splitmix64(seed & _MASK64) ^ (token_index & _MASK64))
 
-    Plain integer arithmetic, so it is identical on every device and process.
-    52 bits keep (k + 0.5) / 2**52 exactly representable, hence strictly < 1.
+
+def race_noise(seqs: list[Sequence], vocab: int, device: torch.device) -> torch.Tensor:
+    """Exp(1) noise [rows, vocab], indexed by token id; row r a pure function of its (seed, token index).
+
+    Each row comes from a generator seeded with its key, on the logits' device (so a CUDA worker
+    draws other noise than a CPU one for the same seed: pools are of one kind).
     """
-    bits = _splitmix64(_splitmix64(seed & _MASK64) ^ (token_index & _MASK64)) >> 12
-    return (bits + 0.5) / (1 << 52)
+    noise = torch.empty(len(seqs), vocab, device=device)
+    generator = torch.Generator(device=device)
+    for row, seq in zip(noise, seqs):
+        generator.manual_seed(draw_key(seq.params.seed, seq.num_output_tokens))
+        row.uniform_(generator=generator)
+    return noise.log_().neg_()  # a uniform 0 gives infinite noise: that token cannot win
 
 
 class Sampler:
@@ -124,49 +147,59 @@ def _mask_early_stops(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tenso
 
 
 def _sample(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-    """Temperature, top-k, top-p, min-p, then an inverse-CDF draw per row.
+    """Temperature, top-k, top-p, min-p, then an exponential race per row (see the module docstring).
 
-    Every filter keeps a prefix of the row's tokens sorted by probability, so
-    each is a per-row cutoff length and the draw is a search in the kept prefix.
+    Each filter keeps the row's most likely tokens, so the kept set is a mask over token ids. Only
+    rows with top-p sort their probabilities: a full sort of the vocabulary cost more than the rest
+    of the sampler together (~40 ms for 16 rows on a 2-core CPU), and the race needs none.
     """
     for seq in seqs:
         if seq.params.seed is None:
             raise ValueError(f"request {seq.request_id!r} has no seed to sample with")
-    device = logits.device
-    num_rows, vocab = logits.shape
     params = [seq.params for seq in seqs]
     probs = torch.softmax(logits / param_column([p.temperature for p in params], logits), dim=-1)
-    # Stable, so equal probabilities keep token-id order on every device.
-    sorted_probs, sorted_ids = torch.sort(probs, dim=-1, descending=True, stable=True)
-    cdf = torch.cumsum(sorted_probs, dim=-1, dtype=torch.float64)
-
     # Rows without a filter keep the whole vocabulary whatever other rows ask,
-    # so a row's cutoff never depends on the rest of the batch.
-    keep = torch.full((num_rows,), vocab, dtype=torch.long, device=device)
+    # so a row's kept set never depends on the rest of the batch.
+    kept = torch.ones_like(probs, dtype=torch.bool)
     if any(p.top_k > 0 for p in params):
-        top_k = _index([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params], logits)
-        keep = torch.minimum(keep, top_k)
+        _keep_top(kept, probs, [p.top_k for p in params])
     if any(p.top_p < 1.0 for p in params):
-        # The nucleus is measured against the mass left after top-k.
-        top_p = torch.tensor([p.top_p for p in params], dtype=torch.float64, device=device)
-        mass = cdf.gather(1, (keep - 1).unsqueeze(1)).squeeze(1)
-        nucleus = (cdf < (top_p * mass).unsqueeze(1)).sum(dim=-1) + 1
-        keep = torch.where(top_p < 1.0, torch.minimum(keep, nucleus), keep)
+        _keep_nucleus(kept, probs, [p.top_p for p in params])
     if any(p.min_p > 0.0 for p in params):
         min_p = param_column([p.min_p for p in params], logits)
-        above = (sorted_probs >= min_p * sorted_probs[:, :1]).sum(dim=-1)
-        keep = torch.where(min_p.squeeze(1) > 0.0, torch.minimum(keep, above), keep)
+        kept &= probs >= min_p * probs.amax(dim=-1, keepdim=True)
+    score = probs / race_noise(seqs, probs.shape[1], probs.device)
+    return score.masked_fill_(~kept, -1.0).argmax(dim=-1)
 
-    u = torch.tensor(
-        [uniform_draw(seq.params.seed, seq.num_output_tokens) for seq in seqs],
-        dtype=torch.float64,
-        device=device,
-    )
-    last_kept = (keep - 1).unsqueeze(1)
-    position = torch.searchsorted(cdf, u.unsqueeze(1) * cdf.gather(1, last_kept), right=True)
-    # u * mass can round up to the mass itself; stay inside the kept prefix.
-    position = torch.minimum(position, last_kept)
-    return sorted_ids.gather(1, position).squeeze(1)
+
+def _keep_top(kept: torch.Tensor, probs: torch.Tensor, top_k: list[int]) -> None:
+    """Narrows each row with top_k > 0 to its top_k most likely tokens."""
+    vocab = probs.shape[1]
+    k = [min(n, vocab) if n > 0 else vocab for n in top_k]
+    _, ids = probs.topk(max(k), dim=-1)
+    first_k = torch.arange(max(k), device=probs.device) < _index(k, probs).unsqueeze(1)
+    kept &= torch.zeros_like(kept).scatter_(1, ids, first_k)
+
+
+def _keep_nucleus(kept: torch.Tensor, probs: torch.Tensor, top_p: list[float]) -> None:
+    """Narrows each row with top_p < 1 to its most likely tokens whose mass first reaches top_p
+    of the mass still kept (the nucleus is measured after top-k, as before it)."""
+    rows = [i for i, p in enumerate(top_p) if p < 1.0]
+    index = _index(rows, probs)
+    candidates = torch.where(kept[index], probs[index], 0.0)
+    need = torch.tensor([top_p[i] for i in rows], dtype=torch.float64, device=probs.device) * candidates.sum(
+        dim=-1, dtype=torch.float64)
+    # A nucleus is most often a few hundred tokens: look among the likeliest first, and sort the
+    # whole vocabulary only when they fall short (a full sort is most of the cost here).
+    head, head_ids = candidates.topk(min(_NUCLEUS_HEAD, candidates.shape[1]), dim=-1)
+    cdf = torch.cumsum(head, dim=-1, dtype=torch.float64)
+    if bool((cdf[:, -1] < need).any()):
+        # Stable, so equal probabilities keep token-id order on every device.
+        head, head_ids = torch.sort(candidates, dim=-1, descending=True, stable=True)
+        cdf = torch.cumsum(head, dim=-1, dtype=torch.float64)
+    size = (cdf < need.unsqueeze(1)).sum(dim=-1, keepdim=True) + 1
+    in_nucleus = torch.arange(head.shape[1], device=probs.device) < size
+    kept[index] &= torch.zeros_like(candidates, dtype=torch.bool).scatter_(1, head_ids, in_nucleus)
 
 
 def _gather_logprobs(

@@ -3,7 +3,7 @@ from collections import Counter
 import pytest
 import torch
 
-from gpu_worker_svc.engine.sampler import Sampler, uniform_draw
+from gpu_worker_svc.engine.sampler import Sampler, draw_key, race_noise
 from gpu_worker_svc.engine.sampling_params import SamplingParams
 from gpu_worker_svc.engine.sequence import Sequence
 
@@ -38,13 +38,26 @@ def frequencies(probs: list[float], num_draws: int = 4000, **params: object) -> 
     return {token: n / num_draws for token, n in counts.items()}
 
 
-def test_uniform_draw_is_in_open_interval_and_keyed():
-    draws = [uniform_draw(seed, index) for seed in range(50) for index in range(50)]
-    assert all(0.0 < u < 1.0 for u in draws)
-    assert len(set(draws)) == len(draws)
-    assert uniform_draw(3, 7) == uniform_draw(3, 7)
-    assert uniform_draw(-1, 0) == uniform_draw(2**64 - 1, 0)
-    assert abs(sum(draws) / len(draws) - 0.5) < 0.02
+def test_race_noise_is_keyed_by_seed_and_token_index_alone():
+    seqs = [make_seq(seed=3, output=[1] * 7), make_seq(seed=3, output=[1] * 8), make_seq(seed=4, output=[1] * 7)]
+    noise = race_noise(seqs, VOCAB, torch.device("cpu"))
+    assert torch.equal(noise[0], race_noise(seqs[:1], VOCAB, torch.device("cpu"))[0])  # alone or batched
+    assert not torch.equal(noise[0], noise[1]) and not torch.equal(noise[0], noise[2])
+    assert (noise > 0).all() and noise.mean().item() == pytest.approx(1.0, abs=0.1)  # Exp(1)
+    assert draw_key(-1, 0) == draw_key(2**64 - 1, 0)
+
+
+def test_float_noise_in_the_logits_rarely_changes_a_seeded_draw():
+    """A request's float32 logits differ by ~1e-5 between batch shapes. With a long flat tail (here
+    1,000 tokens share 30% of the mass) an inverse-CDF draw changed its token whenever it landed in
+    the tail; the exponential race changes only when its two best scores are within the noise."""
+    head = torch.tensor([0.4, 0.2, 0.1])
+    tail = torch.full((1000,), 0.3 / 1000) * (1 + 0.01 * torch.rand(1000, generator=torch.Generator().manual_seed(1)))
+    logits = torch.cat([head, tail]).log().expand(2000, -1).contiguous()
+    jitter = 1e-5 * torch.randn(logits.shape, generator=torch.Generator().manual_seed(2))
+    seqs = [make_seq(seed=i) for i in range(2000)]
+    clean, jittered = Sampler()(logits, seqs).token_ids, Sampler()(logits + jitter, seqs).token_ids
+    assert sum(a != b for a, b in zip(clean, jittered)) <= 2
 
 
 def test_greedy_takes_argmax():
@@ -166,3 +179,12 @@ def test_sampling_without_seed_is_an_error():
 def test_logits_shape_must_match_batch():
     with pytest.raises(ValueError, match="logits must be"):
         Sampler()(torch.zeros(2, VOCAB), [make_seq()])
+
+
+def test_a_nucleus_wider_than_the_head_sorts_the_whole_vocabulary():
+    """top_p looks among the 1,024 likeliest tokens first; a wider nucleus must still be whole."""
+    vocab = 3000
+    logits = torch.zeros(400, vocab)  # uniform: the stable order is token-id order
+    seqs = [make_seq(seed=i, top_p=0.5) for i in range(400)]
+    tokens = Sampler()(logits, seqs).token_ids
+    assert max(tokens) < 1500 and any(t >= 1024 for t in tokens)
