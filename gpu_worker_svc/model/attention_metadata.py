@@ -8,7 +8,7 @@ rank then builds identical metadata locally.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -54,6 +54,24 @@ class AttentionMetadata:
     # [B_decode, 1, 1, L] bool: True where a key is attended. None when every decode's context is
     # L long (always at batch 1): SDPA is then cheaper, and its result is bitwise the same.
     decode_mask: torch.Tensor | None
+    # On CPU, decodes whose contexts differ widely, split into groups each padded only to its own
+    # longest; empty: one group, the two fields above (always so on CUDA, whose graphs take one).
+    decode_groups: list[DecodeGroup] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class DecodeGroup:
+    """Some of a step's decodes, whose contexts are within 2x of each other."""
+
+    rows: torch.Tensor  # [b] long: their places among the step's decodes
+    gather: torch.Tensor  # [b, L] slots of each one's context, padded to the group's longest
+    mask: torch.Tensor | None  # [b, 1, 1, L] bool, or None when all are L long
+
+
+# A decode joins a group while its context is at most this many times the group's shortest:
+# padding then costs a group at most that factor, and a long context (8k tokens) no longer makes
+# every short decode of the step gather and attend over its length, in every layer.
+DECODE_GROUP_SPREAD = 2
 
 
 def build_step(batch: StepBatch, block_size: int, device: torch.device | str = "cpu"
@@ -88,14 +106,40 @@ def build_step(batch: StepBatch, block_size: int, device: torch.device | str = "
         start += n
 
     decode_index = decode_gather = decode_mask = None
+    groups: list[DecodeGroup] = []
     if decodes:
         rows = torch.tensor(decodes)
         ends = torch.cumsum(batch.num_new, 0) - 1
         ctx = batch.num_computed[rows] + 1
-        pos = torch.arange(int(ctx.max()))
         decode_index = ends[rows].to(device)
-        decode_gather = (bt[rows][:, pos // block_size] * block_size + pos % block_size).to(device)
-        if int(ctx.min()) < len(pos):
-            decode_mask = (pos[None, :] < ctx[:, None])[:, None, None, :].to(device)
-    meta = AttentionMetadata(slot_mapping.to(device), bounds, gathers, masks, decode_index, decode_gather, decode_mask)
+        split = _by_context(ctx.tolist()) if str(device) == "cpu" else []
+        if len(split) > 1:
+            groups = [DecodeGroup(torch.tensor(g).to(device), *_decode_context(bt[rows[g]], ctx[g], block_size, device))
+                      for g in split]
+        else:
+            decode_gather, decode_mask = _decode_context(bt[rows], ctx, block_size, device)
+    meta = AttentionMetadata(slot_mapping.to(device), bounds, gathers, masks, decode_index, decode_gather, decode_mask,
+                             groups)
     return positions.to(device), meta
+
+
+def _decode_context(tables: torch.Tensor, ctx: torch.Tensor, block_size: int, device: torch.device | str
+                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Slots of each decode's context, padded to the longest, and the mask of the padding (None: none)."""
+    pos = torch.arange(int(ctx.max()))
+    gather = (tables[:, pos // block_size] * block_size + pos % block_size).to(device)
+    if int(ctx.min()) == len(pos):
+        return gather, None
+    return gather, (pos[None, :] < ctx[:, None])[:, None, None, :].to(device)
+
+
+def _by_context(lengths: list[int]) -> list[list[int]]:
+    """Indices of `lengths` in groups whose longest is at most DECODE_GROUP_SPREAD x their shortest."""
+    groups: list[list[int]] = []
+    shortest = 0
+    for i in sorted(range(len(lengths)), key=lengths.__getitem__):
+        if not groups or lengths[i] > DECODE_GROUP_SPREAD * shortest:
+            groups.append([])
+            shortest = lengths[i]
+        groups[-1].append(i)
+    return groups

@@ -34,7 +34,7 @@ class PagedAttention(nn.Module):
             else:  # the chunk's queries sit at the end of a longer context
                 out[start:end] = self._sdpa(q[start:end], k_cache.index_select(0, gather),
                                             v_cache.index_select(0, gather), mask, causal=False)
-        if meta.decode_gather is not None:
+        if meta.decode_index is not None:
             decodes = self._decode(q.index_select(0, meta.decode_index), k_cache, v_cache, meta)
             out.flatten(1).index_copy_(0, meta.decode_index, decodes)  # far cheaper than index_put on CPU
         return out.flatten(1)
@@ -42,12 +42,22 @@ class PagedAttention(nn.Module):
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         """The single-token queries q [B, Hq, D] against their cached contexts → [B, Hq * D]."""
+        if not meta.decode_groups:
+            return self._attend(q, k_cache, v_cache, meta.decode_gather, meta.decode_mask)
+        out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+        for group in meta.decode_groups:  # contexts of widely different lengths, each group padded apart
+            attended = self._attend(q.index_select(0, group.rows), k_cache, v_cache, group.gather, group.mask)
+            out.index_copy_(0, group.rows, attended)
+        return out
+
+    def _attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, gather: torch.Tensor,
+                mask: torch.Tensor | None) -> torch.Tensor:
         # index_select on the flattened slots is several times faster than advanced indexing.
-        b, length = meta.decode_gather.shape
-        flat = meta.decode_gather.flatten()
+        b, length = gather.shape
+        flat = gather.flatten()
         kd = k_cache.index_select(0, flat).view(b, length, *k_cache.shape[1:]).transpose(1, 2)  # [B, Hkv, L, D]
         vd = v_cache.index_select(0, flat).view(b, length, *v_cache.shape[1:]).transpose(1, 2)
-        od = F.scaled_dot_product_attention(q.unsqueeze(2), kd, vd, attn_mask=meta.decode_mask,
+        od = F.scaled_dot_product_attention(q.unsqueeze(2), kd, vd, attn_mask=mask,
                                             enable_gqa=self.num_heads != self.num_kv_heads)
         return od.flatten(1)
 

@@ -2,19 +2,21 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-from gpu_worker_svc.model.attention_metadata import StepBatch, build_step
+from gpu_worker_svc.model.attention_metadata import StepBatch, _decode_context, build_step
 from gpu_worker_svc.model.layers.attention import PagedAttention
 from gpu_worker_svc.model.layers.layernorm import RMSNorm
 
 BLOCK = 16
 
 
-def decode_batch(contexts: list[int]) -> StepBatch:
+def decode_batch(contexts: list[int], num_blocks: int = 64) -> StepBatch:
     blocks = -(-(max(contexts) + 1) // BLOCK)
-    tables = torch.randperm(64)[: len(contexts) * blocks].view(len(contexts), blocks)
+    tables = torch.randperm(num_blocks)[: len(contexts) * blocks].view(len(contexts), blocks)
     n = len(contexts)
     return StepBatch(torch.zeros(n, dtype=torch.long), torch.tensor(contexts), torch.ones(n, dtype=torch.long), tables)
 
@@ -22,9 +24,31 @@ def decode_batch(contexts: list[int]) -> StepBatch:
 def test_decodes_of_one_length_need_no_mask():
     _, meta = build_step(decode_batch([40, 40, 40]), BLOCK)
     assert meta.decode_mask is None
-    _, meta = build_step(decode_batch([40, 17, 40]), BLOCK)
+    _, meta = build_step(decode_batch([40, 25, 40]), BLOCK)
     assert meta.decode_mask is not None
-    assert meta.decode_mask[1, 0, 0].tolist() == [True] * 18 + [False] * 23
+    assert meta.decode_mask[1, 0, 0].tolist() == [True] * 26 + [False] * 15
+
+
+def test_a_long_context_is_attended_apart_from_short_ones():
+    """One long context must not make every short decode of the step gather and attend over its
+    length in every layer: decodes split into groups within 2x of each other, with the same result."""
+    torch.manual_seed(0)
+    heads, kv_heads, dim = 9, 3, 64
+    attention = PagedAttention(heads, kv_heads, dim)
+    contexts = [150, 3000, 160, 90, 2900]
+    batch = decode_batch(contexts, num_blocks=1024)
+    cache = torch.randn(2, 1024, BLOCK, kv_heads, dim)
+    _, meta = build_step(batch, BLOCK)
+    assert meta.decode_gather is None
+    assert [g.rows.tolist() for g in meta.decode_groups] == [[3, 0, 2], [4, 1]]
+    assert [g.gather.shape[1] for g in meta.decode_groups] == [161, 3001]
+    n = len(contexts)
+    q, k, v = torch.randn(n, heads, dim), torch.randn(n, kv_heads, dim), torch.randn(n, kv_heads, dim)
+    grouped = attention(q, k, v, cache, meta)
+    one_group = dataclasses.replace(meta, decode_groups=[])
+    one_group.decode_gather, one_group.decode_mask = _decode_context(
+        batch.block_tables, batch.num_computed + 1, BLOCK, "cpu")
+    torch.testing.assert_close(grouped, attention(q, k, v, cache, one_group), rtol=1e-5, atol=1e-6)
 
 
 def test_unmasked_decode_attention_is_bitwise_the_masked_one():
