@@ -249,6 +249,14 @@ class StreamHub:
         # Logprobs name tokens by id; their texts ride in the same call, one final item per distinct id.
         named = sorted({t for w in work for t in _named_tokens(w.logprobs)})
         items += [tokenizer_pb2.DetokenizeItem(new_token_ids=[t], final=True) for t in named]
+        # A delta that crosses min_tokens also gets the text of its tokens before it, which stop
+        # strings must not end the request in (vLLM checks them token by token).
+        crossing = [i for i, w in enumerate(work) if 0 < _unarmed(w) < len(w.new)]
+        splits = {i: len(items) + n for n, i in enumerate(crossing)}  # work index -> its extra item
+        for w in (work[i] for i in crossing):
+            items.append(tokenizer_pb2.DetokenizeItem(
+                prefix_token_ids=w.stream.prefix, new_token_ids=w.stream.pending + w.new[: _unarmed(w)],
+                skip_special_tokens=w.stream.skip_special_tokens))
         start_ns = time.time_ns()
         try:
             tokenizer = await self._backends.tokenizer_info()
@@ -264,7 +272,7 @@ class StreamHub:
         end_ns, now = time.time_ns(), time.perf_counter()
         texts = dict(zip(named, (result.text for result in reply.results[len(work) :])))
         specials = frozenset(tokenizer.special_token_ids)
-        for w, result in zip(work, reply.results):
+        for i, (w, result) in enumerate(zip(work, reply.results)):
             stream = w.stream
             sent = stream.pending + w.new
             consumed = sent[: result.num_consumed]
@@ -276,8 +284,7 @@ class StreamHub:
             if w.delta.HasField("usage"):  # the first delta's says what the prefix cache served
                 stream.cached_tokens = w.delta.usage.cached_tokens
             _record_timing(stream.timing, bool(w.new), now, start_ns, end_ns)
-            armed = stream.next_offset >= stream.min_tokens
-            text, stopped = stream.stop.feed(result.text, final=w.final, armed=armed)
+            text, stopped = self._match_stops(w, result.text, reply.results[splits[i]].text if i in splits else None)
             chunk = StreamChunk(text, w.new, w.offset, w.logprobs)
             if w.logprobs:
                 chunk.token_texts = {t: texts[t] for t in _named_tokens(w.logprobs)}
@@ -290,6 +297,21 @@ class StreamHub:
                 self._finish(stream, chunk, reason, cancel=False, usage=usage)
             else:
                 stream.queue.put_nowait(chunk)
+
+    @staticmethod
+    def _match_stops(w: _Work, text: str, unarmed_text: str | None) -> tuple[str, bool]:
+        """Feeds a work's text to its stop matcher, armed from its min_tokens-th token on."""
+        stop = w.stream.stop
+        unarmed = _unarmed(w)
+        if unarmed == 0 or not w.new:
+            return stop.feed(text, final=w.final)
+        if unarmed_text is None:  # every new token comes before min_tokens
+            return stop.feed(text, final=w.final, armed=False)
+        if not text.startswith(unarmed_text):  # a decoder that respells its tail: check the whole text
+            return stop.feed(text, final=w.final)
+        before, _ = stop.feed(unarmed_text, armed=False)
+        after, stopped = stop.feed(text[len(unarmed_text) :], final=w.final)
+        return before + after, stopped
 
     def _finish(self, stream: RequestStream, chunk: StreamChunk, reason: str, cancel: bool,
                 usage: sampling_pb2.Usage | None = None) -> None:
@@ -323,6 +345,12 @@ class StreamHub:
             logger.warning("cancel of %s failed: %s %s", request_id, exc.code().name, exc.details())
             return
         self._unsent_cancels.discard(request_id)
+
+
+def _unarmed(w: _Work) -> int:
+    """How many of a work's new tokens come before its request's min_tokens-th, where stop strings
+    cannot end it yet (vLLM checks them once the output has min_tokens tokens)."""
+    return min(max(0, w.stream.min_tokens - 1 - w.offset), len(w.new)) if w.stream.stop.holds_text else 0
 
 
 def _tail(ids: list[int], size: int) -> list[int]:

@@ -306,17 +306,20 @@ def test_a_stop_string_ending_keeps_the_cached_prompt_tokens_in_usage(tokenizer_
     run_on_stack(tokenizer_address, Script(text_ids, cached_tokens=4), body)
 
 
-@pytest.mark.parametrize("tokens_per_step", [1, 4])
+@pytest.mark.parametrize("tokens_per_step", [1, 3, 4, 5])
 def test_stop_strings_wait_for_min_tokens(tokenizer_address, text_ids, tokens_per_step) -> None:
-    """As in vLLM, a stop string ends a request only once it has min_tokens tokens: the "o" of " brown"
-    (token 3) passes, and the first one from the 6th token on (" over") ends it."""
+    """As in vLLM, a stop string ends a request only from its min_tokens-th token on, however the
+    tokens arrive: the "o" of " brown" (token 3) passes; with min_tokens 6 the "o" of " over" (token
+    6) ends it, with 7 that of " dog" (token 9). Deltas of several tokens cross min_tokens mid-way."""
     async def body(stack: Stack) -> None:
-        for stream in (False, True):
-            reply = await client(stack).completions.create(model=MODEL, prompt=PROMPT, stop="o", extra_body={"min_tokens": 6},
-                                                           max_tokens=32, stream=stream)
-            chunks = [chunk async for chunk in reply] if stream else [reply]
-            assert "".join(c.choices[0].text for c in chunks) == " The quick brown fox jumps "
-            assert chunks[-1].choices[0].finish_reason == "stop"
+        for min_tokens, text in ((6, " The quick brown fox jumps "), (7, " The quick brown fox jumps over the lazy d")):
+            for stream in (False, True):
+                reply = await client(stack).completions.create(
+                    model=MODEL, prompt=PROMPT, stop="o", extra_body={"min_tokens": min_tokens}, max_tokens=32,
+                    stream=stream)
+                chunks = [chunk async for chunk in reply] if stream else [reply]
+                assert "".join(c.choices[0].text for c in chunks) == text, (min_tokens, stream)
+                assert chunks[-1].choices[0].finish_reason == "stop"
         plain = await client(stack).completions.create(model=MODEL, prompt=PROMPT, stop="o", max_tokens=32)
         assert plain.choices[0].text == " The quick br"
 
