@@ -19,6 +19,7 @@ from gateway.settings import GatewaySettings
 from gateway.stream_hub import StreamHub
 from shardline.grpc_server import GrpcService, RunningServer, start_grpc_server
 from shardline.proto import generation_pb2, generation_pb2_grpc
+from shardline.service_main import started
 from tracing.grpc_context import TracingServerInterceptor
 from tracing.otel_setup import setup_tracing
 
@@ -84,6 +85,7 @@ async def serve(settings: GatewaySettings) -> None:
     tracing = setup_tracing("gateway", settings.gateway_id, enabled=settings.tracing)
     try:
         gateway = await start_gateway(settings, tracing.tracer)
+        started()
         try:
             await gateway.grpc.wait_for_signal(on_stop=gateway.http.cleanup)
         finally:

@@ -13,7 +13,7 @@ from scheduler_svc.settings import SchedulerSettings
 from shardline.grpc_server import GrpcService, RunningServer, start_grpc_server
 from shardline.proto import scheduler_pb2, scheduler_pb2_grpc
 from shardline.request_store import RequestStore
-from shardline.service_main import redacted
+from shardline.service_main import redacted, started
 from tracing.grpc_context import TracingServerInterceptor
 from tracing.metrics import start_metrics_server
 from tracing.otel_setup import setup_tracing
@@ -72,6 +72,7 @@ async def serve(settings: SchedulerSettings) -> None:
     """Runs a scheduler until SIGTERM or SIGINT."""
     tracing = setup_tracing("scheduler", settings.instance_id, enabled=settings.tracing)
     server = await start_scheduler(settings, tracing.tracer)
+    started()
     try:
         await server.grpc.wait_for_signal(on_stop=server.stop)
     finally:

@@ -18,6 +18,14 @@ from redis.exceptions import RedisError
 # Redis unreachable or refusing the password.
 STARTUP_ERRORS: tuple[type[Exception], ...] = (ValueError, OSError, RedisError)
 
+_started = False
+
+
+def started() -> None:
+    """A service calls this once it serves: a failure after it is no failed start, and keeps its traceback."""
+    global _started
+    _started = True
+
 
 def run_service(name: str, run: Callable[[], object], startup_errors: tuple[type[Exception], ...] = ()) -> int:
     """The exit status of `run()`, which parses the settings and serves: its own status (0 when it
@@ -29,7 +37,10 @@ def run_service(name: str, run: Callable[[], object], startup_errors: tuple[type
         log.error("%s: bad settings: %s", name, settings_problems(exc))
         return 2
     except STARTUP_ERRORS + startup_errors as exc:
-        log.error("%s cannot start: %s", name, str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+        if _started:
+            log.exception("%s failed", name)
+        else:
+            log.error("%s cannot start: %s", name, str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
         return 1
     return status if isinstance(status, int) else 0
 

@@ -9,6 +9,7 @@ import socket
 from opentelemetry import trace
 
 from shardline.grpc_server import GrpcService, RunningServer, start_grpc_server
+from shardline.service_main import started
 from shardline.model_path import model_name, resolve_model_path
 from shardline.proto import tokenizer_pb2, tokenizer_pb2_grpc
 from tokenizer_svc.service import TokenizerService
@@ -53,6 +54,7 @@ async def serve(settings: TokenizerSettings) -> None:
     tracing = setup_tracing("tokenizer", instance_id, enabled=settings.tracing)
     server = await start_tokenizer_server(service, settings.port, tracing.tracer, settings.host)
     logger.info("tokenizer service listening on port %d", server.port)
+    started()
     try:
         await server.wait_for_signal()
     finally:

@@ -15,7 +15,7 @@ from aiohttp import web
 
 from tracing.dashboard_app import build_app
 from tracing.otlp_receiver import serve_receiver
-from shardline.service_main import run_service
+from shardline.service_main import run_service, started
 from tracing.settings import TracingSettings
 
 logger = logging.getLogger(__name__)
@@ -52,6 +52,7 @@ async def serve(settings: TracingSettings, stop: asyncio.Event | None = None) ->
         await site.start()
         logger.info("tracing: OTLP on :%d, dashboard on %s", receiver.port,
                     ", ".join(f"http://{host}:{port}/" for host, port, *_ in runner.addresses))
+        started()
         await stop.wait()
         logger.info("stopping: finishing in-flight exports")
     finally:

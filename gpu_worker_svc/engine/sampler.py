@@ -65,7 +65,8 @@ def race_noise(seqs: list[Sequence], vocab: int, device: torch.device) -> torch.
     noise = torch.empty(len(seqs), vocab, device=device)
     generator = torch.Generator(device=device)
     for row, seq in zip(noise, seqs):
-        generator.manual_seed(draw_key(seq.params.seed, seq.num_output_tokens))
+        key = draw_key(seq.params.seed, seq.num_output_tokens)
+        generator.manual_seed((key ^ (key >> 32)) & 0xFFFFFFFF)  # CPU's mt19937 keeps 32 bits: fold all 64 in
         row.uniform_(generator=generator)
     return noise.log_().neg_()  # a uniform 0 gives infinite noise: that token cannot win
 
@@ -173,12 +174,13 @@ def _sample(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
 
 
 def _keep_top(kept: torch.Tensor, probs: torch.Tensor, top_k: list[int]) -> None:
-    """Narrows each row with top_k > 0 to its top_k most likely tokens."""
-    vocab = probs.shape[1]
-    k = [min(n, vocab) if n > 0 else vocab for n in top_k]
-    _, ids = probs.topk(max(k), dim=-1)
+    """Narrows each row with top_k > 0 to its top_k most likely tokens (equal ones in topk's order)."""
+    rows = [i for i, n in enumerate(top_k) if n > 0]
+    index = _index(rows, probs)
+    k = [min(top_k[i], probs.shape[1]) for i in rows]
+    _, ids = probs[index].topk(max(k), dim=-1)
     first_k = torch.arange(max(k), device=probs.device) < _index(k, probs).unsqueeze(1)
-    kept &= torch.zeros_like(kept).scatter_(1, ids, first_k)
+    kept[index] &= torch.zeros_like(kept[index]).scatter_(1, ids, first_k)
 
 
 def _keep_nucleus(kept: torch.Tensor, probs: torch.Tensor, top_p: list[float]) -> None:

@@ -27,7 +27,7 @@ from gpu_worker_svc.server.engine_loop import EngineLoop
 from gpu_worker_svc.server.registration import SchedulerRegistration
 from gpu_worker_svc.server.servicer import WorkerServicer
 from gpu_worker_svc.server.settings import WorkerSettings
-from shardline.service_main import run_service
+from shardline.service_main import run_service, started
 from gpu_worker_svc.server.telemetry import StepTelemetry
 from gpu_worker_svc.server.utilization import StepCostModel, device_peak
 from shardline.grpc_server import GrpcService, RunningServer, start_grpc_server
@@ -146,6 +146,7 @@ async def _serve_engine(s: WorkerSettings, engine: LLMEngine, tracing: TracingHa
         s.port, s.host, interceptors=[TracingServerInterceptor(tracing.tracer)])
     info.address = s.address(server.port)  # known only now when the port was 0
     log.info("worker %s serving %s on port %d", info.worker_id, info.model, server.port)
+    started()
     metrics_server = start_metrics_server(s.metrics_port) if s.metrics_port > 0 else None
     registration = asyncio.create_task(SchedulerRegistration(s.scheduler_address, info,
                                                              lambda: engine_loop.load).run())

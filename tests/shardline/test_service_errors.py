@@ -57,3 +57,26 @@ def test_passwords_are_kept_out_of_logs():
     assert redacted("redis://:s3cr3t@10.0.0.5:6380/3") == "redis://:***@10.0.0.5:6380/3"
     assert redacted("rediss://app:pw@[::1]:6379/0") == "rediss://app:***@[::1]:6379/0"
     assert redacted("redis://127.0.0.1:6379/0") == "redis://127.0.0.1:6379/0"
+
+
+def test_a_failure_after_the_start_keeps_its_traceback(caplog):
+    """Only a service that never served reports a failed start in one line: a Redis error hours in
+    is the run's failure, and whoever reads the log needs its traceback."""
+    import shardline.service_main as service_main
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    def fails_before() -> None:
+        raise RedisConnectionError("Error 111 connecting to redis:6379")
+
+    def fails_after() -> None:
+        service_main.started()
+        raise RedisConnectionError("Connection reset by peer")
+
+    try:
+        assert service_main.run_service("scheduler", fails_before) == 1
+        assert service_main.run_service("scheduler", fails_after) == 1
+    finally:
+        service_main._started = False
+    before, after = caplog.records
+    assert before.getMessage() == "scheduler cannot start: Error 111 connecting to redis:6379" and not before.exc_info
+    assert after.getMessage() == "scheduler failed" and after.exc_info is not None
