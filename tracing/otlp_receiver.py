@@ -8,6 +8,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from redis.exceptions import RedisError
 
+from shardline.grpc_server import ErrorMappingInterceptor
 from shardline.service_main import redacted
 from tracing.settings import TracingSettings
 from tracing.span_store import SpanStore
@@ -63,7 +64,8 @@ async def serve_receiver(
     except BaseException:
         await store.close()
         raise
-    server = grpc.aio.server()
+    # The same error mapping as every service's server: a malformed export is INVALID_ARGUMENT.
+    server = grpc.aio.server(interceptors=[ErrorMappingInterceptor()])
     trace_service_pb2_grpc.add_TraceServiceServicer_to_server(OtlpTraceReceiver(store), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -47,3 +47,19 @@ async def test_export_once_redis_is_gone_is_unavailable_so_exporters_retry(tmp_p
     assert health.status == health_pb2.HealthCheckResponse.SERVING
     assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
     assert "span store unavailable" in failed.value.details()
+
+
+@run_async
+async def test_a_malformed_export_is_invalid_argument(tmp_path) -> None:
+    redis_server = EmbeddedRedis(tmp_path / "redis").start()
+    receiver = await serve_receiver(0, redis_server.url, host="127.0.0.1")
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{receiver.port}") as channel:
+            export = channel.unary_unary("/opentelemetry.proto.collector.trace.v1.TraceService/Export",
+                                         request_serializer=None, response_deserializer=None)
+            with pytest.raises(grpc.aio.AioRpcError) as failed:
+                await export(b"\x0a\x02\xff\xfe")  # no ExportTraceServiceRequest: truncated field 1
+    finally:
+        await receiver.stop()
+        redis_server.stop()
+    assert failed.value.code() == grpc.StatusCode.INVALID_ARGUMENT, failed.value.details()
