@@ -52,12 +52,12 @@ class GatewayServer:
 async def start_gateway(settings: GatewaySettings, tracer: trace.Tracer | None = None) -> GatewayServer:
     """Start both front ends; ports 0 pick free ones."""
     tracer = tracer or trace.get_tracer("shardline.gateway")
-    async with contextlib.AsyncExitStack() as started:  # a failed start (a port taken) stops what it started
+    async with contextlib.AsyncExitStack() as undo:  # a failed start (a port taken) stops what it started
         backends = Backends(settings.tokenizer_address, settings.scheduler_address)
-        started.push_async_callback(backends.close)
+        undo.push_async_callback(backends.close)
         hub = StreamHub(settings.gateway_id, backends)
         hub.start()
-        started.push_async_callback(hub.stop)
+        undo.push_async_callback(hub.stop)
         if not await hub.wait_connected(STARTUP_SUBSCRIBE_WAIT_S):
             logger.warning("scheduler at %s not reachable yet; requests get 503 until it is",
                            settings.scheduler_address)
@@ -68,14 +68,14 @@ async def start_gateway(settings: GatewaySettings, tracer: trace.Tracer | None =
         grpc_server = await start_grpc_server(
             [service], settings.grpc_port, host=settings.host,
             interceptors=[TracingServerInterceptor(tracer), GrpcAuthInterceptor(keys, SERVICE_NAME)])
-        started.push_async_callback(grpc_server.stop, 0)
+        undo.push_async_callback(grpc_server.stop, 0)
         # handler_cancellation: a client that disconnects cancels its handler, which cancels the request upstream.
         http = web.AppRunner(OpenAIHttpApi(runner, keys).application(), handler_cancellation=True, access_log=None)
         await http.setup()
-        started.push_async_callback(http.cleanup)
+        undo.push_async_callback(http.cleanup)
         await web.TCPSite(http, settings.host, settings.http_port).start()
         http_port = http.addresses[0][1]
-        started.pop_all()
+        undo.pop_all()
     logger.info("gateway %s: HTTP on %d, gRPC on %d", settings.gateway_id, http_port, grpc_server.port)
     return GatewayServer(settings, backends, hub, grpc_server, http, http_port)
 

@@ -29,7 +29,8 @@ def started() -> None:
 
 def run_service(name: str, run: Callable[[], object], startup_errors: tuple[type[Exception], ...] = ()) -> int:
     """The exit status of `run()`, which parses the settings and serves: its own status (0 when it
-    returns none), 2 for bad settings, 1 for a failed start; either failure logged as one line."""
+    returns none), 2 for bad settings, 1 for a failed start (either logged as one line), or 1 for
+    one of these errors after `started()` (logged with its traceback)."""
     log = logging.getLogger(f"shardline.{name}")
     try:
         status = run()

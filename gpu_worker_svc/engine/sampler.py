@@ -179,8 +179,7 @@ def _keep_top(kept: torch.Tensor, probs: torch.Tensor, top_k: list[int]) -> None
     index = _index(rows, probs)
     k = [min(top_k[i], probs.shape[1]) for i in rows]
     _, ids = probs[index].topk(max(k), dim=-1)
-    first_k = torch.arange(max(k), device=probs.device) < _index(k, probs).unsqueeze(1)
-    kept[index] &= torch.zeros_like(kept[index]).scatter_(1, ids, first_k)
+    _keep_first(kept, index, ids, _index(k, probs).unsqueeze(1))
 
 
 def _keep_nucleus(kept: torch.Tensor, probs: torch.Tensor, top_p: list[float]) -> None:
@@ -199,9 +198,13 @@ def _keep_nucleus(kept: torch.Tensor, probs: torch.Tensor, top_p: list[float]) -
         # Stable, so equal probabilities keep token-id order on every device.
         head, head_ids = torch.sort(candidates, dim=-1, descending=True, stable=True)
         cdf = torch.cumsum(head, dim=-1, dtype=torch.float64)
-    size = (cdf < need.unsqueeze(1)).sum(dim=-1, keepdim=True) + 1
-    in_nucleus = torch.arange(head.shape[1], device=probs.device) < size
-    kept[index] &= torch.zeros_like(candidates, dtype=torch.bool).scatter_(1, head_ids, in_nucleus)
+    _keep_first(kept, index, head_ids, (cdf < need.unsqueeze(1)).sum(dim=-1, keepdim=True) + 1)
+
+
+def _keep_first(kept: torch.Tensor, index: torch.Tensor, ordered_ids: torch.Tensor, counts: torch.Tensor) -> None:
+    """Narrows rows `index` of `kept` to the first counts[r] ([n, 1]) token ids of ordered_ids[r]."""
+    first = torch.arange(ordered_ids.shape[1], device=kept.device) < counts
+    kept[index] &= torch.zeros_like(kept[index]).scatter_(1, ordered_ids, first)
 
 
 def _gather_logprobs(
