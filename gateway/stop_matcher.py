@@ -10,11 +10,14 @@ class StopMatcher:
     so a client never receives the first half of a stop string that the second half then ends.
     """
 
-    __slots__ = ("_stops", "_held")
+    __slots__ = ("_stops", "_held", "match_end")
 
     def __init__(self, stops: list[str]) -> None:
         self._stops = [stop for stop in stops if stop]
         self._held = ""
+        # After a feed that matched: where the stop string ends in that feed's text. The token
+        # whose text reaches it is the request's last (the tokens after it are not its output).
+        self.match_end = 0
 
     @property
     def holds_text(self) -> bool:
@@ -28,12 +31,17 @@ class StopMatcher:
         `armed` False (the request has not yet generated its min_tokens, as vLLM counts them) lets
         complete stop strings through, but still holds back a partial one that the next piece,
         armed, may complete.
+        Of several stop strings in one piece, the one that is complete first wins, as when the
+        text is checked token by token (vLLM).
         """
-        buffer = self._held + text
+        held, buffer = len(self._held), self._held + text
         self._held = ""
-        matches = [index for stop in self._stops if (index := buffer.find(stop)) >= 0] if armed else []
+        matches = [(index + len(stop), index) for stop in self._stops if (index := buffer.find(stop)) >= 0] \
+            if armed else []
         if matches:
-            return buffer[: min(matches)], True
+            end, start = min(matches)
+            self.match_end = end - held
+            return buffer[:start], True
         if final:
             return buffer, False
         keep = self._longest_partial_match(buffer)

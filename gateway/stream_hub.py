@@ -22,6 +22,7 @@ import grpc
 
 from gateway.backends import RPC_TIMEOUT_S, Backends, upstream
 from gateway.request_stream import RequestStream, StreamChunk, StreamTiming
+from gateway.stop_matcher import StopMatcher
 from shardline.errors import InvalidArgument, ShardlineError
 from shardline.proto import common_pb2, sampling_pb2, scheduler_pb2, tokenizer_pb2
 
@@ -37,6 +38,8 @@ FINISH_REASONS = {
 _RESUME_TAIL = 8
 _FIRST_BACKOFF_S = 0.05
 _MAX_BACKOFF_S = 2.0
+# Leading parts of a delta detokenized per round when finding the token that completed a stop string.
+_CUT_PROBES = 32
 
 
 @dataclass(slots=True)
@@ -47,6 +50,18 @@ class _Work:
     logprobs: list[sampling_pb2.TokenLogprob]
     offset: int  # output index of new[0]
     final: bool  # the delta ends the request
+
+
+@dataclass(slots=True)
+class _Overshot:
+    """A work whose stop string completed before its last token: which token completed it is searched."""
+
+    work: _Work
+    chunk: StreamChunk  # its last chunk, text already cut at the stop string
+    item: tokenizer_pb2.DetokenizeItem  # how its text was detokenized: its context and tokens
+    end: int  # where the stop string ends in that text
+    lo: int  # the fewest of its new tokens whose text may reach `end`
+    hi: int  # a number of its new tokens whose text does reach it (all of them, at first)
 
 
 class StreamHub:
@@ -272,9 +287,11 @@ class StreamHub:
         end_ns, now = time.time_ns(), time.perf_counter()
         texts = dict(zip(named, (result.text for result in reply.results[len(work) :])))
         specials = frozenset(tokenizer.special_token_ids)
+        overshot: list[_Overshot] = []
         for i, (w, result) in enumerate(zip(work, reply.results)):
             stream = w.stream
             sent = stream.pending + w.new
+            item = items[i]
             consumed = sent[: result.num_consumed]
             stream.pending = sent[result.num_consumed :]
             if stream.skip_special_tokens:
@@ -284,11 +301,13 @@ class StreamHub:
             if w.delta.HasField("usage"):  # the first delta's says what the prefix cache served
                 stream.cached_tokens = w.delta.usage.cached_tokens
             _record_timing(stream.timing, bool(w.new), now, start_ns, end_ns)
-            text, stopped = self._match_stops(w, result.text, reply.results[splits[i]].text if i in splits else None)
+            text, end = self._match_stops(w, result.text, reply.results[splits[i]].text if i in splits else None)
             chunk = StreamChunk(text, w.new, w.offset, w.logprobs)
             if w.logprobs:
                 chunk.token_texts = {t: texts[t] for t in _named_tokens(w.logprobs)}
-            if stopped:
+            if end is not None and len(w.new) > 1:  # which of its tokens completed the stop string?
+                overshot.append(_Overshot(w, chunk, item, end, lo=_unarmed(w) + 1, hi=len(w.new)))
+            elif end is not None:
                 self._finish(stream, chunk, "stop", cancel=not w.final)
             elif w.final:
                 reason = FINISH_REASONS.get(w.delta.finish_reason, "error")
@@ -297,21 +316,61 @@ class StreamHub:
                 self._finish(stream, chunk, reason, cancel=False, usage=usage)
             else:
                 stream.queue.put_nowait(chunk)
+        if overshot:
+            await self._cut_after_stops(overshot)
+
+    async def _cut_after_stops(self, overshot: list[_Overshot]) -> None:
+        """Ends requests whose stop string completed inside a delta of several tokens, keeping the
+        tokens through the one that completed it (vLLM checks stop strings token by token, so its
+        output, logprobs and usage end there).
+
+        Each round detokenizes up to _CUT_PROBES leading parts of each delta in one call and narrows
+        the range [lo, hi] of token counts whose text may first reach the stop's end: one round for a
+        delta of up to that many tokens. A failed call keeps every token, as before the search.
+        """
+        while open_ := [o for o in overshot if o.lo < o.hi]:
+            probes = [(o, k) for o in open_ for k in range(o.lo, o.hi, -(-(o.hi - o.lo) // _CUT_PROBES))]
+            items = [tokenizer_pb2.DetokenizeItem(
+                prefix_token_ids=o.item.prefix_token_ids,
+                new_token_ids=o.item.new_token_ids[: len(o.item.new_token_ids) - len(o.work.new) + k],
+                skip_special_tokens=o.item.skip_special_tokens) for o, k in probes]
+            try:
+                with upstream("tokenizer"):
+                    reply = await self._backends.tokenizer.Detokenize(
+                        tokenizer_pb2.DetokenizeRequest(items=items), timeout=RPC_TIMEOUT_S)
+            except ShardlineError as exc:
+                logger.warning("could not find the tokens before %d stop strings: %s", len(open_), exc)
+                break
+            for o in open_:
+                reached = [k for (p, k), result in zip(probes, reply.results) if p is o and len(result.text) >= o.end]
+                tried = [k for p, k in probes if p is o]
+                if reached:
+                    o.hi = min(reached)
+                o.lo = max([k + 1 for k in tried if k < o.hi], default=o.lo)
+        for o in overshot:
+            w, chunk, keep = o.work, o.chunk, o.hi
+            chunk.token_ids, chunk.logprobs = w.new[:keep], w.logprobs[:keep]
+            chunk.token_texts = {t: chunk.token_texts[t] for t in _named_tokens(chunk.logprobs)}
+            w.stream.next_offset = w.offset + keep  # its usage counts the kept tokens
+            self._finish(w.stream, chunk, "stop", cancel=not w.final)
 
     @staticmethod
-    def _match_stops(w: _Work, text: str, unarmed_text: str | None) -> tuple[str, bool]:
-        """Feeds a work's text to its stop matcher, armed from its min_tokens-th token on."""
+    def _match_stops(w: _Work, text: str, unarmed_text: str | None) -> tuple[str, int | None]:
+        """Feeds a work's text to its stop matcher, armed from its min_tokens-th token on.
+
+        Returns the text to send and, when a stop string matched, where it ends in `text`.
+        """
         stop = w.stream.stop
         unarmed = _unarmed(w)
         if unarmed == 0 or not w.new:
-            return stop.feed(text, final=w.final)
+            return _ended(stop, *stop.feed(text, final=w.final), 0)
         if unarmed_text is None:  # every new token comes before min_tokens
-            return stop.feed(text, final=w.final, armed=False)
+            return _ended(stop, *stop.feed(text, final=w.final, armed=False), 0)
         if not text.startswith(unarmed_text):  # a decoder that respells its tail: check the whole text
-            return stop.feed(text, final=w.final)
+            return _ended(stop, *stop.feed(text, final=w.final), 0)
         before, _ = stop.feed(unarmed_text, armed=False)
-        after, stopped = stop.feed(text[len(unarmed_text) :], final=w.final)
-        return before + after, stopped
+        after, end = _ended(stop, *stop.feed(text[len(unarmed_text) :], final=w.final), len(unarmed_text))
+        return before + after, end
 
     def _finish(self, stream: RequestStream, chunk: StreamChunk, reason: str, cancel: bool,
                 usage: sampling_pb2.Usage | None = None) -> None:
@@ -345,6 +404,12 @@ class StreamHub:
             logger.warning("cancel of %s failed: %s %s", request_id, exc.code().name, exc.details())
             return
         self._unsent_cancels.discard(request_id)
+
+
+def _ended(stop: StopMatcher, text: str, stopped: bool, fed_from: int) -> tuple[str, int | None]:
+    """(text, where the matched stop string ends in the work's text, or None): the matcher's end is in
+    the piece it was fed, which began `fed_from` characters into the work's text."""
+    return text, fed_from + stop.match_end if stopped else None
 
 
 def _unarmed(w: _Work) -> int:

@@ -324,3 +324,47 @@ def test_stop_strings_wait_for_min_tokens(tokenizer_address, text_ids, tokens_pe
         assert plain.choices[0].text == " The quick br"
 
     run_on_stack(tokenizer_address, Script(text_ids, tokens_per_step=tokens_per_step), body)
+
+
+@pytest.mark.parametrize("tokens_per_step", [1, 3, 4, 40])
+def test_a_stop_string_ends_the_tokens_logprobs_and_usage_at_the_token_that_completes_it(
+        tokenizer_address, text_ids, tokenizer: Tokenizer, tokens_per_step) -> None:
+    """Tokens that came in the same delta after the one completing a stop string are not output: as in
+    vLLM, which checks stop strings after every token, the logprobs and the usage end at that token."""
+    stop = "ick bro"  # completed by the third token, " brown"
+    through = next(k for k in range(1, len(text_ids) + 1) if stop in tokenizer.decode(text_ids[:k]))
+
+    async def body(stack: Stack) -> None:
+        whole = await client(stack).completions.create(model=MODEL, prompt=PROMPT, stop=stop, max_tokens=32,
+                                                       logprobs=1)
+        assert whole.choices[0].text == " The qu"
+        assert whole.choices[0].logprobs.tokens == [tokenizer.decode([t]) for t in text_ids[:through]]
+        assert whole.usage.completion_tokens == through
+        streamed = await client(stack).completions.create(
+            model=MODEL, prompt=PROMPT, stop=[stop, "zzz"], max_tokens=32, logprobs=1, stream=True,
+            stream_options={"include_usage": True})
+        chunks = [chunk async for chunk in streamed]
+        assert sum(len(c.choices[0].logprobs.tokens) for c in chunks if c.choices) == through
+        assert chunks[-1].usage.completion_tokens == through
+        chat = await client(stack).chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], stop=stop, max_tokens=32, logprobs=True)
+        assert [c.token for c in chat.choices[0].logprobs.content] == whole.choices[0].logprobs.tokens
+        assert chat.usage.completion_tokens == through
+
+    run_on_stack(tokenizer_address, Script(text_ids, tokens_per_step=tokens_per_step, logprobs=True), body)
+
+
+@pytest.mark.parametrize("probes", [2, 3])
+def test_the_token_completing_a_stop_string_is_found_over_several_rounds(
+        tokenizer_address, text_ids, tokenizer: Tokenizer, probes, monkeypatch) -> None:
+    # With few probes per Detokenize call, a long delta takes several rounds to narrow down.
+    monkeypatch.setattr("gateway.stream_hub._CUT_PROBES", probes)
+    for stop in ("azy d", " quick", "Zü"):
+        through = next(k for k in range(1, len(text_ids) + 1) if stop in tokenizer.decode(text_ids[:k]))
+
+        async def body(stack: Stack) -> None:
+            whole = await client(stack).completions.create(model=MODEL, prompt=PROMPT, stop=stop, max_tokens=32)
+            assert whole.usage.completion_tokens == through, stop
+            assert stop not in whole.choices[0].text and whole.choices[0].finish_reason == "stop"
+
+        run_on_stack(tokenizer_address, Script(text_ids, tokens_per_step=40), body)

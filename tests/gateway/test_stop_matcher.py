@@ -45,3 +45,15 @@ def test_unarmed_feeds_pass_whole_stops_but_hold_partial_ones() -> None:
     matcher = StopMatcher(["world"])
     assert matcher.feed("hello world, wor", armed=False) == ("hello world, ", False)  # "wor" may become a stop
     assert matcher.feed("ld!", armed=True) == ("", True)  # completed once armed: cut
+
+
+def test_the_stop_complete_first_wins_and_its_end_is_reported() -> None:
+    # Checked token by token, "cd" is complete before "abcdef" is: the text is cut where "cd" starts.
+    matcher = StopMatcher(["abcdef", "cd"])
+    assert matcher.feed("xy", final=False) == ("xy", False)
+    assert matcher.feed("abcdefgh") == ("ab", True)
+    assert matcher.match_end == 4  # in "abcdefgh": just past "cd"
+    held = StopMatcher(["STOP"])
+    assert held.feed("go ST") == ("go ", False)
+    assert held.feed("OP now") == ("", True)
+    assert held.match_end == 2  # the stop began in text held back from the previous piece
