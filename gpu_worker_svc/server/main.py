@@ -2,7 +2,8 @@
 
 Startup order: load the engine (spawning the tensor-parallel ranks), start the
 gRPC server (healthy from then on), register with the scheduler, heartbeat.
-SIGTERM aborts the requests, shuts the ranks down and exits 0; a dead engine
+SIGTERM aborts the requests, shuts the ranks down and exits 0 (during the model
+load, at once); a dead engine
 marks the worker NOT_SERVING and exits 1, so the scheduler re-dispatches.
 """
 
@@ -11,6 +12,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import multiprocessing
+import os
 import signal
 import sys
 from collections.abc import Callable
@@ -115,13 +118,15 @@ def engine_loop_for(s: WorkerSettings, engine: LLMEngine, tracing: TracingHandle
 async def serve(s: WorkerSettings) -> int:
     """Run the worker until SIGTERM (returns 0) or until its engine dies (returns 1)."""
     loop = asyncio.get_running_loop()
-    stop_requested = asyncio.Event()  # a signal during the (uninterruptible) model load
+    stop_requested = asyncio.Event()  # a signal from the end of the model load on
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop_requested.set)
+        loop.add_signal_handler(sig, _abandon_load)
     tracing = setup_tracing("gpu_worker", s.resolved_worker_id, rank=0, enabled=s.tracing)
     log.info("loading %s: tp=%d, %s on %s", s.model or "the default model", s.tp_size, s.resolved_dtype,
              s.resolved_device)
     engine = await asyncio.to_thread(build_engine, s)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop_requested.set)
     log.info("engine ready: %d KV blocks of %d tokens", engine.block_pool.num_blocks, s.block_size)
     try:
         if stop_requested.is_set():
@@ -131,6 +136,20 @@ async def serve(s: WorkerSettings) -> int:
         await asyncio.to_thread(engine.shutdown)
         await asyncio.to_thread(tracing.shutdown)
         log.info("worker stopped")
+
+
+def _abandon_load() -> None:
+    """A stop signal while the model loads: exit now, as nothing is served yet.
+
+    The load runs in a thread that cannot be interrupted, and a large model takes minutes; waiting
+    for it would outlast an orchestrator's grace period (docker's 10 s) and end in SIGKILL. The
+    tensor-parallel ranks started so far are killed first, so none outlives the worker.
+    """
+    log.info("stop signal during the model load: exiting")
+    for child in multiprocessing.active_children():
+        child.kill()
+    logging.shutdown()
+    os._exit(0)
 
 
 async def _serve_engine(s: WorkerSettings, engine: LLMEngine, tracing: TracingHandle,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import signal
+import time
 
 import grpc
 import psutil
@@ -108,3 +109,24 @@ def test_killed_rank_makes_the_worker_exit_nonzero(tp_worker):
     finally:
         session.close()
     assert _gone(children)
+
+
+def test_sigterm_during_the_model_load_exits_at_once_with_its_ranks(tmp_path):
+    # The default model at TP=3 takes its ranks many seconds to load on this machine: stop it half-way.
+    scheduler = SchedulerStandIn()
+    proc = WorkerProcess(["--port", str(free_port()), "--scheduler", scheduler.address, "--tp", "3"],
+                         tmp_path / "worker.log")
+    try:
+        deadline = time.monotonic() + 60
+        while not (ranks := [p for p in psutil.Process(proc.proc.pid).children(recursive=True)
+                             if "spawn_main" in " ".join(p.cmdline())]):
+            assert time.monotonic() < deadline and proc.proc.poll() is None, proc.log()
+            time.sleep(0.05)
+        assert "loading the default model" in proc.log()
+        proc.proc.send_signal(signal.SIGTERM)
+        assert proc.proc.wait(timeout=10) == 0, proc.log()
+        assert "engine ready" not in proc.log(), "it waited for the load to finish"
+        assert _gone(ranks)
+    finally:
+        proc.stop()
+        scheduler.stop()
