@@ -18,10 +18,13 @@ class LoadSpec:
     num_prompts: int = 64
     input_len: int = 128
     output_len: int = 64
-    request_rate: float = float("inf")  # requests/s with Poisson arrivals; inf: all at t=0
+    request_rate: float = float("inf")  # requests/s on average; inf: all at t=0
     max_concurrency: int | None = 16
     seed: int = 0
     vocab_size: int = 49152
+    # The shape of the gamma-distributed gaps between arrivals, as vLLM's --burstiness: 1 is a
+    # Poisson process, below 1 burstier, above 1 more even. The mean rate stays request_rate.
+    burstiness: float = 1.0
 
     def prompts(self) -> list[list[int]]:
         rng = random.Random(self.seed)
@@ -32,10 +35,11 @@ class LoadSpec:
         if self.request_rate == float("inf"):
             return [0.0] * self.num_prompts
         rng = random.Random(self.seed + 1)
+        scale = 1.0 / (self.request_rate * self.burstiness)  # so that the mean gap is 1 / request_rate
         t, out = 0.0, []
         for _ in range(self.num_prompts):
             out.append(t)
-            t += rng.expovariate(self.request_rate)
+            t += rng.gammavariate(self.burstiness, scale)
         return out
 
 

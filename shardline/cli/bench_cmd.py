@@ -25,7 +25,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--request-rate", type=float, default=float("inf"),
-                   help="Poisson arrivals (req/s); inf: every request arrives at t=0 (and waits for a slot)")
+                   help="mean arrival rate (req/s); inf: every request arrives at t=0 (and waits for a slot)")
+    p.add_argument("--burstiness", type=float, default=1.0,
+                   help="with a finite --request-rate: the gamma shape of the gaps between arrivals, as in "
+                        "vLLM (1: Poisson; below 1: burstier; above 1: more even)")
     p.add_argument("--max-concurrency", type=at_least_one, default=16,
                    help="requests in flight at once (default 16; vLLM's default is no limit)")
     p.add_argument("--slo-ttft-ms", type=float, default=None, help="goodput: time to first token at most this")
@@ -81,9 +84,12 @@ def run(args: argparse.Namespace) -> int:
     if args.rounds < 1:
         print("--rounds must be at least 1")
         return 2
+    if not args.burstiness > 0:
+        print("--burstiness must be above 0")
+        return 2
     # With --url the served model's vocabulary may be smaller: _measure asks the stack.
     spec = LoadSpec(args.num_prompts, args.input_len, args.output_len, args.request_rate, args.max_concurrency,
-                    args.seed, load_config(args.model).vocab_size)
+                    args.seed, load_config(args.model).vocab_size, args.burstiness)
     if not (args.url or args.launch or args.engine):
         print("give --url, --launch and/or --engine")
         return 2
@@ -147,7 +153,8 @@ def _compare(rounds: dict[str, list[dict]]) -> dict | None:
 def _print(results: dict[str, dict], spec: LoadSpec, rounds: int) -> None:
     names = list(results)
     print(f"\n{spec.num_prompts} prompts, {spec.input_len} in / {spec.output_len} out, "
-          f"rate {spec.request_rate}, max concurrency {spec.max_concurrency}"
+          f"rate {spec.request_rate}" + (f" (burstiness {spec.burstiness})" if spec.burstiness != 1 else "")
+          + f", max concurrency {spec.max_concurrency}"
           + (f"; medians of {rounds} alternating rounds" if rounds > 1 else ""))
     print(f"{'metric':<28}" + "".join(f"{n:>14}" for n in names))
     rows = [("completed", "completed", None), ("failed", "failed", None),

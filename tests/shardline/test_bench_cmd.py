@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import statistics
 
 import pytest
 
+from shardline.bench.load import LoadSpec
 from shardline.bench.metrics import RequestTiming, Slos, median_of_rounds, summarize
 from shardline.cli.main import main
 
@@ -61,3 +63,21 @@ def test_bench_runs_rounds_on_the_engine_and_writes_them(tmp_path, capsys):
     assert report["results"]["engine"]["completed"] == 2
     assert report["comparison"] is None  # no stack to compare with
     assert "medians of 2 alternating rounds" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("burstiness", [0.25, 1.0, 4.0])
+def test_arrivals_keep_the_rate_and_burstiness_sets_their_spread(burstiness):
+    # Gamma-distributed gaps, as vLLM's --burstiness: the mean gap is 1 / rate whatever the shape,
+    # and the gaps' coefficient of variation is 1 / sqrt(burstiness) (1 for a Poisson process).
+    spec = LoadSpec(num_prompts=20_001, request_rate=50.0, burstiness=burstiness, seed=3)
+    offsets = spec.arrival_offsets()
+    gaps = [b - a for a, b in zip(offsets, offsets[1:])]
+    assert offsets[0] == 0 and all(g >= 0 for g in gaps)
+    assert statistics.fmean(gaps) == pytest.approx(1 / 50, rel=0.05)
+    assert statistics.pstdev(gaps) / statistics.fmean(gaps) == pytest.approx(burstiness ** -0.5, rel=0.05)
+    assert LoadSpec(num_prompts=3, burstiness=burstiness).arrival_offsets() == [0.0] * 3  # rate inf: all at once
+
+
+def test_burstiness_must_be_positive(capsys):
+    assert main(["bench", "--engine", "--request-rate", "5", "--burstiness", "0"]) == 2
+    assert "--burstiness must be above 0" in capsys.readouterr().out
