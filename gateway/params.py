@@ -18,6 +18,7 @@ from shardline.proto import sampling_pb2
 MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 1024  # characters; longer ones are surely a mistake and cost a scan per step
 MAX_TOP_LOGPROBS = 20
+MAX_ABS_LOGIT_BIAS = 100.0  # OpenAI's range for each logit_bias value
 # Most completions one OpenAI request may ask for (prompts x n): each is a request in the queue.
 MAX_CHOICES = 64
 # OpenAI's legacy /v1/completions generates 16 tokens when max_tokens is absent.
@@ -79,6 +80,10 @@ def validate_sampling(
     for token_id in resolved.stop_token_ids:
         if token_id >= limits.vocab_size:
             raise InvalidArgument(prefix + "stop_token_ids", f"{token_id} is not a token id of this model")
+    for token_id, bias in resolved.logit_bias.items():
+        if token_id >= limits.vocab_size:
+            raise InvalidArgument(prefix + "logit_bias", f"{token_id} is not a token id of this model")
+        _check_range(prefix + "logit_bias", bias, -MAX_ABS_LOGIT_BIAS, MAX_ABS_LOGIT_BIAS, True)
     if resolved.top_logprobs > MAX_TOP_LOGPROBS:
         raise InvalidArgument(prefix + "top_logprobs", f"must be at most {MAX_TOP_LOGPROBS}")
     if resolved.top_logprobs and not resolved.logprobs:
@@ -146,6 +151,13 @@ def sampling_from_openai(body: dict[str, Any], chat: bool) -> tuple[sampling_pb2
     if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < _UINT32 for t in stop_ids):
         raise InvalidArgument("stop_token_ids", "must be a list of token ids")
     params.stop_token_ids.extend(stop_ids)
+    for key, bias in (json_field(body, "logit_bias", dict) or {}).items():
+        # JSON object keys are strings: OpenAI's are token ids written in decimal.
+        if not (key.isascii() and key.isdigit() and int(key) < _UINT32):
+            raise InvalidArgument("logit_bias", f"keys must be token ids, got {key!r}")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)):
+            raise InvalidArgument("logit_bias", f"the bias of token {key} must be a number")
+        params.logit_bias[int(key)] = bias
     params.ignore_eos = bool(json_field(body, "ignore_eos", bool))
     skip = json_field(body, "skip_special_tokens", bool)
     if skip is not None:
@@ -171,8 +183,6 @@ def _reject_unsupported(body: dict[str, Any], chat: bool) -> None:
         raise InvalidArgument("echo", "echo is not supported")
     if not chat and json_field(body, "suffix", str):
         raise InvalidArgument("suffix", "suffix is not supported")
-    if json_field(body, "logit_bias", dict):
-        raise InvalidArgument("logit_bias", "logit_bias is not supported")
     if chat and json_field(body, "tools", list):
         raise InvalidArgument("tools", "tool calling is not supported")
     response_format = json_field(body, "response_format", dict)

@@ -66,7 +66,8 @@ class LLMEngine:
         params.validate()
         output_token_ids = list(output_token_ids or [])
         vocab = self.model_config.vocab_size
-        for name, ids in (("prompt_token_ids", prompt_token_ids), ("output_token_ids", output_token_ids)):
+        for name, ids in (("prompt_token_ids", prompt_token_ids), ("output_token_ids", output_token_ids),
+                          ("logit_bias", list(params.logit_bias))):
             if ids and (max(ids) >= vocab or min(ids) < 0):
                 raise ValueError(f"{name} must be in [0, {vocab})")
         room = self.max_model_len - len(prompt_token_ids)

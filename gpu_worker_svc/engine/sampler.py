@@ -93,6 +93,7 @@ class Sampler:
         if lp_rows:
             raw_logprobs = torch.log_softmax(select_rows(logits, lp_rows), dim=-1)
 
+        logits = _add_logit_bias(logits, seqs)
         logits = self._penalties.apply(logits, seqs)
         logits = _mask_early_stops(logits, seqs)
 
@@ -122,6 +123,24 @@ def _index(rows: list[int], like: torch.Tensor) -> torch.Tensor:
 def select_rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
     """t[rows] for ascending distinct `rows`; t itself, with no [B, vocab] copy, when they are all of it."""
     return t if len(rows) == t.shape[0] else t[_index(rows, t)]
+
+
+def _add_logit_bias(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """Each row's logit_bias added to its logits, all rows in one op (before penalties, as vLLM)."""
+    vocab = logits.shape[1]
+    rows: list[int] = []
+    cols: list[int] = []
+    values: list[float] = []
+    for i, seq in enumerate(seqs):
+        for token_id, bias in seq.params.logit_bias.items():
+            if token_id < vocab:  # an id past the vocabulary can never be sampled anyway
+                rows.append(i)
+                cols.append(token_id)
+                values.append(bias)
+    if not rows:
+        return logits
+    index = (_index(rows, logits), _index(cols, logits))
+    return logits.index_put(index, torch.tensor(values, dtype=logits.dtype, device=logits.device), accumulate=True)
 
 
 def _mask_early_stops(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:

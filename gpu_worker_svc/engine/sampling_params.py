@@ -11,6 +11,8 @@ GREEDY_TEMPERATURE = 1e-5
 MAX_LOGPROBS = 20
 # OpenAI's documented range for presence and frequency penalties.
 MAX_ABS_PENALTY = 2.0
+# OpenAI's documented range for a logit bias.
+MAX_ABS_LOGIT_BIAS = 100.0
 
 
 @dataclass(slots=True)
@@ -30,6 +32,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)  # extra ids that stop
     ignore_eos: bool = False  # keep generating past EOS
     logprobs: int | None = None  # None: none; 0: the sampled token's only; N: plus top N
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
 
     @property
     def is_greedy(self) -> bool:
@@ -89,6 +92,14 @@ class SamplingParams:
             _check_int("stop_token_ids", token_id)
             if token_id < 0:
                 raise ValueError(f"stop_token_ids must be >= 0, got {token_id}")
+        if not isinstance(self.logit_bias, dict):
+            raise ValueError(f"logit_bias must be a dict of token id to bias, got {self.logit_bias!r}")
+        for token_id, bias in self.logit_bias.items():
+            _check_int("logit_bias", token_id)
+            _check_finite("logit_bias", bias)
+            if token_id < 0 or abs(bias) > MAX_ABS_LOGIT_BIAS:
+                raise ValueError(f"logit_bias must map token ids >= 0 to biases in "
+                                 f"[-{MAX_ABS_LOGIT_BIAS:g}, {MAX_ABS_LOGIT_BIAS:g}], got {token_id}: {bias}")
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs)
             if not 0 <= self.logprobs <= MAX_LOGPROBS:

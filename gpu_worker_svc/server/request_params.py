@@ -47,6 +47,7 @@ def engine_request(new: worker_pb2.NewRequest, max_model_len: int) -> EngineRequ
         stop_token_ids=[*p.stop_token_ids, *(() if p.ignore_eos else new.eos_token_ids[1:])],
         ignore_eos=p.ignore_eos,
         logprobs=_logprobs(p),
+        logit_bias=dict(p.logit_bias),
     )
     params.validate()
     return EngineRequest(params, new.eos_token_ids[0] if new.eos_token_ids else None)

@@ -167,6 +167,8 @@ def build_request(prompt: str | list[int] | None = None, *, messages: list[dict[
             getattr(req.params, name).extend([value] if isinstance(value, (str, int)) else value)
         elif name == "seed":
             req.params.seed = value % (1 << 64)  # signed seeds (OpenAI's) map onto the wire's uint64
+        elif name == "logit_bias":  # {token id: bias}; OpenAI-style string ids are taken too
+            req.params.logit_bias.update({int(token): float(bias) for token, bias in value.items()})
         elif name == "top_logprobs":
             req.params.logprobs = True
             req.params.top_logprobs = value

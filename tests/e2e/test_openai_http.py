@@ -64,6 +64,16 @@ def test_stop_string_truncates(http_url):
     assert stopped["choices"][0]["finish_reason"] == "stop"
 
 
+def test_logit_bias_forces_a_token(http_url):
+    req = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 3, "temperature": 0, "logprobs": 0}
+    _, plain = post(f"{http_url}/v1/completions", req)
+    status, forced = post(f"{http_url}/v1/completions", {**req, "logit_bias": {"1234": 100}})
+    assert status == 200, forced
+    tokens = forced["choices"][0]["logprobs"]["tokens"]
+    assert len(tokens) == 3 and len(set(tokens)) == 1 and tokens != plain["choices"][0]["logprobs"]["tokens"]
+    assert forced["choices"][0]["text"] == tokens[0] * 3
+
+
 def test_seed_reproducible(http_url):
     req = {"model": MODEL, "prompt": "My favourite colour is", "max_tokens": 16, "temperature": 1.0, "seed": 42}
     texts = {post(f"{http_url}/v1/completions", req)[1]["choices"][0]["text"] for _ in range(2)}

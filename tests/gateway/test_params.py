@@ -44,6 +44,12 @@ def test_openai_fields_map_onto_sampling_parameters() -> None:
     assert n == 1
     completions, _, _, _ = sampling_from_openai({"logprobs": 0}, chat=False)
     assert (completions.logprobs, completions.top_logprobs) == (True, 0)
+    biased, _, _, _ = sampling_from_openai({"logit_bias": {"50": -100, "7": 2.5, "0": 100}}, chat=False)
+    assert dict(biased.logit_bias) == {50: -100.0, 7: 2.5, 0: 100.0}
+    assert dict(validate_sampling(biased, LIMITS).logit_bias) == dict(biased.logit_bias)
+    with pytest.raises(InvalidArgument) as caught:  # the gRPC API's map is range-checked as well
+        validate_sampling(sampling_pb2.SamplingParameters(logit_bias={3: 1e9}), LIMITS, prefix="params.")
+    assert caught.value.field == "params.logit_bias"
 
 
 def test_gateway_flags_override_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -180,6 +180,17 @@ def test_rejects_bad_requests(engine):
         engine.add_request("bad", [5], SamplingParams(top_p=1.5))
     with pytest.raises(ValueError, match="output_token_ids"):
         engine.add_request("bad-resume", [5], GREEDY, output_token_ids=[10**6])
+    with pytest.raises(ValueError, match="logit_bias"):
+        engine.add_request("bad-bias", [5], dataclasses.replace(GREEDY, logit_bias={10**6: 1.0}))
+
+
+def test_logit_bias_steers_the_real_model(engine, prompts):
+    # A +100 bias outweighs every logit: greedy decoding then emits that token at every step.
+    plain = engine.generate(prompts[:1], dataclasses.replace(GREEDY, max_tokens=4))[0].token_ids
+    forced = engine.generate(prompts[:1], dataclasses.replace(GREEDY, max_tokens=4, logit_bias={1234: 100.0}))
+    assert forced[0].token_ids == [1234] * 4
+    banned = engine.generate(prompts[:1], dataclasses.replace(GREEDY, max_tokens=4, logit_bias={plain[0]: -100.0}))
+    assert banned[0].token_ids[0] != plain[0]
 
 
 def test_a_request_too_long_for_the_context_is_refused_and_hurts_no_other(engine, prompts):

@@ -188,3 +188,30 @@ def test_a_nucleus_wider_than_the_head_sorts_the_whole_vocabulary():
     seqs = [make_seq(seed=i, top_p=0.5) for i in range(400)]
     tokens = Sampler()(logits, seqs).token_ids
     assert max(tokens) < 1500 and any(t >= 1024 for t in tokens)
+
+
+def test_logit_bias_moves_the_choice_of_its_row_only():
+    logits = random_logits(3, seed=7)
+    plain = [make_seq(seed=None, temperature=0.0), make_seq(seed=5), make_seq(seed=None, temperature=0.0)]
+    top = int(logits[0].argmax())
+    biased = [make_seq(seed=None, temperature=0.0, logit_bias={top: -100.0, 3: 1.5}),
+              make_seq(seed=5, logit_bias={42: 100.0, VOCAB + 7: 5.0}),  # an id past the vocabulary is ignored
+              plain[2]]
+    out = Sampler()(logits, biased)
+    expected_first = int((logits[0] + torch.eye(VOCAB)[3] * 1.5 - torch.eye(VOCAB)[top] * 100).argmax())
+    assert out.token_ids[0] == expected_first != top
+    assert out.token_ids[1] == 42  # +100 outweighs any logit of a real model
+    assert out.token_ids[2] == Sampler()(logits, plain).token_ids[2]  # the unbiased row is untouched
+    assert torch.equal(logits, random_logits(3, seed=7))  # the caller's logits are not changed
+
+
+def test_logit_bias_leaves_the_logprobs_the_models():
+    logits = random_logits(1, seed=8)
+    out = Sampler()(logits, [make_seq(seed=None, temperature=0.0, logprobs=2, logit_bias={9: 100.0})])
+    assert out.token_ids == [9]
+    assert out.logprobs[0].logprob == pytest.approx(torch.log_softmax(logits, -1)[0, 9].item())
+
+
+def test_a_banned_token_is_never_sampled():
+    freq = frequencies([0.5, 0.3, 0.2], num_draws=2000, logit_bias={0: -100.0})
+    assert 0 not in freq and freq[1] == pytest.approx(0.6, abs=0.04)

@@ -16,6 +16,7 @@ def test_defaults_are_valid():
         {"max_tokens": 4, "min_tokens": 4, "logprobs": 20, "seed": -7},
         {"repetition_penalty": 0.5, "presence_penalty": -2.0, "frequency_penalty": 2.0},
         {"stop_token_ids": [0, 5], "logprobs": 0},
+        {"logit_bias": {0: -100.0, 7: 100, 9: 0.5}},
     ],
 )
 def test_valid_edges(fields):
@@ -44,6 +45,11 @@ def test_valid_edges(fields):
         ({"stop_token_ids": (3,)}, "stop_token_ids must be a list"),
         ({"logprobs": 21}, "logprobs must be in [0, 20], got 21"),
         ({"logprobs": -1}, "logprobs must be in"),
+        ({"logit_bias": {5: 100.5}}, "logit_bias must map token ids >= 0 to biases in [-100, 100], got 5: 100.5"),
+        ({"logit_bias": {-1: 1.0}}, "logit_bias must map token ids >= 0"),
+        ({"logit_bias": {"5": 1.0}}, "logit_bias must be an integer"),
+        ({"logit_bias": {5: float("nan")}}, "logit_bias must be finite"),
+        ({"logit_bias": [(5, 1.0)]}, "logit_bias must be a dict"),
     ],
 )
 def test_invalid_fields_name_the_field(fields, message):
