@@ -63,7 +63,12 @@ class PagedAttention(nn.Module):
 
     def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
               causal: bool) -> torch.Tensor:
-        """One sequence: q [n, Hq, D], k/v [ctx, Hkv, D] → [n, Hq, D]."""
-        o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask,
-                                           is_causal=causal, enable_gqa=self.num_heads != self.num_kv_heads)
-        return o.transpose(0, 1)
+        """One sequence: q [n, Hq, D], k/v [ctx, Hkv, D] → [n, Hq, D].
+
+        As a batch of one: given 3-D inputs, torch's CPU SDPA takes its unfused math path (a
+        [heads, n, ctx] score matrix, tril, softmax), 5-7x slower than its flash kernel at 512 tokens.
+        """
+        o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                           attn_mask=mask, is_causal=causal,
+                                           enable_gqa=self.num_heads != self.num_kv_heads)
+        return o[0].transpose(0, 1)

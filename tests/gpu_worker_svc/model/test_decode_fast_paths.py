@@ -1,4 +1,4 @@
-"""The CPU decode step's shortcuts change nothing but speed: they are bitwise the long way round."""
+"""The CPU step's shortcuts change nothing but speed: they are bitwise the long way round, or take the fast kernel."""
 
 from __future__ import annotations
 
@@ -74,3 +74,22 @@ def test_cpu_rms_norm_is_bitwise_hf():
         assert torch.equal(ours(x), hf(x))
         out, summed = ours(x, residual)
         assert torch.equal(summed, x + residual) and torch.equal(out, hf(x + residual))
+
+
+def test_prefill_attention_takes_the_flash_kernel():
+    # Given 3-D inputs torch's CPU SDPA falls back to its unfused math path, 5-7x slower at 512
+    # tokens: a prefill chunk, fresh or after a cached prefix, must reach the flash kernel.
+    torch.manual_seed(0)
+    heads, kv_heads, dim = 9, 3, 64
+    attention = PagedAttention(heads, kv_heads, dim)
+    cache = torch.zeros(2, 64, BLOCK, kv_heads, dim)
+    tables = torch.arange(8).view(1, 8)
+    for cached, new in ((0, 40), (32, 20)):  # a first chunk; a chunk after 32 cached tokens
+        _, meta = build_step(StepBatch(torch.zeros(new, dtype=torch.long), torch.tensor([cached]),
+                                       torch.tensor([new]), tables), BLOCK)
+        q, k, v = torch.randn(new, heads, dim), torch.randn(new, kv_heads, dim), torch.randn(new, kv_heads, dim)
+        with torch.profiler.profile() as prof:
+            attention(q, k, v, cache, meta)
+        ops = {event.key for event in prof.key_averages()}
+        assert "aten::_scaled_dot_product_flash_attention_for_cpu" in ops, (cached, sorted(ops))
+        assert "aten::_scaled_dot_product_attention_math" not in ops
