@@ -144,10 +144,14 @@ class RunningServer:
         self._stopping.set()
 
     async def wait_for_signal(self, on_stop: Callable[[], Awaitable[None]] | None = None,
-                              grace_s: float = 5.0) -> None:
-        """Block until SIGTERM/SIGINT, then run `on_stop` and stop the server gracefully."""
+                              grace_s: float = 5.0, stop: asyncio.Event | None = None) -> None:
+        """Block until SIGTERM/SIGINT, then run `on_stop` and stop the server gracefully.
+
+        `stop`: the event a caller's own signal handlers set before this was called (a signal that
+        came in between is not lost); an event already set stops the server at once.
+        """
         loop = asyncio.get_running_loop()
-        stop = asyncio.Event()
+        stop = stop or asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         waiter = asyncio.create_task(self._stopping.wait())

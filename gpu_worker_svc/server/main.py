@@ -171,9 +171,8 @@ async def _serve_engine(s: WorkerSettings, engine: LLMEngine, tracing: TracingHa
                                                              lambda: engine_loop.load).run())
     watchdog = asyncio.create_task(_stop_when_dead(engine_died, server))
     try:
-        if stop_requested.is_set():
-            await server.stop(_STOP_GRACE_S)
-        await server.wait_for_signal(on_stop=lambda: asyncio.to_thread(engine_loop.stop), grace_s=_STOP_GRACE_S)
+        await server.wait_for_signal(on_stop=lambda: asyncio.to_thread(engine_loop.stop), grace_s=_STOP_GRACE_S,
+                                     stop=stop_requested)
     finally:
         registration.cancel()
         watchdog.cancel()

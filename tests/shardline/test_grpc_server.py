@@ -84,3 +84,23 @@ def test_a_port_in_use_is_refused_not_shared():
             await first.stop(0)
 
     asyncio.run(run())
+
+
+def test_a_stop_signal_caught_before_the_wait_is_not_lost():
+    # The worker's own handlers catch a signal between its model load and this wait: the event they set
+    # stops the server at once (the worker went on serving, its SIGTERM lost, in 4 of 13 tries).
+    from shardline.grpc_server import start_grpc_server
+
+    async def run() -> list[str]:
+        server = await start_grpc_server([], 0, "127.0.0.1")
+        caught = asyncio.Event()
+        caught.set()
+        stopped: list[str] = []
+
+        async def on_stop() -> None:
+            stopped.append("on_stop")
+
+        await asyncio.wait_for(server.wait_for_signal(on_stop=on_stop, grace_s=0, stop=caught), timeout=10)
+        return stopped
+
+    assert asyncio.run(run()) == ["on_stop"]
