@@ -59,7 +59,8 @@ class _Overshot:
     work: _Work
     chunk: StreamChunk  # its last chunk, text already cut at the stop string
     item: tokenizer_pb2.DetokenizeItem  # how its text was detokenized: its context and tokens
-    end: int  # where the stop string ends in that text
+    text: str  # that text
+    end: int  # where the stop string ends in it
     lo: int  # the fewest of its new tokens whose text may reach `end`
     hi: int  # a number of its new tokens whose text does reach it (all of them, at first)
 
@@ -306,7 +307,7 @@ class StreamHub:
             if w.logprobs:
                 chunk.token_texts = {t: texts[t] for t in _named_tokens(w.logprobs)}
             if end is not None and len(w.new) > 1:  # which of its tokens completed the stop string?
-                overshot.append(_Overshot(w, chunk, item, end, lo=_unarmed(w) + 1, hi=len(w.new)))
+                overshot.append(_Overshot(w, chunk, item, result.text, end, lo=_unarmed(w) + 1, hi=len(w.new)))
             elif end is not None:
                 self._finish(stream, chunk, "stop", cancel=not w.final)
             elif w.final:
@@ -322,37 +323,47 @@ class StreamHub:
     async def _cut_after_stops(self, overshot: list[_Overshot]) -> None:
         """Ends requests whose stop string completed inside a delta of several tokens, keeping the
         tokens through the one that completed it (vLLM checks stop strings token by token, so its
-        output, logprobs and usage end there).
-
-        Each round detokenizes up to _CUT_PROBES leading parts of each delta in one call and narrows
-        the range [lo, hi] of token counts whose text may first reach the stop's end: one round for a
-        delta of up to that many tokens. A failed call keeps every token, as before the search.
-        """
-        while open_ := [o for o in overshot if o.lo < o.hi]:
-            probes = [(o, k) for o in open_ for k in range(o.lo, o.hi, -(-(o.hi - o.lo) // _CUT_PROBES))]
-            items = [tokenizer_pb2.DetokenizeItem(
-                prefix_token_ids=o.item.prefix_token_ids,
-                new_token_ids=o.item.new_token_ids[: len(o.item.new_token_ids) - len(o.work.new) + k],
-                skip_special_tokens=o.item.skip_special_tokens) for o, k in probes]
-            try:
-                with upstream("tokenizer"):
-                    reply = await self._backends.tokenizer.Detokenize(
-                        tokenizer_pb2.DetokenizeRequest(items=items), timeout=RPC_TIMEOUT_S)
-            except ShardlineError as exc:
-                logger.warning("could not find the tokens before %d stop strings: %s", len(open_), exc)
-                break
-            for o in open_:
-                reached = [k for (p, k), result in zip(probes, reply.results) if p is o and len(result.text) >= o.end]
-                tried = [k for p, k in probes if p is o]
-                if reached:
-                    o.hi = min(reached)
-                o.lo = max([k + 1 for k in tried if k < o.hi], default=o.lo)
+        output, logprobs and usage end there). If the search fails, every token is kept, as before
+        it; the requests end either way."""
+        try:
+            await self._find_stop_tokens(overshot)
+        except Exception as exc:  # the chunks must go out whatever went wrong here
+            logger.warning("could not find the tokens before %d stop strings: %r", len(overshot), exc)
         for o in overshot:
             w, chunk, keep = o.work, o.chunk, o.hi
             chunk.token_ids, chunk.logprobs = w.new[:keep], w.logprobs[:keep]
             chunk.token_texts = {t: chunk.token_texts[t] for t in _named_tokens(chunk.logprobs)}
             w.stream.next_offset = w.offset + keep  # its usage counts the kept tokens
             self._finish(w.stream, chunk, "stop", cancel=not w.final)
+
+    async def _find_stop_tokens(self, overshot: list[_Overshot]) -> None:
+        """Narrows each one's range [lo, hi] of token counts to the fewest whose text holds the stop.
+
+        A first round asks only whether the stop needed the delta's last token (so a delta that ends
+        with it costs one probe). Then each round detokenizes up to _CUT_PROBES leading parts of each
+        delta in one call: one round for a delta of up to that many tokens. Probes are final, so a
+        run of bytes that is not yet a character reads as U+FFFD instead of holding back the text
+        before it, and a part holds the stop when its text begins with the delta's text up to the
+        stop's end.
+        """
+        first = True
+        while open_ := [o for o in overshot if o.lo < o.hi]:
+            plan = [(o, [o.hi - 1] if first else list(range(o.lo, o.hi, -(-(o.hi - o.lo) // _CUT_PROBES))))
+                    for o in open_]
+            items = [tokenizer_pb2.DetokenizeItem(
+                prefix_token_ids=o.item.prefix_token_ids,
+                new_token_ids=o.item.new_token_ids[: len(o.item.new_token_ids) - len(o.work.new) + k],
+                skip_special_tokens=o.item.skip_special_tokens, final=True) for o, counts in plan for k in counts]
+            with upstream("tokenizer"):
+                reply = await self._backends.tokenizer.Detokenize(
+                    tokenizer_pb2.DetokenizeRequest(items=items), timeout=RPC_TIMEOUT_S)
+            results = iter(reply.results)
+            for o, counts in plan:
+                reached = [k for k, result in zip(counts, results) if result.text.startswith(o.text[: o.end])]
+                if reached:
+                    o.hi = min(reached)
+                o.lo = max([k + 1 for k in counts if k < o.hi], default=o.lo)
+            first = False
 
     @staticmethod
     def _match_stops(w: _Work, text: str, unarmed_text: str | None) -> tuple[str, int | None]:

@@ -8,6 +8,7 @@ import aiohttp
 import openai
 import pytest
 
+from gateway.stream_hub import StreamHub
 from tests.gateway.conftest import TEXT
 from tests.gateway.harness import Stack, run_on_stack
 from tests.gateway.scripted_scheduler import MODEL, Script
@@ -368,3 +369,54 @@ def test_the_token_completing_a_stop_string_is_found_over_several_rounds(
             assert stop not in whole.choices[0].text and whole.choices[0].finish_reason == "stop"
 
         run_on_stack(tokenizer_address, Script(text_ids, tokens_per_step=40), body)
+
+
+def test_the_search_reads_a_run_of_invalid_bytes_as_characters(tokenizer_address, text_ids, tokenizer) -> None:
+    # 150 tokens that are each a lone invalid byte follow " quick": a leading part ending inside the
+    # run must still show " The quick" (a non-final decode held it all back, and 151 extra tokens stayed).
+    ids = text_ids[:2] + [111] * 150 + text_ids[2:]
+    assert tokenizer.decode([111]) == "\ufffd"
+
+    async def body(stack: Stack) -> None:
+        whole = await client(stack).completions.create(model=MODEL, prompt=PROMPT, stop="quick", max_tokens=200)
+        assert (whole.choices[0].text, whole.usage.completion_tokens) == (" The ", 2)
+
+    run_on_stack(tokenizer_address, Script(ids, tokens_per_step=len(ids)), body)
+
+
+def test_a_failed_search_keeps_every_token_and_a_stop_at_the_end_costs_one_probe(
+        tokenizer_address, text_ids, monkeypatch) -> None:
+    probes: list[int] = []  # items per Detokenize call of the search
+    failure: list[BaseException] = []
+    searching = []
+    search = StreamHub._find_stop_tokens
+
+    async def find_stop_tokens(self, overshot) -> None:
+        searching.append(True)
+        try:
+            await search(self, overshot)
+        finally:
+            searching.clear()
+
+    monkeypatch.setattr(StreamHub, "_find_stop_tokens", find_stop_tokens)
+
+    async def body(stack: Stack) -> None:
+        real = stack.gateway.backends.tokenizer.Detokenize
+
+        async def detokenize(request, **kwargs):
+            if searching:
+                probes.append(len(request.items))
+                if failure:
+                    raise failure[0]
+            return await real(request, **kwargs)
+
+        monkeypatch.setattr(stack.gateway.backends.tokenizer, "Detokenize", detokenize)
+        end = await client(stack).completions.create(model=MODEL, prompt=PROMPT, stop="!", max_tokens=64)
+        assert end.choices[0].finish_reason == "stop" and end.usage.completion_tokens == len(text_ids)
+        assert probes == [1]  # only "did it need the last token?"
+        failure.append(RuntimeError("a bug in the search"))
+        kept = await client(stack).completions.create(model=MODEL, prompt=PROMPT, stop="fox", max_tokens=64)
+        assert (kept.choices[0].text, kept.choices[0].finish_reason) == (" The quick brown ", "stop")
+        assert kept.usage.completion_tokens == len(text_ids)  # the search failed: every token is kept
+
+    run_on_stack(tokenizer_address, Script(text_ids, tokens_per_step=len(text_ids)), body)
