@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import math
 import statistics
 from collections.abc import Callable
 from pathlib import Path
@@ -84,8 +85,12 @@ def run(args: argparse.Namespace) -> int:
     if args.rounds < 1:
         print("--rounds must be at least 1")
         return 2
-    if not args.burstiness > 0:
-        print("--burstiness must be above 0")
+    if not args.request_rate > 0:
+        print("--request-rate must be above 0 (inf: all at once)")
+        return 2
+    gap_scale = args.request_rate * args.burstiness  # the gamma scale is its inverse
+    if not 0 < args.burstiness < math.inf or (args.request_rate < math.inf and not math.isfinite(gap_scale)):
+        print("--burstiness must be a finite number above 0")
         return 2
     # With --url the served model's vocabulary may be smaller: _measure asks the stack.
     spec = LoadSpec(args.num_prompts, args.input_len, args.output_len, args.request_rate, args.max_concurrency,

@@ -78,6 +78,16 @@ def test_arrivals_keep_the_rate_and_burstiness_sets_their_spread(burstiness):
     assert LoadSpec(num_prompts=3, burstiness=burstiness).arrival_offsets() == [0.0] * 3  # rate inf: all at once
 
 
-def test_burstiness_must_be_positive(capsys):
-    assert main(["bench", "--engine", "--request-rate", "5", "--burstiness", "0"]) == 2
-    assert "--burstiness must be above 0" in capsys.readouterr().out
+@pytest.mark.parametrize("rate, burstiness, error", [
+    ("5", "0", "--burstiness must be a finite number above 0"),
+    ("5", "-1", "--burstiness must be a finite number above 0"),
+    ("5", "inf", "--burstiness must be a finite number above 0"),
+    ("5", "1e308", "--burstiness must be a finite number above 0"),  # rate x burstiness overflows
+    ("5", "nan", "--burstiness must be a finite number above 0"),
+    ("0", "1", "--request-rate must be above 0"),
+    ("-2", "1", "--request-rate must be above 0"),
+    ("nan", "1", "--request-rate must be above 0"),
+])
+def test_bad_arrival_settings_are_refused_in_one_line(capsys, rate, burstiness, error):
+    assert main(["bench", "--engine", "--request-rate", rate, "--burstiness", burstiness]) == 2
+    assert error in capsys.readouterr().out
