@@ -54,7 +54,7 @@ class _Work:
 
 @dataclass(slots=True)
 class _Overshot:
-    """A work whose stop string completed before its last token: which token completed it is searched."""
+    """A work of several tokens whose stop string matched: the token that completed it is searched for."""
 
     work: _Work
     chunk: StreamChunk  # its last chunk, text already cut at the stop string
