@@ -153,11 +153,11 @@ def sampling_from_openai(body: dict[str, Any], chat: bool) -> tuple[sampling_pb2
     params.stop_token_ids.extend(stop_ids)
     for key, bias in (json_field(body, "logit_bias", dict) or {}).items():
         # JSON object keys are strings: OpenAI's are token ids written in decimal.
-        if not (key.isascii() and key.isdigit() and int(key) < _UINT32):
-            raise InvalidArgument("logit_bias", f"keys must be token ids, got {key!r}")
+        if not (key.isascii() and key.isdigit() and len(key) <= 10 and int(key) < _UINT32):
+            raise InvalidArgument("logit_bias", f"keys must be token ids, got {key[:20]!r}")
         if isinstance(bias, bool) or not isinstance(bias, (int, float)):
             raise InvalidArgument("logit_bias", f"the bias of token {key} must be a number")
-        params.logit_bias[int(key)] = bias
+        params.logit_bias[int(key)] = _as_float(bias, "logit_bias")
     params.ignore_eos = bool(json_field(body, "ignore_eos", bool))
     skip = json_field(body, "skip_special_tokens", bool)
     if skip is not None:
@@ -228,7 +228,15 @@ def json_field(body: dict[str, Any], name: str, kind: type) -> Any:
     ok = isinstance(value, (int, float) if kind is float else kind) and not (numeric and isinstance(value, bool))
     if not ok:
         raise InvalidArgument(name, f"must be {_JSON_TYPES[kind]}")
-    return value
+    return _as_float(value, name) if kind is float else value
+
+
+def _as_float(value: int | float, field: str) -> float:
+    """A JSON number as a float: an integer literal of hundreds of digits is out of any range."""
+    try:
+        return float(value)
+    except OverflowError:
+        raise InvalidArgument(field, "is out of range") from None
 
 
 def _integer(body: dict[str, Any], name: str, low: int, high: int) -> int | None:

@@ -74,11 +74,12 @@ def race_noise(seqs: list[Sequence], vocab: int, device: torch.device) -> torch.
 class Sampler:
     """Turns a step's logits into one token per sequence.
 
-    Keep one instance per engine: it caches penalty statistics between steps.
+    Keep one instance per engine: it caches penalty statistics and logit biases between steps.
     """
 
     def __init__(self) -> None:
         self._penalties = PenaltyState()
+        self._logit_bias = LogitBias()
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
         if logits.dim() != 2 or logits.shape[0] != len(seqs):
@@ -93,7 +94,7 @@ class Sampler:
         if lp_rows:
             raw_logprobs = torch.log_softmax(select_rows(logits, lp_rows), dim=-1)
 
-        logits = _add_logit_bias(logits, seqs)
+        logits = self._logit_bias.apply(logits, seqs)
         logits = self._penalties.apply(logits, seqs)
         logits = _mask_early_stops(logits, seqs)
 
@@ -125,22 +126,34 @@ def select_rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
     return t if len(rows) == t.shape[0] else t[_index(rows, t)]
 
 
-def _add_logit_bias(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-    """Each row's logit_bias added to its logits, all rows in one op (before penalties, as vLLM)."""
-    vocab = logits.shape[1]
-    rows: list[int] = []
-    cols: list[int] = []
-    values: list[float] = []
-    for i, seq in enumerate(seqs):
-        for token_id, bias in seq.params.logit_bias.items():
-            if token_id < vocab:  # an id past the vocabulary can never be sampled anyway
-                rows.append(i)
-                cols.append(token_id)
-                values.append(bias)
-    if not rows:
-        return logits
-    index = (_index(rows, logits), _index(cols, logits))
-    return logits.index_put(index, torch.tensor(values, dtype=logits.dtype, device=logits.device), accumulate=True)
+class LogitBias:
+    """Adds each row's logit_bias to its logits, all rows in one op per step (before penalties, as vLLM).
+
+    A request's bias is turned into (token ids, values) tensors once, when it first comes, not per
+    step: a bias over the whole vocabulary (49k entries) took 21 ms per row per step from the dict.
+    """
+
+    def __init__(self) -> None:
+        self._rows: dict[str, tuple[Sequence, torch.Tensor, torch.Tensor]] = {}
+
+    def apply(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        biased = [(i, self._tensors(seq, logits)) for i, seq in enumerate(seqs) if seq.params.logit_bias]
+        self._rows = {seqs[i].request_id: (seqs[i], *pair) for i, pair in biased}
+        if not biased:
+            return logits
+        rows = torch.cat([torch.full_like(ids, i) for i, (ids, _) in biased])
+        cols = torch.cat([ids for _, (ids, _) in biased])
+        values = torch.cat([v for _, (_, v) in biased])
+        return logits.index_put((rows, cols), values, accumulate=True)
+
+    def _tensors(self, seq: Sequence, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cached = self._rows.get(seq.request_id)
+        if cached is not None and cached[0] is seq:
+            return cached[1], cached[2]
+        # An id past the vocabulary can never be sampled anyway.
+        pairs = [(t, b) for t, b in seq.params.logit_bias.items() if t < like.shape[1]]
+        ids = torch.tensor([t for t, _ in pairs], dtype=torch.long, device=like.device)
+        return ids, torch.tensor([b for _, b in pairs], dtype=like.dtype, device=like.device)
 
 
 def _mask_early_stops(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:

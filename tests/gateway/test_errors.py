@@ -60,6 +60,9 @@ BAD_BODIES = [
     ("completions", {"logit_bias": {"-5": 1}}, "logit_bias"),
     ("completions", {"logit_bias": {"49152": 1}}, "logit_bias"),
     ("completions", {"logit_bias": [5, 1]}, "logit_bias"),
+    ("completions", {"logit_bias": {"5": 10**400}}, "logit_bias"),  # no float holds it
+    ("completions", {"logit_bias": {"1" * 5000: 1}}, "logit_bias"),  # past int()'s digit limit
+    ("completions", {"temperature": 10**400}, "temperature"),
     ("chat/completions", {"logit_bias": {"5": -100.5}}, "logit_bias"),
     ("completions", {"stream_options": {"include_usage": True}}, "stream_options"),
     ("completions", {"prompt": None}, "prompt"),

@@ -215,3 +215,14 @@ def test_logit_bias_leaves_the_logprobs_the_models():
 def test_a_banned_token_is_never_sampled():
     freq = frequencies([0.5, 0.3, 0.2], num_draws=2000, logit_bias={0: -100.0})
     assert 0 not in freq and freq[1] == pytest.approx(0.6, abs=0.04)
+
+
+def test_a_requests_bias_is_kept_between_steps_and_rebuilt_for_a_new_request_of_that_id():
+    logits = random_logits(1, seed=9)
+    sampler = Sampler()
+    first = make_seq(seed=None, temperature=0.0, logit_bias={11: 100.0})
+    assert sampler(logits, [first]).token_ids == [11]
+    assert sampler(logits, [first]).token_ids == [11]  # from the tensors built at its first step
+    again = make_seq(seed=None, temperature=0.0, logit_bias={12: 100.0})  # same request id, new request
+    assert again.request_id == first.request_id
+    assert sampler(logits, [again]).token_ids == [12]
