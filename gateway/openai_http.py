@@ -1,4 +1,5 @@
-"""The OpenAI-compatible HTTP API (aiohttp): completions, chat completions, models, health, metrics."""
+"""The OpenAI-compatible HTTP API (aiohttp): completions, chat completions, models, health, metrics, and
+vLLM's /tokenize and /detokenize."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from gateway.openai_request import parse_request
 from gateway.openai_response import ResponseFormatter, error_body
 from gateway.params import OPENAI_COMPLETIONS_DEFAULT_MAX_TOKENS
 from gateway.request_runner import ModelNotFound, RequestRunner
+from gateway.tokenize_http import TokenizeApi
 from shardline.errors import InvalidArgument, ShardlineError
 from shardline.proto import generation_pb2, sampling_pb2
 from tracing import attributes as attr
@@ -73,6 +75,7 @@ class OpenAIHttpApi:
         self._keys = keys
         self._tracer = runner.tracer
         self._started = int(time.time())
+        self._tokenizer = TokenizeApi(runner)
 
     def application(self) -> web.Application:
         app = web.Application(
@@ -82,6 +85,8 @@ class OpenAIHttpApi:
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/v1/models/{model:.+}", self.model)
+        app.router.add_post("/tokenize", self.tokenize)
+        app.router.add_post("/detokenize", self.detokenize)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", metrics_handler(self._runner.backends.scheduler))
         return app
@@ -142,6 +147,12 @@ class OpenAIHttpApi:
             await response.write(_DONE)
         await response.write_eof()
         return response
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        return await self._tokenizer.tokenize(await _json_body(request))
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        return await self._tokenizer.detokenize(await _json_body(request))
 
     async def models(self, request: web.Request) -> web.Response:
         models = await self._runner.served_models()

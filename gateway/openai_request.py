@@ -39,7 +39,7 @@ def parse_request(body: Any, chat: bool) -> OpenAIRequest:
     if not isinstance(body, dict):
         raise InvalidArgument("body", "must be a JSON object")
     model = json_field(body, "model", str) or ""
-    prompts = [_messages(body)] if chat else _prompts(body)
+    prompts = [chat_messages(body)] if chat else _prompts(body)
     params, priority, max_tokens_field, n = sampling_from_openai(body, chat)
     if len(prompts) * n > MAX_CHOICES:
         raise InvalidArgument("n" if len(prompts) == 1 else "prompt",
@@ -71,7 +71,7 @@ def _is_token_ids(value: Any) -> bool:
     return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
 
 
-def _messages(body: dict[str, Any]) -> Prompt:
+def chat_messages(body: dict[str, Any]) -> Prompt:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise InvalidArgument("messages", "must be a non-empty array of messages")
