@@ -24,22 +24,23 @@ class StopMatcher:
         """Whether it ever holds text back: it has stop strings."""
         return bool(self._stops)
 
-    def feed(self, text: str, final: bool = False, armed: bool = True) -> tuple[str, bool]:
+    def feed(self, text: str, final: bool = False, armed: bool = True, one_token: bool = False) -> tuple[str, bool]:
         """(text safe to send now, whether a stop string matched); the match and all after it are cut.
 
         `final` releases the held-back text: no further piece can complete a stop string.
         `armed` False (the request has not yet generated its min_tokens, as vLLM counts them) lets
         complete stop strings through, but still holds back a partial one that the next piece,
         armed, may complete.
-        Of several stop strings in one piece, the one that is complete first wins, as when the
-        text is checked token by token (vLLM).
+        Of several stop strings in one piece, the one complete first wins, as when the text is
+        checked token by token; of several a single token completes (`one_token`), the first in the
+        list wins, as in vLLM.
         """
         held, buffer = len(self._held), self._held + text
         self._held = ""
         matches = [(index + len(stop), index) for stop in self._stops if (index := buffer.find(stop)) >= 0] \
             if armed else []
         if matches:
-            end, start = min(matches)
+            end, start = matches[0] if one_token else min(matches)
             self.match_end = end - held
             return buffer[:start], True
         if final:

@@ -374,7 +374,7 @@ class StreamHub:
         stop = w.stream.stop
         unarmed = _unarmed(w)
         if unarmed == 0 or not w.new:
-            return _ended(stop, *stop.feed(text, final=w.final), 0)
+            return _ended(stop, *stop.feed(text, final=w.final, one_token=len(w.new) == 1), 0)
         if unarmed_text is None:  # every new token comes before min_tokens
             return _ended(stop, *stop.feed(text, final=w.final, armed=False), 0)
         if not text.startswith(unarmed_text):  # a decoder that respells its tail: check the whole text

@@ -420,3 +420,12 @@ def test_a_failed_search_keeps_every_token_and_a_stop_at_the_end_costs_one_probe
         assert kept.usage.completion_tokens == len(text_ids)  # the search failed: every token is kept
 
     run_on_stack(tokenizer_address, Script(text_ids, tokens_per_step=len(text_ids)), body)
+
+
+def test_of_two_stops_one_token_completes_the_first_listed_wins(tokenizer_address, text_ids) -> None:
+    async def body(stack: Stack) -> None:
+        for stops, text in ((["brown", "row"], " The quick "), (["row", "brown"], " The quick b")):
+            reply = await client(stack).completions.create(model=MODEL, prompt=PROMPT, stop=stops, max_tokens=32)
+            assert (reply.choices[0].text, reply.usage.completion_tokens) == (text, 3), stops
+
+    run_on_stack(tokenizer_address, Script(text_ids, tokens_per_step=1), body)

@@ -57,3 +57,13 @@ def test_the_stop_complete_first_wins_and_its_end_is_reported() -> None:
     assert held.feed("go ST") == ("go ", False)
     assert held.feed("OP now") == ("", True)
     assert held.match_end == 2  # the stop began in text held back from the previous piece
+
+
+def test_of_stops_one_token_completes_the_first_listed_wins_as_in_vllm() -> None:
+    # " brown" completes both: vLLM takes the first of the list that it finds.
+    for stops, sent in ((["brown", "row"], " The quick "), (["row", "brown"], " The quick b")):
+        matcher = StopMatcher(stops)
+        assert matcher.feed(" The quick", one_token=True) == (" The quick", False)
+        assert matcher.feed(" brown", one_token=True) == (sent[len(" The quick"):], True), stops
+    # Over a piece of several tokens the one complete first wins, whatever the list's order.
+    assert StopMatcher(["brown", "row"]).feed(" The quick brown") == (" The quick b", True)
