@@ -36,6 +36,15 @@ _DONE = b"data: [DONE]\n\n"
 
 # Seconds a client should wait before retrying a full queue (429) or a missing dependency (503).
 RETRY_AFTER_S = 1
+# Seconds a request body may take to arrive in full: a client trickling its bytes would otherwise
+# hold a connection and a handler for as long as it liked (aiohttp sets no limit of its own).
+BODY_TIMEOUT_S = 30.0
+
+
+class BodyTimeout(ShardlineError):
+    """The request body did not arrive within BODY_TIMEOUT_S: 408, and the connection is closed."""
+
+    http_status = 408
 
 
 def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
@@ -54,7 +63,11 @@ async def openai_errors(
     try:
         return await handler(request)
     except ShardlineError as exc:
-        return error_response(exc.http_status, str(exc), getattr(exc, "field", None), getattr(exc, "openai_code", None))
+        response = error_response(exc.http_status, str(exc), getattr(exc, "field", None),
+                                  getattr(exc, "openai_code", None))
+        if isinstance(exc, BodyTimeout):
+            response.force_close()  # the rest of the body may still come: this connection can serve no other
+        return response
     except web.HTTPException as exc:  # unknown route, wrong method, body over client_max_size (413)
         if exc.status < 400:
             raise
@@ -189,7 +202,10 @@ _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
 async def _json_body(request: web.Request) -> Any:
-    raw = await request.read()  # over client_max_size this raises HTTPRequestEntityTooLarge: a 413
+    try:  # over client_max_size this raises HTTPRequestEntityTooLarge: a 413
+        raw = await asyncio.wait_for(request.read(), BODY_TIMEOUT_S)
+    except TimeoutError:
+        raise BodyTimeout(f"the request body did not arrive within {BODY_TIMEOUT_S:g} s") from None
     try:
         body = json.loads(raw)
         if _SURROGATE_ESCAPE.search(raw):

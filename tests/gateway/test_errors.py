@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 
 import aiohttp
 import grpc
@@ -314,3 +315,23 @@ def test_a_request_past_its_deadline_is_a_timeout_error(tokenizer_address, text_
             assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
 
     run_on_stack(tokenizer_address, Script(text_ids[:6], hold_after=2), body, request_timeout_s=1)
+
+
+def test_a_body_that_does_not_arrive_in_time_is_a_408(tokenizer_address, text_ids, monkeypatch) -> None:
+    # A client that sends its headers and then trickles (or never sends) its body held a handler forever.
+    monkeypatch.setattr("gateway.openai_http.BODY_TIMEOUT_S", 0.3)
+
+    async def body(stack: Stack) -> None:
+        host, port = stack.base_url.removeprefix("http://").split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 100\r\n\r\n{\"model\": ")
+        await writer.drain()
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout=10)
+        assert head.startswith(b"HTTP/1.1 408"), head
+        assert b"Connection: close" in head  # the rest of that body may still come: no request can follow
+        length = int(next(line for line in head.split(b"\r\n") if line.startswith(b"Content-Length:")).split()[1])
+        assert json.loads(await reader.readexactly(length))["error"]["code"] == "request_timeout"
+        writer.close()
+
+    run_on_stack(tokenizer_address, Script(text_ids), body)
