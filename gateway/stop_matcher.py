@@ -24,6 +24,18 @@ class StopMatcher:
         """Whether it ever holds text back: it has stop strings."""
         return bool(self._stops)
 
+    @property
+    def held(self) -> str:
+        """The text held back now: the next piece is matched with it in front."""
+        return self._held
+
+    def first_listed(self, text: str) -> int | None:
+        """Where the first stop string in the list that occurs in `text` begins (its first occurrence)."""
+        for stop in self._stops:
+            if (index := text.find(stop)) >= 0:
+                return index
+        return None
+
     def feed(self, text: str, final: bool = False, armed: bool = True, one_token: bool = False) -> tuple[str, bool]:
         """(text safe to send now, whether a stop string matched); the match and all after it are cut.
 

@@ -60,9 +60,11 @@ class _Overshot:
     chunk: StreamChunk  # its last chunk, text already cut at the stop string
     item: tokenizer_pb2.DetokenizeItem  # how its text was detokenized: its context and tokens
     text: str  # that text
-    end: int  # where the stop string ends in it
+    held: str  # the text its stop matcher held back before it, which the matcher put in front
+    end: int  # where the stop string that is complete first ends in `text`
     lo: int  # the fewest of its new tokens whose text may reach `end`
     hi: int  # a number of its new tokens whose text does reach it (all of them, at first)
+    hi_text: str  # the text of those `hi` tokens
 
 
 class StreamHub:
@@ -302,12 +304,14 @@ class StreamHub:
             if w.delta.HasField("usage"):  # the first delta's says what the prefix cache served
                 stream.cached_tokens = w.delta.usage.cached_tokens
             _record_timing(stream.timing, bool(w.new), now, start_ns, end_ns)
+            held = stream.stop.held
             text, end = self._match_stops(w, result.text, reply.results[splits[i]].text if i in splits else None)
             chunk = StreamChunk(text, w.new, w.offset, w.logprobs)
             if w.logprobs:
                 chunk.token_texts = {t: texts[t] for t in _named_tokens(w.logprobs)}
             if end is not None and len(w.new) > 1:  # which of its tokens completed the stop string?
-                overshot.append(_Overshot(w, chunk, item, result.text, end, lo=_unarmed(w) + 1, hi=len(w.new)))
+                overshot.append(_Overshot(w, chunk, item, result.text, held, end, lo=_unarmed(w) + 1, hi=len(w.new),
+                                          hi_text=result.text))
             elif end is not None:
                 self._finish(stream, chunk, "stop", cancel=not w.final)
             elif w.final:
@@ -327,6 +331,13 @@ class StreamHub:
         it; the requests end either way."""
         try:
             await self._find_stop_tokens(overshot)
+            for o in overshot:
+                # Of the stop strings that token completes, the first in the list wins, as in vLLM (all
+                # the delta's tokens before it complete none). Not when min_tokens fell inside the
+                # delta: stop strings in its text before then must not count.
+                if _unarmed(o.work) == 0:
+                    start = o.work.stream.stop.first_listed(o.held + o.hi_text)
+                    o.chunk.text = (o.held + o.hi_text)[:start] if start is not None else o.chunk.text
         except Exception as exc:  # the chunks must go out whatever went wrong here
             logger.warning("could not find the tokens before %d stop strings: %r", len(overshot), exc)
         for o in overshot:
@@ -341,10 +352,13 @@ class StreamHub:
 
         A first round asks only whether the stop needed the delta's last token (so a delta that ends
         with it costs one probe). Then each round detokenizes up to _CUT_PROBES leading parts of each
-        delta in one call: one round for a delta of up to that many tokens. Probes are final, so a
-        run of bytes that is not yet a character reads as U+FFFD instead of holding back the text
-        before it, and a part holds the stop when its text begins with the delta's text up to the
-        stop's end.
+        delta in one call: one round for a delta of up to that many tokens.
+
+        A part holds the stop when the text a stream would have shown after its last token begins
+        with the delta's text up to the stop's end. That is its incremental (non-final) decode, which
+        holds back a token that ends in an unfinished character with all its text (a space before an
+        emoji's first bytes, say). Only where that decode gave up on the part (a run of undecodable
+        bytes longer than it looks back over) does the part's final decode stand in for it.
         """
         first = True
         while open_ := [o for o in overshot if o.lo < o.hi]:
@@ -353,15 +367,21 @@ class StreamHub:
             items = [tokenizer_pb2.DetokenizeItem(
                 prefix_token_ids=o.item.prefix_token_ids,
                 new_token_ids=o.item.new_token_ids[: len(o.item.new_token_ids) - len(o.work.new) + k],
-                skip_special_tokens=o.item.skip_special_tokens, final=True) for o, counts in plan for k in counts]
+                skip_special_tokens=o.item.skip_special_tokens, final=final)
+                for o, counts in plan for k in counts for final in (False, True)]
             with upstream("tokenizer"):
                 reply = await self._backends.tokenizer.Detokenize(
                     tokenizer_pb2.DetokenizeRequest(items=items), timeout=RPC_TIMEOUT_S)
             results = iter(reply.results)
             for o, counts in plan:
-                reached = [k for k, result in zip(counts, results) if result.text.startswith(o.text[: o.end])]
+                reached = []
+                for k in counts:
+                    shown, final = next(results), next(results)
+                    text = shown.text if shown.num_consumed else final.text
+                    if text.startswith(o.text[: o.end]):
+                        reached.append((k, text))
                 if reached:
-                    o.hi = min(reached)
+                    o.hi, o.hi_text = min(reached)
                 o.lo = max([k + 1 for k in counts if k < o.hi], default=o.lo)
             first = False
 

@@ -413,7 +413,7 @@ def test_a_failed_search_keeps_every_token_and_a_stop_at_the_end_costs_one_probe
         monkeypatch.setattr(stack.gateway.backends.tokenizer, "Detokenize", detokenize)
         end = await client(stack).completions.create(model=MODEL, prompt=PROMPT, stop="!", max_tokens=64)
         assert end.choices[0].finish_reason == "stop" and end.usage.completion_tokens == len(text_ids)
-        assert probes == [1]  # only "did it need the last token?"
+        assert probes == [2]  # only "did it need the last token?" (that part's shown and final texts)
         failure.append(RuntimeError("a bug in the search"))
         kept = await client(stack).completions.create(model=MODEL, prompt=PROMPT, stop="fox", max_tokens=64)
         assert (kept.choices[0].text, kept.choices[0].finish_reason) == (" The quick brown ", "stop")
@@ -429,3 +429,32 @@ def test_of_two_stops_one_token_completes_the_first_listed_wins(tokenizer_addres
             assert (reply.choices[0].text, reply.usage.completion_tokens) == (text, 3), stops
 
     run_on_stack(tokenizer_address, Script(text_ids, tokens_per_step=1), body)
+
+
+@pytest.mark.parametrize("tokens_per_step", [1, 2, 3, 40])
+def test_which_stop_wins_does_not_depend_on_how_many_tokens_a_delta_holds(
+        tokenizer_address, text_ids, tokens_per_step) -> None:
+    # " quick" completes both "ick" and " q": token by token, the first listed wins (vLLM), however
+    # the tokens reach the gateway.
+    async def body(stack: Stack) -> None:
+        for stops, text in ((["ick", " q"], " The qu"), ([" q", "ick"], " The")):
+            reply = await client(stack).completions.create(model=MODEL, prompt=PROMPT, stop=stops, max_tokens=32)
+            assert (reply.choices[0].text, reply.usage.completion_tokens) == (text, 2), stops
+
+    run_on_stack(tokenizer_address, Script(text_ids, tokens_per_step=tokens_per_step), body)
+
+
+@pytest.mark.parametrize("tokens_per_step", [1, 40])
+def test_a_stop_ending_in_a_token_with_unfinished_bytes_waits_for_them_as_a_stream_does(
+        tokenizer_address, text_ids, tokenizer, tokens_per_step) -> None:
+    # " \xf0\x9f\x98" (a space and three of the emoji's bytes) is one token: a stream shows its space
+    # only with the emoji's last byte, so "h " completes at the token after it, in any delta size.
+    emoji_start = next(i for i, t in enumerate(text_ids) if tokenizer.decode([t]).startswith(" \ufffd"))
+    assert "h " not in tokenizer.decode(text_ids[:emoji_start])
+
+    async def body(stack: Stack) -> None:
+        reply = await client(stack).completions.create(model=MODEL, prompt=PROMPT, stop="h ", max_tokens=32)
+        assert reply.choices[0].text == " The quick brown fox jumps over the lazy dog. Züric"
+        assert reply.usage.completion_tokens == emoji_start + 2  # through the emoji's last byte
+
+    run_on_stack(tokenizer_address, Script(text_ids, tokens_per_step=tokens_per_step), body)
