@@ -31,6 +31,12 @@ class TokenizeApi:
         tokenizer = self._runner.backends.tokenizer
         if json_field(body, "return_token_strs", bool):
             raise InvalidArgument("return_token_strs", "token strings are not supported; /detokenize decodes ids")
+        # vLLM's chat options this gateway cannot render: refused, not silently left out of the count.
+        for name in ("continue_final_message", "tools", "chat_template", "chat_template_kwargs", "documents"):
+            if body.get(name):  # absent, false or empty: nothing to render
+                raise InvalidArgument(name, "is not supported")
+        if "messages" in body and "prompt" in body:
+            raise InvalidArgument("prompt", "give a prompt or messages, not both")
         with upstream("tokenizer"):
             if "messages" in body:
                 if json_field(body, "add_special_tokens", bool):
