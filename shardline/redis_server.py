@@ -161,7 +161,7 @@ class EmbeddedRedis:
         # The child keeps its own copy of the log descriptor.
         with open(self.log_path, "ab") as log, signals_deferred():
             self._process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                                             preexec_fn=die_with_parent)
+                                             preexec_fn=die_with_parent())
 
     def _wait_ready(self, port: int) -> None:
         assert self._process is not None

@@ -146,11 +146,11 @@ class LocalStack:
 
     def _popen(self, name: str, argv: list[str], env: dict[str, str]) -> subprocess.Popen:
         if self.config.log_dir is None:
-            return subprocess.Popen(argv, env=env, start_new_session=True, preexec_fn=die_with_parent)
+            return subprocess.Popen(argv, env=env, start_new_session=True, preexec_fn=die_with_parent())
         self.config.log_dir.mkdir(parents=True, exist_ok=True)
         with open(self.config.log_dir / f"{name}.log", "ab") as out:  # the child keeps its own copy
             return subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                    preexec_fn=die_with_parent)
+                                    preexec_fn=die_with_parent())
 
     def restart(self, child: Child) -> None:
         """Start a dead service again with its old settings; state it needs comes back from Redis."""
