@@ -23,6 +23,7 @@ import grpc
 from gateway.backends import RPC_TIMEOUT_S, Backends, upstream
 from gateway.request_stream import RequestStream, StreamChunk, StreamTiming
 from gateway.stop_matcher import StopMatcher
+from gateway.stop_search import StopSearch, find_stop_tokens
 from shardline.errors import InvalidArgument, ShardlineError
 from shardline.proto import common_pb2, sampling_pb2, scheduler_pb2, tokenizer_pb2
 
@@ -38,8 +39,6 @@ FINISH_REASONS = {
 _RESUME_TAIL = 8
 _FIRST_BACKOFF_S = 0.05
 _MAX_BACKOFF_S = 2.0
-# Leading parts of a delta detokenized per round when finding the token that completed a stop string.
-_CUT_PROBES = 32
 
 
 @dataclass(slots=True)
@@ -58,13 +57,8 @@ class _Overshot:
 
     work: _Work
     chunk: StreamChunk  # its last chunk, text already cut at the stop string
-    item: tokenizer_pb2.DetokenizeItem  # how its text was detokenized: its context and tokens
-    text: str  # that text
     held: str  # the text its stop matcher held back before it, which the matcher put in front
-    end: int  # where the stop string that is complete first ends in `text`
-    lo: int  # the fewest of its new tokens whose text may reach `end`
-    hi: int  # a number of its new tokens whose text does reach it (all of them, at first)
-    hi_text: str  # the text of those `hi` tokens
+    search: StopSearch
 
 
 class StreamHub:
@@ -310,8 +304,9 @@ class StreamHub:
             if w.logprobs:
                 chunk.token_texts = {t: texts[t] for t in _named_tokens(w.logprobs)}
             if end is not None and len(w.new) > 1:  # which of its tokens completed the stop string?
-                overshot.append(_Overshot(w, chunk, item, result.text, held, end, lo=_unarmed(w) + 1, hi=len(w.new),
-                                          hi_text=result.text))
+                search = StopSearch(item, len(w.new), result.text, end, lo=_unarmed(w) + 1, hi=len(w.new),
+                                    hi_text=result.text)
+                overshot.append(_Overshot(w, chunk, held, search))
             elif end is not None:
                 self._finish(stream, chunk, "stop", cancel=not w.final)
             elif w.final:
@@ -330,60 +325,23 @@ class StreamHub:
         output, logprobs and usage end there). If the search fails, every token is kept, as before
         it; the requests end either way."""
         try:
-            await self._find_stop_tokens(overshot)
+            await find_stop_tokens(self._backends.tokenizer, [o.search for o in overshot])
             for o in overshot:
                 # Of the stop strings that token completes, the first in the list wins, as in vLLM (all
                 # the delta's tokens before it complete none). Not when min_tokens fell inside the
                 # delta: stop strings in its text before then must not count.
                 if _unarmed(o.work) == 0:
-                    start = o.work.stream.stop.first_listed(o.held + o.hi_text)
-                    o.chunk.text = (o.held + o.hi_text)[:start] if start is not None else o.chunk.text
+                    shown = o.held + o.search.hi_text
+                    start = o.work.stream.stop.first_listed(shown)
+                    o.chunk.text = shown[:start] if start is not None else o.chunk.text
         except Exception as exc:  # the chunks must go out whatever went wrong here
             logger.warning("could not find the tokens before %d stop strings: %r", len(overshot), exc)
         for o in overshot:
-            w, chunk, keep = o.work, o.chunk, o.hi
+            w, chunk, keep = o.work, o.chunk, o.search.hi
             chunk.token_ids, chunk.logprobs = w.new[:keep], w.logprobs[:keep]
             chunk.token_texts = {t: chunk.token_texts[t] for t in _named_tokens(chunk.logprobs)}
             w.stream.next_offset = w.offset + keep  # its usage counts the kept tokens
             self._finish(w.stream, chunk, "stop", cancel=not w.final)
-
-    async def _find_stop_tokens(self, overshot: list[_Overshot]) -> None:
-        """Narrows each one's range [lo, hi] of token counts to the fewest whose text holds the stop.
-
-        A first round asks only whether the stop needed the delta's last token (so a delta that ends
-        with it costs one probe). Then each round detokenizes up to _CUT_PROBES leading parts of each
-        delta in one call: one round for a delta of up to that many tokens.
-
-        A part holds the stop when the text a stream would have shown after its last token begins
-        with the delta's text up to the stop's end. That is its incremental (non-final) decode, which
-        holds back a token that ends in an unfinished character with all its text (a space before an
-        emoji's first bytes, say). Only where that decode gave up on the part (a run of undecodable
-        bytes longer than it looks back over) does the part's final decode stand in for it.
-        """
-        first = True
-        while open_ := [o for o in overshot if o.lo < o.hi]:
-            plan = [(o, [o.hi - 1] if first else list(range(o.lo, o.hi, -(-(o.hi - o.lo) // _CUT_PROBES))))
-                    for o in open_]
-            items = [tokenizer_pb2.DetokenizeItem(
-                prefix_token_ids=o.item.prefix_token_ids,
-                new_token_ids=o.item.new_token_ids[: len(o.item.new_token_ids) - len(o.work.new) + k],
-                skip_special_tokens=o.item.skip_special_tokens, final=final)
-                for o, counts in plan for k in counts for final in (False, True)]
-            with upstream("tokenizer"):
-                reply = await self._backends.tokenizer.Detokenize(
-                    tokenizer_pb2.DetokenizeRequest(items=items), timeout=RPC_TIMEOUT_S)
-            results = iter(reply.results)
-            for o, counts in plan:
-                reached = []
-                for k in counts:
-                    shown, final = next(results), next(results)
-                    text = shown.text if shown.num_consumed else final.text
-                    if text.startswith(o.text[: o.end]):
-                        reached.append((k, text))
-                if reached:
-                    o.hi, o.hi_text = min(reached)
-                o.lo = max([k + 1 for k in counts if k < o.hi], default=o.lo)
-            first = False
 
     @staticmethod
     def _match_stops(w: _Work, text: str, unarmed_text: str | None) -> tuple[str, int | None]:

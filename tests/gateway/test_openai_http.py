@@ -8,7 +8,7 @@ import aiohttp
 import openai
 import pytest
 
-from gateway.stream_hub import StreamHub
+from gateway import stream_hub
 from tests.gateway.conftest import TEXT
 from tests.gateway.harness import Stack, run_on_stack
 from tests.gateway.scripted_scheduler import MODEL, Script
@@ -359,7 +359,7 @@ def test_a_stop_string_ends_the_tokens_logprobs_and_usage_at_the_token_that_comp
 def test_the_token_completing_a_stop_string_is_found_over_several_rounds(
         tokenizer_address, text_ids, tokenizer: Tokenizer, probes, monkeypatch) -> None:
     # With few probes per Detokenize call, a long delta takes several rounds to narrow down.
-    monkeypatch.setattr("gateway.stream_hub._CUT_PROBES", probes)
+    monkeypatch.setattr("gateway.stop_search._CUT_PROBES", probes)
     for stop in ("azy d", " quick", "Zü"):
         through = next(k for k in range(1, len(text_ids) + 1) if stop in tokenizer.decode(text_ids[:k]))
 
@@ -389,16 +389,16 @@ def test_a_failed_search_keeps_every_token_and_a_stop_at_the_end_costs_one_probe
     probes: list[int] = []  # items per Detokenize call of the search
     failure: list[BaseException] = []
     searching = []
-    search = StreamHub._find_stop_tokens
+    search = stream_hub.find_stop_tokens
 
-    async def find_stop_tokens(self, overshot) -> None:
+    async def find_stop_tokens(tokenizer, searches) -> None:
         searching.append(True)
         try:
-            await search(self, overshot)
+            await search(tokenizer, searches)
         finally:
             searching.clear()
 
-    monkeypatch.setattr(StreamHub, "_find_stop_tokens", find_stop_tokens)
+    monkeypatch.setattr(stream_hub, "find_stop_tokens", find_stop_tokens)
 
     async def body(stack: Stack) -> None:
         real = stack.gateway.backends.tokenizer.Detokenize
