@@ -233,7 +233,8 @@ class BatchScheduler:
         token_ids = seq.all_token_ids
         # Leave at least one token to compute, so the step yields its logits.
         max_hit_blocks = (seq.num_tokens - 1) // self.block_size
-        hit_ids = pool.get_cached_prefix(token_ids)[:max_hit_blocks]
+        # A prefix served from the cache yields no logits, and prompt logprobs need them all.
+        hit_ids = [] if seq.wants_prompt_logprobs else pool.get_cached_prefix(token_ids)[:max_hit_blocks]
         num_cached = len(hit_ids) * self.block_size
         num_new = seq.num_tokens - num_cached
         if num_new > budget:

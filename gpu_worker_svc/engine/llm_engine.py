@@ -16,7 +16,7 @@ import torch
 
 from gpu_worker_svc.engine.batch_scheduler import BatchScheduler, SchedulerConfig, SchedulerOutput
 from gpu_worker_svc.engine.block_pool import BlockPool
-from gpu_worker_svc.engine.model_runner import ModelRunner, RunnerConfig
+from gpu_worker_svc.engine.model_runner import ModelRunner, PromptLogits, RunnerConfig
 from gpu_worker_svc.engine.outputs import GenerationResult, RequestOutput, StepOutput, StepStats
 from gpu_worker_svc.engine.sampler import Sampler, TokenLogprobs, select_rows
 from gpu_worker_svc.engine.sampling_params import SamplingParams
@@ -122,27 +122,50 @@ class LLMEngine:
             # sequence has computed at least one token past it.
             out.admitted_ids = [s.seq.request_id for s in sched.scheduled
                                 if s.seq.num_computed_tokens == s.seq.num_cached_tokens]
-            logits = self.runner.execute(self._step_batch(sched))
+            batch, prompt = self._step_batch(sched)
+            logits = self.runner.execute(batch, prompt)
+            if prompt is not None:
+                self._keep_prompt_logprobs(sched, batch, prompt)
             out.outputs += self._postprocess(sched, logits)
             out.stats = self._stats(sched, time.perf_counter() - t0)
         self._step += 1
         return out
 
-    def _step_batch(self, sched: SchedulerOutput) -> StepBatch:
+    def _step_batch(self, sched: SchedulerOutput) -> tuple[StepBatch, PromptLogits | None]:
         ids: list[int] = []
         tables = []
+        prompt_rows: list[int] = []  # per sequence: leading new tokens whose logits give prompt logprobs
+        prompt = PromptLogits([], [])
         for s in sched.scheduled:
             c = s.seq.num_computed_tokens
             ids += s.seq.all_token_ids[c : c + s.num_new_tokens]
             tables.append(s.seq.block_ids)
+            # Row c + j predicts prompt token c + j + 1; the prompt's last row predicts the first output.
+            k = min(s.num_new_tokens, s.seq.num_prompt_tokens - 1 - c) if s.seq.wants_prompt_logprobs else 0
+            prompt_rows.append(max(k, 0))
+            if k > 0:
+                prompt.targets += s.seq.prompt_token_ids[c + 1 : c + 1 + k]
+                prompt.num_top += [s.seq.params.prompt_logprobs or 0] * k
         width = max(len(t) for t in tables)
-        return StepBatch(
+        batch = StepBatch(
             token_ids=torch.tensor(ids, dtype=torch.long),
             num_computed=torch.tensor([s.seq.num_computed_tokens for s in sched.scheduled], dtype=torch.long),
             num_new=torch.tensor([s.num_new_tokens for s in sched.scheduled], dtype=torch.long),
             block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long),
             step=self._step,
+            prompt_logits=torch.tensor(prompt_rows, dtype=torch.long) if prompt.targets else None,
         )
+        return batch, (prompt if prompt.targets else None)
+
+    @staticmethod
+    def _keep_prompt_logprobs(sched: SchedulerOutput, batch: StepBatch, prompt: PromptLogits) -> None:
+        """Files each sequence's share of the step's prompt logprobs at its place in the prompt."""
+        results = iter(prompt.result or [])
+        for s, k in zip(sched.scheduled, batch.prompt_logits.tolist()):
+            if k:
+                # A recompute after preemption redoes positions it had: the later values replace them.
+                del s.seq.prompt_logprobs[s.seq.num_computed_tokens:]
+                s.seq.prompt_logprobs += [next(results) for _ in range(k)]
 
     def _postprocess(self, sched: SchedulerOutput, logits: torch.Tensor) -> list[RequestOutput]:
         rows = [i for i, s in enumerate(sched.scheduled) if s.needs_sample]
@@ -158,10 +181,14 @@ class LLMEngine:
         outputs = []
         for seq, tok in update.new_tokens:
             lp = sample_logprobs.get(seq.request_id)
-            outputs.append(RequestOutput(seq.request_id, [tok], seq.num_output_tokens - 1,
-                                         [lp] if lp is not None else None,
-                                         seq.finish_reason if seq.is_finished else None,
-                                         seq.num_prompt_tokens, seq.num_cached_prompt_tokens or 0))
+            output = RequestOutput(seq.request_id, [tok], seq.num_output_tokens - 1,
+                                   [lp] if lp is not None else None,
+                                   seq.finish_reason if seq.is_finished else None,
+                                   seq.num_prompt_tokens, seq.num_cached_prompt_tokens or 0)
+            if seq.params.prompt_logprobs is not None and seq.num_output_tokens == 1:
+                # The first token of a fresh run carries its prompt's logprobs (a resumed run has none).
+                output.prompt_logprobs, seq.prompt_logprobs = seq.prompt_logprobs, []
+            outputs.append(output)
         return outputs
 
     def _stats(self, sched: SchedulerOutput, elapsed: float) -> StepStats:
@@ -190,6 +217,7 @@ class LLMEngine:
         ids = [f"gen-{uuid.uuid4().hex[:12]}" for _ in prompts]
         tokens: dict[str, list[int]] = {i: [] for i in ids}
         logprobs: dict[str, list[TokenLogprobs]] = {i: [] for i in ids}
+        prompt_logprobs: dict[str, list[TokenLogprobs] | None] = {i: None for i in ids}
         finish: dict[str, str] = {}
         for rid, prompt, p in zip(ids, prompts, per_prompt):
             self.add_request(rid, prompt, p)
@@ -198,9 +226,11 @@ class LLMEngine:
                 tokens[o.request_id] += o.new_token_ids
                 if o.logprobs:
                     logprobs[o.request_id] += o.logprobs
+                if o.prompt_logprobs is not None:
+                    prompt_logprobs[o.request_id] = o.prompt_logprobs
                 if o.finish_reason:
                     finish[o.request_id] = o.finish_reason
-        return [GenerationResult(rid, prompt, tokens[rid], finish[rid], logprobs[rid] or None)
+        return [GenerationResult(rid, prompt, tokens[rid], finish[rid], logprobs[rid] or None, prompt_logprobs[rid])
                 for rid, prompt in zip(ids, prompts)]
 
     def shutdown(self) -> None:

@@ -20,6 +20,7 @@ import torch
 
 from gpu_worker_svc.engine.cuda_graphs import DecodeGraphs
 from gpu_worker_svc.engine.kv_cache import allocate_kv_cache, calibration_prefill, num_blocks_for, profile_forward
+from gpu_worker_svc.engine.sampler import TokenLogprobs, token_logprobs
 from gpu_worker_svc.model.attention_metadata import StepBatch, build_step
 from gpu_worker_svc.model.config import ModelConfig
 from gpu_worker_svc.model.layers.onednn import onednn_available
@@ -31,6 +32,18 @@ from shardline.ports import free_port
 log = logging.getLogger(__name__)
 
 _STOP = -1
+# Prompt rows whose logits are made at once: [rows, vocab] float32 is 50 MB for this model's
+# vocabulary, 128 MB for Llama 3's, however long the prompt chunk is.
+PROMPT_LOGITS_ROWS = 256
+
+
+@dataclass(slots=True)
+class PromptLogits:
+    """Rank 0's side of a step's prompt logprobs (StepBatch.prompt_logits says which rows)."""
+
+    targets: list[int]  # per row: the prompt token that follows it, whose logprob is wanted
+    num_top: list[int]  # per row: how many of the most likely tokens to return
+    result: list[TokenLogprobs] | None = None  # per row, filled in by the step
 
 
 class EngineDeadError(RuntimeError):
@@ -96,16 +109,35 @@ class ShardWorker:
             log.info("KV cache: %d blocks of %d tokens per rank", self.num_blocks, self.block_size)
 
     @torch.inference_mode()
-    def step(self, batch: StepBatch) -> torch.Tensor | None:
-        """Logits of each sequence's last new token, [B, vocab] on rank 0; None elsewhere."""
+    def step(self, batch: StepBatch, prompt: PromptLogits | None = None) -> torch.Tensor | None:
+        """Logits of each sequence's last new token, [B, vocab] on rank 0; None elsewhere.
+
+        Rank 0 also fills `prompt.result` when the batch asks for prompt logits.
+        """
         positions, meta = build_step(batch, self.block_size, self.device)
         input_ids = batch.token_ids.to(self.device)
         hidden = self.graphs.run(input_ids, positions, meta) if self.graphs is not None else None
         if hidden is None:
             hidden = self.model(input_ids, positions, meta, self.kv_caches)
         last = torch.cumsum(batch.num_new, 0).to(self.device) - 1
+        # The sampled rows go through the LM head alone, as they would without prompt rows: a GEMM's
+        # rounding may depend on its row count, and sampling must not depend on a batch-mate's options.
         logits = self.model.compute_logits(hidden[last])
+        if batch.prompt_logits is not None:
+            self._prompt_logprobs(hidden, batch.prompt_logit_rows().to(self.device), prompt)
         return None if logits is None else logits.float()
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, rows: torch.Tensor, prompt: PromptLogits | None) -> None:
+        """Every rank runs the LM head's collective over the same slices; rank 0 keeps the logprobs."""
+        result: list[TokenLogprobs] = []
+        for start in range(0, rows.numel(), PROMPT_LOGITS_ROWS):
+            logits = self.model.compute_logits(hidden[rows[start : start + PROMPT_LOGITS_ROWS]])
+            if logits is not None and prompt is not None:
+                end = start + logits.shape[0]
+                result += token_logprobs(torch.log_softmax(logits.float(), dim=-1), prompt.targets[start:end],
+                                         prompt.num_top[start:end])
+        if prompt is not None:
+            prompt.result = result
 
 
 def _rank_main(config: RunnerConfig, rank: int, init_method: str) -> None:
@@ -200,8 +232,8 @@ class ModelRunner:
         """A rank has died: the next step would fail."""
         return self._dead.is_set()
 
-    def execute(self, batch: StepBatch) -> torch.Tensor:
-        """Run one step on every rank; returns [B, vocab] float32 logits."""
+    def execute(self, batch: StepBatch, prompt: PromptLogits | None = None) -> torch.Tensor:
+        """Run one step on every rank; returns [B, vocab] float32 logits (and fills `prompt.result`)."""
         if self._dead.is_set():
             raise EngineDeadError("a tensor-parallel rank died")
         try:
@@ -209,7 +241,7 @@ class ModelRunner:
                 packed = batch.pack().to(self._shard.device)
                 self._shard.tp.broadcast(packed[:4].clone())
                 self._shard.tp.broadcast(packed)
-            logits = self._shard.step(batch)
+            logits = self._shard.step(batch, prompt)
         except RuntimeError as exc:
             if self._children:
                 raise EngineDeadError(f"tensor-parallel step failed: {exc}") from exc

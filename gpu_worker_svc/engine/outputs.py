@@ -16,6 +16,9 @@ class RequestOutput:
     finish_reason: str | None  # "stop", "length", "abort", or None while running
     num_prompt_tokens: int  # prompt length, for usage
     num_cached_tokens: int  # prompt tokens served from the prefix cache
+    # On a fresh request's first token, when it asked for prompt logprobs: entry i is prompt token
+    # i + 1's (the first prompt token has none).
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 @dataclass(slots=True)
@@ -52,3 +55,4 @@ class GenerationResult:
     token_ids: list[int]
     finish_reason: str
     logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs] | None = None  # entry i is prompt token i + 1's, when asked for

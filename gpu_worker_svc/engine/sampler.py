@@ -243,17 +243,19 @@ def _gather_logprobs(
     raw_logprobs: torch.Tensor, token_ids: list[int], seqs: list[Sequence]
 ) -> list[TokenLogprobs]:
     """The sampled token's logprob and the top N of each row of raw_logprobs."""
+    return token_logprobs(raw_logprobs, token_ids, [seq.params.logprobs or 0 for seq in seqs])
+
+
+def token_logprobs(raw_logprobs: torch.Tensor, token_ids: list[int], num_top: list[int]) -> list[TokenLogprobs]:
+    """Row i's logprob of token_ids[i], and its num_top[i] most likely tokens, from log-softmaxed rows."""
     chosen_ids = torch.tensor(token_ids, device=raw_logprobs.device).unsqueeze(1)
     chosen = raw_logprobs.gather(1, chosen_ids).squeeze(1).tolist()
-    num_top = min(max(seq.params.logprobs or 0 for seq in seqs), raw_logprobs.shape[1])
-    top_values: list[list[float]] = [[] for _ in seqs]
-    top_ids: list[list[int]] = [[] for _ in seqs]
-    if num_top > 0:
-        values, ids = torch.topk(raw_logprobs, num_top, dim=-1)
+    most = min(max(num_top, default=0), raw_logprobs.shape[1])
+    top_values: list[list[float]] = [[] for _ in token_ids]
+    top_ids: list[list[int]] = [[] for _ in token_ids]
+    if most > 0:
+        values, ids = torch.topk(raw_logprobs, most, dim=-1)
         top_values, top_ids = values.tolist(), ids.tolist()
-    result = []
-    for i, seq in enumerate(seqs):
-        n = seq.params.logprobs or 0
-        top = list(zip(top_ids[i][:n], top_values[i][:n], strict=True))
-        result.append(TokenLogprobs(token_id=token_ids[i], logprob=chosen[i], top=top))
-    return result
+    return [TokenLogprobs(token_id=token_ids[i], logprob=chosen[i],
+                          top=list(zip(top_ids[i][:n], top_values[i][:n], strict=True)))
+            for i, n in enumerate(num_top)]

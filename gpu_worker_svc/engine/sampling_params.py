@@ -32,6 +32,9 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)  # extra ids that stop
     ignore_eos: bool = False  # keep generating past EOS
     logprobs: int | None = None  # None: none; 0: the sampled token's only; N: plus top N
+    # Logprobs of the prompt's own tokens (vLLM's prompt_logprobs), as for `logprobs`. They cost a
+    # prefill without the prefix cache: a cached block has no logits left to read.
+    prompt_logprobs: int | None = None
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
 
     @property
@@ -100,12 +103,12 @@ class SamplingParams:
             if token_id < 0 or abs(bias) > MAX_ABS_LOGIT_BIAS:
                 raise ValueError(f"logit_bias must map token ids >= 0 to biases in "
                                  f"[-{MAX_ABS_LOGIT_BIAS:g}, {MAX_ABS_LOGIT_BIAS:g}], got {token_id}: {bias}")
-        if self.logprobs is not None:
-            _check_int("logprobs", self.logprobs)
-            if not 0 <= self.logprobs <= MAX_LOGPROBS:
-                raise ValueError(
-                    f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}"
-                )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                _check_int(name, value)
+                if not 0 <= value <= MAX_LOGPROBS:
+                    raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}")
 
 
 def _check_int(name: str, value: object) -> None:

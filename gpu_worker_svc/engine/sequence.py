@@ -1,10 +1,16 @@
 """One request's state inside a worker's engine."""
 
+from __future__ import annotations
+
 import time
 from dataclasses import dataclass, field
 from enum import IntEnum
+from typing import TYPE_CHECKING
 
 from gpu_worker_svc.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from gpu_worker_svc.engine.sampler import TokenLogprobs
 
 
 class RequestStatus(IntEnum):
@@ -61,6 +67,9 @@ class Sequence:
     # Hash chain of the sequence's full, computed blocks, so each new full
     # block is hashed once from its parent instead of rehashing the prefix.
     block_hashes: list[int] = field(default_factory=list)
+    # With params.prompt_logprobs: entry i is prompt token i + 1's, filled chunk by chunk until the
+    # first output token goes out with them all.
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
     _all_token_ids: list[int] = field(init=False, repr=False, default_factory=list)
 
     def __post_init__(self) -> None:
@@ -89,6 +98,12 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Its prefill must yield its prompt's logprobs: asked for, and none sent yet (a request
+        resumed after output it generated sent them on its first run)."""
+        return self.params.prompt_logprobs is not None and not self.output_token_ids
 
     def append_token(self, token_id: int) -> None:
         self.all_token_ids.append(token_id)

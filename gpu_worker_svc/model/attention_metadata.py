@@ -22,23 +22,37 @@ class StepBatch:
     num_new: torch.Tensor  # [B] long: tokens of each sequence computed this step
     block_tables: torch.Tensor  # [B, max_blocks] long, padded with 0
     step: int = 0  # the engine's step counter, so every rank labels its trace spans alike
+    # [B] long: how many leading new tokens of each sequence also need their logits (prompt
+    # logprobs); every rank takes part in the LM head's gather for them. None: none do.
+    prompt_logits: torch.Tensor | None = None
 
     def pack(self) -> torch.Tensor:
         """One int64 tensor: a 4-int header, then the arrays back to back."""
         b, m = self.block_tables.shape
         header = torch.tensor([self.token_ids.numel(), b, m, self.step], dtype=torch.long)
-        return torch.cat([header, self.token_ids, self.num_computed, self.num_new, self.block_tables.flatten()])
+        prompt = self.prompt_logits if self.prompt_logits is not None else torch.zeros(b, dtype=torch.long)
+        return torch.cat([header, self.token_ids, self.num_computed, self.num_new, prompt,
+                          self.block_tables.flatten()])
 
     @staticmethod
     def packed_size(header: torch.Tensor) -> int:
         t, b, m = (int(x) for x in header[:3])
-        return 4 + t + 2 * b + b * m
+        return 4 + t + 3 * b + b * m
 
     @classmethod
     def unpack(cls, packed: torch.Tensor) -> StepBatch:
         t, b, m, step = (int(x) for x in packed[:4])
         body = packed[4:]
-        return cls(body[:t], body[t : t + b], body[t + b : t + 2 * b], body[t + 2 * b :].view(b, m), step)
+        prompt = body[t + 2 * b : t + 3 * b]
+        return cls(body[:t], body[t : t + b], body[t + b : t + 2 * b], body[t + 3 * b :].view(b, m), step,
+                   prompt if bool(prompt.any()) else None)
+
+    def prompt_logit_rows(self) -> torch.Tensor:
+        """Flat-batch rows whose logits `prompt_logits` asks for, in batch order."""
+        if self.prompt_logits is None:
+            return torch.empty(0, dtype=torch.long)
+        starts = torch.cumsum(self.num_new, 0) - self.num_new
+        return torch.cat([torch.arange(s, s + k) for s, k in zip(starts.tolist(), self.prompt_logits.tolist())])
 
 
 @dataclass(slots=True)

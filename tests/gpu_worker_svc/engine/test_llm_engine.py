@@ -162,13 +162,20 @@ def test_stop_conditions_and_logprobs(engine, prompts):
 
 
 def test_tp3_matches_tp1(engine, prompts):
-    expected = engine.generate(prompts[:4], GREEDY)
+    # Prompt logprobs on half of them: every rank joins the LM head's gather for their rows.
+    params = [dataclasses.replace(GREEDY, prompt_logprobs=2 if i % 2 else None) for i in range(4)]
+    expected = engine.generate(prompts[:4], params)
     tp3 = _engine(tp=3)
     try:
-        got = tp3.generate(prompts[:4], GREEDY)
+        got = tp3.generate(prompts[:4], params)
     finally:
         tp3.shutdown()
     assert [r.token_ids for r in got] == [r.token_ids for r in expected]
+    for r, e in zip(got[1::2], expected[1::2]):
+        assert [lp.token_id for lp in r.prompt_logprobs] == [lp.token_id for lp in e.prompt_logprobs]
+        assert [lp.logprob for lp in r.prompt_logprobs] == pytest.approx([lp.logprob for lp in e.prompt_logprobs],
+                                                                          abs=1e-3)
+    assert got[0].prompt_logprobs is None
 
 
 def test_rejects_bad_requests(engine):

@@ -15,7 +15,7 @@ def test_defaults_are_valid():
         {"temperature": 0.0, "top_k": -1, "top_p": 1.0, "min_p": 1.0},
         {"max_tokens": 4, "min_tokens": 4, "logprobs": 20, "seed": -7},
         {"repetition_penalty": 0.5, "presence_penalty": -2.0, "frequency_penalty": 2.0},
-        {"stop_token_ids": [0, 5], "logprobs": 0},
+        {"stop_token_ids": [0, 5], "logprobs": 0, "prompt_logprobs": 0},
         {"logit_bias": {0: -100.0, 7: 100, 9: 0.5}},
     ],
 )
@@ -45,6 +45,8 @@ def test_valid_edges(fields):
         ({"stop_token_ids": (3,)}, "stop_token_ids must be a list"),
         ({"logprobs": 21}, "logprobs must be in [0, 20], got 21"),
         ({"logprobs": -1}, "logprobs must be in"),
+        ({"prompt_logprobs": 21}, "prompt_logprobs must be in [0, 20], got 21"),
+        ({"prompt_logprobs": True}, "prompt_logprobs must be an integer"),
         ({"logit_bias": {5: 100.5}}, "logit_bias must map token ids >= 0 to biases in [-100, 100], got 5: 100.5"),
         ({"logit_bias": {-1: 1.0}}, "logit_bias must map token ids >= 0"),
         ({"logit_bias": {"5": 1.0}}, "logit_bias must be an integer"),
