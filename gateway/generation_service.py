@@ -50,7 +50,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         return generation_pb2.GenerateResponse(
             request_id=spec.request_id, text=completion.text, token_ids=completion.token_ids,
             logprobs=completion.logprobs, finish_reason=_FINISH_REASONS[completion.finish_reason or "abort"],
-            usage=completion.usage)
+            usage=completion.usage, prompt_logprobs=completion.prompt_logprobs)
 
     async def GenerateStream(
         self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -156,7 +156,7 @@ def _stream_response(request_id: str, chunk: StreamChunk) -> generation_pb2.Gene
         raise failure
     response = generation_pb2.GenerateStreamResponse(
         request_id=request_id, text=chunk.text, token_ids=chunk.token_ids, offset=chunk.offset,
-        logprobs=chunk.logprobs)
+        logprobs=chunk.logprobs, prompt_logprobs=chunk.prompt_logprobs)
     if chunk.finish_reason is not None:
         response.finish_reason = _FINISH_REASONS[chunk.finish_reason]
         response.usage.CopyFrom(chunk.usage)

@@ -19,6 +19,7 @@ from gateway.auth import ApiKeys, http_auth_middleware
 from gateway.backends import HEALTH_TIMEOUT_S
 from gateway.metrics import metrics_handler
 from gateway.openai_choices import Choice, choice_specs, close_choices, merged_chunks, start_choices, total_usage
+from gateway.openai_echo import echoed_prompts
 from gateway.openai_request import parse_request
 from gateway.openai_response import ResponseFormatter, error_body
 from gateway.params import OPENAI_COMPLETIONS_DEFAULT_MAX_TOKENS
@@ -123,9 +124,11 @@ class OpenAIHttpApi:
                 span.set_attributes({attr.REQUEST_ID: request_id,
                                      attr.CHOICES: [choice.live.request_id for choice in choices]})
             created = int(time.time())
-            formatters = [ResponseFormatter(request_id, choice.live.model, chat, parsed.include_usage, choice.index,
-                                            created) for choice in choices]
             try:
+                echoes = await echoed_prompts(self._runner, [c.live for c in choices]) if parsed.echo else None
+                formatters = [ResponseFormatter(request_id, choice.live.model, chat, parsed.include_usage, choice.index,
+                                                created, echoes[i] if echoes else None, parsed.prompt_logprobs)
+                              for i, choice in enumerate(choices)]
                 if parsed.stream:
                     return await self._stream(request, request_id, choices, formatters, parsed.include_usage)
                 completions = await asyncio.gather(*(choice.live.collect() for choice in choices))

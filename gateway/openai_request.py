@@ -27,6 +27,8 @@ class OpenAIRequest:
     include_usage: bool  # stream_options.include_usage: end the stream with a usage chunk
     max_tokens_field: str = "max_tokens"  # max_completion_tokens when a chat request used that name
     n: int = 1  # completions to generate per prompt
+    echo: bool = False  # completions: the prompt comes back before its completion (with its logprobs)
+    prompt_logprobs: bool = False  # vLLM's prompt_logprobs field was sent: answer it in vLLM's shape
 
     @property
     def num_choices(self) -> int:
@@ -50,7 +52,9 @@ def parse_request(body: Any, chat: bool) -> OpenAIRequest:
     if options is not None and not stream:
         raise InvalidArgument("stream_options", "is only allowed when stream is true")
     include_usage = bool(json_field(options or {}, "include_usage", bool))
-    return OpenAIRequest(chat, model, prompts, params, priority, stream, include_usage, max_tokens_field, n)
+    echo = not chat and bool(json_field(body, "echo", bool))
+    return OpenAIRequest(chat, model, prompts, params, priority, stream, include_usage, max_tokens_field, n, echo,
+                         body.get("prompt_logprobs") is not None)
 
 
 def _prompts(body: dict[str, Any]) -> list[Prompt]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from gateway.openai_echo import EchoedPrompt, echo_logprobs, vllm_prompt_logprobs
 from gateway.request_runner import Completion
 from gateway.request_stream import StreamChunk
 from shardline.proto import sampling_pb2
@@ -50,15 +51,18 @@ class ResponseFormatter:
     """
 
     def __init__(self, request_id: str, model: str, chat: bool, include_usage: bool = False, index: int = 0,
-                 created: int | None = None) -> None:
+                 created: int | None = None, echo: EchoedPrompt | None = None, prompt_logprobs: bool = False) -> None:
         self.request_id = request_id
         self.model = model
         self.chat = chat
         self.include_usage = include_usage
         self.index = index  # choices[].index
         self.created = int(time.time()) if created is None else created
+        self.echo = echo  # completions' echo: the prompt goes first
+        self.prompt_logprobs = prompt_logprobs  # answer vLLM's prompt_logprobs field
         self._text_offset = 0  # characters of the token texts so far, for completions' logprobs.text_offset
         self._sent_role = False
+        self._echoed = False
 
     def whole(self, completion: Completion) -> dict[str, Any]:
         """The non-streamed response of a single-choice request."""
@@ -66,19 +70,26 @@ class ResponseFormatter:
 
     def choice(self, completion: Completion) -> dict[str, Any]:
         """This choice in a non-streamed response."""
-        logprobs = self._logprobs(completion.logprobs, completion.token_texts)
+        prefix, echoed = self._echo(completion.prompt_logprobs, completion.logprobs, completion.token_texts)
+        logprobs = _joined(echoed, self._logprobs(completion.logprobs, completion.token_texts))
         if self.chat:
             return {"index": self.index, "message": {"role": "assistant", "content": completion.text},
                     "logprobs": logprobs, "finish_reason": completion.finish_reason}
-        return {"index": self.index, "text": completion.text, "logprobs": logprobs,
-                "finish_reason": completion.finish_reason}
+        choice = {"index": self.index, "text": prefix + completion.text, "logprobs": logprobs,
+                  "finish_reason": completion.finish_reason}
+        if self.prompt_logprobs:
+            choice["prompt_logprobs"] = vllm_prompt_logprobs(completion.prompt_logprobs, completion.token_texts)
+        return choice
 
     @staticmethod
     def whole_of(formatters: list[ResponseFormatter], completions: list[Completion],
                  usage: sampling_pb2.Usage | None) -> dict[str, Any]:
         """The non-streamed response with every choice, in index order."""
         choices = [f.choice(c) for f, c in zip(formatters, completions)]
-        return {**formatters[0]._head(chunk=False), "choices": choices, "usage": usage_body(usage)}
+        body = {**formatters[0]._head(chunk=False), "choices": choices, "usage": usage_body(usage)}
+        if formatters[0].chat and formatters[0].prompt_logprobs:  # vLLM: one conversation, at the top
+            body["prompt_logprobs"] = vllm_prompt_logprobs(completions[0].prompt_logprobs, completions[0].token_texts)
+        return body
 
     def events(self, chunk: StreamChunk) -> list[dict[str, Any]]:
         """The server-sent events for one chunk of a single-choice stream, the usage event included."""
@@ -94,6 +105,11 @@ class ResponseFormatter:
             # OpenAI opens every chat stream with the role, before any content.
             self._sent_role = True
             events.append(self._chunk({"role": "assistant", "content": ""}, None, None))
+        if self.echo is not None and not self._echoed:
+            # vLLM sends the echoed prompt as the stream's first event; its logprobs come with the first token.
+            self._echoed = True
+            text, logprobs = self._echo(chunk.prompt_logprobs, chunk.logprobs, chunk.token_texts)
+            events.append(self._chunk(text, logprobs, None))
         if chunk.text or chunk.logprobs or chunk.finish_reason:
             logprobs = self._logprobs(chunk.logprobs, chunk.token_texts)
             body = {"content": chunk.text} if chunk.text else {}
@@ -119,6 +135,17 @@ class ResponseFormatter:
             kind = "text_completion"
         return {"id": self.request_id, "object": kind, "created": self.created, "model": self.model}
 
+    def _echo(self, prompt_logprobs: list[sampling_pb2.TokenLogprob], logprobs: list[sampling_pb2.TokenLogprob],
+              texts: dict[int, str]) -> tuple[str, dict[str, Any] | None]:
+        """The echoed prompt's text, and its logprobs when the request asked for logprobs."""
+        if self.echo is None:
+            return "", None
+        if not (prompt_logprobs or logprobs):
+            return self.echo.text, None
+        echoed = echo_logprobs(self.echo, prompt_logprobs, texts)
+        self._text_offset = sum(len(token) for token in echoed["tokens"])  # the completion's tokens follow
+        return self.echo.text, echoed
+
     def _logprobs(self, logprobs: list[sampling_pb2.TokenLogprob], texts: dict[int, str]) -> dict[str, Any] | None:
         if not logprobs:
             return None
@@ -142,6 +169,13 @@ class ResponseFormatter:
                              for lp in logprobs],
             "text_offset": offsets,
         }
+
+
+def _joined(first: dict[str, list[Any]] | None, second: dict[str, list[Any]] | None) -> dict[str, list[Any]] | None:
+    """Two legacy logprobs objects as one, list by list."""
+    if first is None or second is None:
+        return first or second
+    return {key: first[key] + second[key] for key in first}
 
 
 def _token_entry(token_id: int, logprob: float, texts: dict[int, str]) -> dict[str, Any]:

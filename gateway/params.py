@@ -88,6 +88,8 @@ def validate_sampling(
         raise InvalidArgument(prefix + "top_logprobs", f"must be at most {MAX_TOP_LOGPROBS}")
     if resolved.top_logprobs and not resolved.logprobs:
         raise InvalidArgument(prefix + "top_logprobs", "needs logprobs to be enabled")
+    if resolved.prompt_logprobs > MAX_TOP_LOGPROBS:
+        raise InvalidArgument(prefix + "prompt_logprobs", f"must be at most {MAX_TOP_LOGPROBS}")
     for name in ("temperature", "top_p", "repetition_penalty"):
         if not resolved.HasField(name):
             setattr(resolved, name, 1.0)
@@ -170,6 +172,12 @@ def sampling_from_openai(body: dict[str, Any], chat: bool) -> tuple[sampling_pb2
         count = _integer(body, "logprobs", 0, MAX_TOP_LOGPROBS + 1)
         params.logprobs = count is not None
         params.top_logprobs = count or 0
+    prompt_logprobs = _integer(body, "prompt_logprobs", 0, MAX_TOP_LOGPROBS + 1)  # vLLM's extension
+    if prompt_logprobs is not None:
+        params.prompt_logprobs = prompt_logprobs
+    elif not chat and params.logprobs and json_field(body, "echo", bool):
+        # An echoed prompt's tokens get logprobs like the completion's (how harnesses score text).
+        params.prompt_logprobs = params.top_logprobs
     priority = _integer(body, "priority", -_INT32, _INT32) or 0
     n = _integer(body, "n", 1, MAX_CHOICES + 1) or 1
     if not chat and _integer(body, "best_of", 1, _UINT32) not in (None, n):
@@ -179,8 +187,11 @@ def sampling_from_openai(body: dict[str, Any], chat: bool) -> tuple[sampling_pb2
 
 
 def _reject_unsupported(body: dict[str, Any], chat: bool) -> None:
-    if not chat and json_field(body, "echo", bool):
-        raise InvalidArgument("echo", "echo is not supported")
+    if chat and json_field(body, "echo", bool):
+        raise InvalidArgument("echo", "echo is only supported by /v1/completions")
+    if json_field(body, "stream", bool) and body.get("prompt_logprobs") is not None:
+        raise InvalidArgument("prompt_logprobs", "is not available when stream is true (as in vLLM); "
+                                                 "/v1/completions' echo with logprobs streams them")
     if not chat and json_field(body, "suffix", str):
         raise InvalidArgument("suffix", "suffix is not supported")
     if chat and json_field(body, "tools", list):

@@ -95,11 +95,13 @@ class Completion:
     finish_reason: str | None = None
     usage: sampling_pb2.Usage | None = None
     error: str = ""
+    prompt_logprobs: list[sampling_pb2.TokenLogprob] = field(default_factory=list)  # when asked for
 
     def add(self, chunk: StreamChunk) -> None:
         self.text += chunk.text
         self.token_ids += chunk.token_ids
         self.logprobs += chunk.logprobs
+        self.prompt_logprobs += chunk.prompt_logprobs
         self.token_texts.update(chunk.token_texts)
         self.finish_reason, self.usage, self.error = chunk.finish_reason, chunk.usage, chunk.error
 
@@ -112,10 +114,12 @@ class LiveRequest:
     """A submitted request: its chunks, and the bookkeeping when its consumer is done."""
 
     def __init__(self, runner: RequestRunner, spec: GenerationSpec, model: str, stream: RequestStream,
-                 span: trace.Span, deadline_s: float) -> None:
+                 span: trace.Span, deadline_s: float, prompt_ids: list[int]) -> None:
         self.request_id = spec.request_id
         self.model = model
         self.prompt_tokens = stream.prompt_tokens
+        self.prompt = spec.prompt  # as the client sent it
+        self.prompt_ids = prompt_ids  # as the model reads it
         self._runner = runner
         self._spec = spec
         self._stream = stream
@@ -240,7 +244,7 @@ class RequestRunner:
             # A Submit interrupted by a client that left may still have landed: cancel it to be sure.
             self.hub.release(spec.request_id, cancel=isinstance(exc, asyncio.CancelledError))
             raise
-        return LiveRequest(self, spec, info.model, stream, prepared.span, spec.arrival_s + timeout_s)
+        return LiveRequest(self, spec, info.model, stream, prepared.span, spec.arrival_s + timeout_s, prompt_ids)
 
     async def served_models(self, timeout_s: float = RPC_TIMEOUT_S) -> list[generation_pb2.ModelInfo]:
         """This gateway's model, when at least one live worker serves it (the tokenizer fixes the model)."""

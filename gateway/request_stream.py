@@ -23,6 +23,9 @@ class StreamChunk:
     finish_reason: str | None = None  # "stop", "length", "abort" or "error" on the last chunk only
     usage: sampling_pb2.Usage | None = None  # token accounting, on the last chunk only
     error: str = ""  # why the request failed, with finish_reason "error"; with "abort", that it timed out
+    # On the first chunk with tokens, when the request asked for prompt logprobs: one per prompt token
+    # after the first (their texts are in token_texts too).
+    prompt_logprobs: list[sampling_pb2.TokenLogprob] = field(default_factory=list)
 
     def failure(self) -> ShardlineError | None:
         """The client's error for a last chunk that ends in failure, or at the request's deadline

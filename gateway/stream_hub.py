@@ -15,7 +15,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Coroutine
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -49,6 +49,7 @@ class _Work:
     logprobs: list[sampling_pb2.TokenLogprob]
     offset: int  # output index of new[0]
     final: bool  # the delta ends the request
+    prompt_logprobs: list[sampling_pb2.TokenLogprob] = field(default_factory=list)  # from the first delta
 
 
 @dataclass(slots=True)
@@ -242,12 +243,16 @@ class StreamHub:
                 logger.warning("%s: tokens %d..%d were lost", delta.request_id, expected, delta.offset)
             final = delta.finish_reason != sampling_pb2.FINISH_REASON_UNSPECIFIED
             new, logprobs = list(delta.token_ids[skip:]), list(delta.logprobs[skip:])
+            # Only the first token's delta has them; a repeat of it (skip) has been passed on already.
+            prompt_logprobs = list(delta.prompt_logprobs) if delta.offset == 0 and not skip else []
             if merged is not None:
                 merged.new += new
                 merged.logprobs += logprobs
+                merged.prompt_logprobs += prompt_logprobs
                 merged.final, merged.delta = final, delta if final else merged.delta
             elif new or final:
-                work[delta.request_id] = _Work(stream, delta, new, logprobs, delta.offset + skip, final)
+                work[delta.request_id] = _Work(stream, delta, new, logprobs, delta.offset + skip, final,
+                                               prompt_logprobs)
         if work:
             await self._detokenize(list(work.values()))
 
@@ -259,7 +264,7 @@ class StreamHub:
             for w in work
         ]
         # Logprobs name tokens by id; their texts ride in the same call, one final item per distinct id.
-        named = sorted({t for w in work for t in _named_tokens(w.logprobs)})
+        named = sorted({t for w in work for t in (*_named_tokens(w.logprobs), *_named_tokens(w.prompt_logprobs))})
         items += [tokenizer_pb2.DetokenizeItem(new_token_ids=[t], final=True) for t in named]
         # A delta that crosses min_tokens also gets the text of its tokens before it, which stop
         # strings must not end the request in (vLLM checks them token by token).
@@ -300,9 +305,10 @@ class StreamHub:
             _record_timing(stream.timing, bool(w.new), now, start_ns, end_ns)
             held = stream.stop.held
             text, end = self._match_stops(w, result.text, reply.results[splits[i]].text if i in splits else None)
-            chunk = StreamChunk(text, w.new, w.offset, w.logprobs)
-            if w.logprobs:
-                chunk.token_texts = {t: texts[t] for t in _named_tokens(w.logprobs)}
+            chunk = StreamChunk(text, w.new, w.offset, w.logprobs, prompt_logprobs=w.prompt_logprobs)
+            if w.logprobs or w.prompt_logprobs:
+                chunk.token_texts = {t: texts[t] for t in (*_named_tokens(w.logprobs),
+                                                           *_named_tokens(w.prompt_logprobs))}
             if end is not None and len(w.new) > 1:  # which of its tokens completed the stop string?
                 search = StopSearch(item, len(w.new), result.text, end, lo=_unarmed(w) + 1, hi=len(w.new),
                                     hi_text=result.text)
@@ -339,7 +345,8 @@ class StreamHub:
         for o in overshot:
             w, chunk, keep = o.work, o.chunk, o.search.hi
             chunk.token_ids, chunk.logprobs = w.new[:keep], w.logprobs[:keep]
-            chunk.token_texts = {t: chunk.token_texts[t] for t in _named_tokens(chunk.logprobs)}
+            chunk.token_texts = {t: chunk.token_texts[t] for t in (*_named_tokens(chunk.logprobs),
+                                                                   *_named_tokens(chunk.prompt_logprobs))}
             w.stream.next_offset = w.offset + keep  # its usage counts the kept tokens
             self._finish(w.stream, chunk, "stop", cancel=not w.final)
 

@@ -48,6 +48,7 @@ def engine_request(new: worker_pb2.NewRequest, max_model_len: int) -> EngineRequ
         ignore_eos=p.ignore_eos,
         logprobs=_logprobs(p),
         logit_bias=dict(p.logit_bias),
+        prompt_logprobs=p.prompt_logprobs if p.HasField("prompt_logprobs") else None,
     )
     params.validate()
     return EngineRequest(params, new.eos_token_ids[0] if new.eos_token_ids else None)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from gpu_worker_svc.engine.llm_engine import LLMEngine
 from gpu_worker_svc.engine.outputs import RequestOutput, StepStats
+from gpu_worker_svc.engine.sampler import TokenLogprobs
 from shardline.proto import common_pb2, sampling_pb2, worker_pb2
 
 FINISH_REASONS = {
@@ -17,10 +18,8 @@ FINISH_REASONS = {
 def request_delta(out: RequestOutput) -> common_pb2.RequestDelta:
     delta = common_pb2.RequestDelta(request_id=out.request_id, token_ids=out.new_token_ids, offset=out.offset,
                                     finish_reason=FINISH_REASONS[out.finish_reason])
-    for lp in out.logprobs or ():
-        delta.logprobs.append(sampling_pb2.TokenLogprob(
-            token_id=lp.token_id, logprob=lp.logprob,
-            top=[sampling_pb2.TopLogprob(token_id=t, logprob=v) for t, v in lp.top]))
+    delta.logprobs.extend(map(_token_logprob, out.logprobs or ()))
+    delta.prompt_logprobs.extend(map(_token_logprob, out.prompt_logprobs or ()))
     if out.finish_reason is not None or out.offset == 0:
         # The first delta too: its prompt and cached tokens, for a gateway that ends it early (a stop string).
         completion = out.offset + len(out.new_token_ids)
@@ -28,6 +27,11 @@ def request_delta(out: RequestOutput) -> common_pb2.RequestDelta:
             prompt_tokens=out.num_prompt_tokens, completion_tokens=completion,
             total_tokens=out.num_prompt_tokens + completion, cached_tokens=out.num_cached_tokens))
     return delta
+
+
+def _token_logprob(lp: TokenLogprobs) -> sampling_pb2.TokenLogprob:
+    return sampling_pb2.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob,
+                                     top=[sampling_pb2.TopLogprob(token_id=t, logprob=v) for t, v in lp.top])
 
 
 def error_delta(new: worker_pb2.NewRequest, message: str) -> common_pb2.RequestDelta:

@@ -56,7 +56,8 @@ class ShardlineClient:
                  timeout: float | None = None, **params: Any) -> Completion:
         """Generate a whole completion. `params` are sampling parameters: max_tokens, temperature, top_p,
         top_k, min_p, seed, stop, stop_token_ids, presence/frequency/repetition_penalty, ignore_eos,
-        top_logprobs, logit_bias ({token id: bias in [-100, 100]}), plus model, request_id and priority."""
+        top_logprobs, logit_bias ({token id: bias in [-100, 100]}), prompt_logprobs (the prompt's
+        own tokens' logprobs, each with that many alternatives), plus model, request_id and priority."""
         req = build_request(prompt, messages=messages, timeout=timeout, **params)
         return self._call(lambda r, **kw: Completion.from_proto(self._stub.Generate(r, **kw)), req, timeout,
                           taken=lambda: Completion.from_chunks(list(self.resume(req.request_id, 0, timeout=timeout))))

@@ -41,7 +41,7 @@ class Usage:
 
 @dataclass(slots=True)
 class TokenLogprob:
-    """The log-probability of a generated token, with the top alternatives."""
+    """The log-probability of a generated (or, in prompt_logprobs, a prompt) token, with the top alternatives."""
 
     token_id: int
     logprob: float
@@ -62,19 +62,23 @@ class Completion:
     finish_reason: str | None  # "stop", "length", "abort", "error"
     usage: Usage
     logprobs: list[TokenLogprob] | None = None
+    # With prompt_logprobs=N: entry i is prompt token i + 1's, given the tokens before it.
+    prompt_logprobs: list[TokenLogprob] | None = None
 
     @classmethod
     def from_chunks(cls, chunks: list[Chunk]) -> Completion:
         """The completion a whole stream of chunks makes up."""
         logprobs = [lp for c in chunks for lp in c.logprobs or ()]
+        prompt_logprobs = next((c.prompt_logprobs for c in chunks if c.prompt_logprobs is not None), None)
         last = chunks[-1]
         return cls(last.request_id, "".join(c.text for c in chunks), [t for c in chunks for t in c.token_ids],
-                   last.finish_reason, last.usage or Usage(), logprobs or None)
+                   last.finish_reason, last.usage or Usage(), logprobs or None, prompt_logprobs)
 
     @classmethod
     def from_proto(cls, r: generation_pb2.GenerateResponse) -> Completion:
         return cls(r.request_id, r.text, list(r.token_ids), _FINISH.get(r.finish_reason), Usage.from_proto(r.usage),
-                   [TokenLogprob.from_proto(lp) for lp in r.logprobs] or None)
+                   [TokenLogprob.from_proto(lp) for lp in r.logprobs] or None,
+                   [TokenLogprob.from_proto(lp) for lp in r.prompt_logprobs] or None)
 
 
 @dataclass(slots=True)
@@ -88,13 +92,15 @@ class Chunk:
     finish_reason: str | None  # set on the last chunk
     usage: Usage | None  # set on the last chunk
     logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None  # on the first chunk with tokens, when asked for
 
     @classmethod
     def from_proto(cls, r: generation_pb2.GenerateStreamResponse) -> Chunk:
         finish = _FINISH.get(r.finish_reason)
         return cls(r.request_id, r.text, list(r.token_ids), r.offset, finish,
                    Usage.from_proto(r.usage) if finish else None,
-                   [TokenLogprob.from_proto(lp) for lp in r.logprobs] or None)
+                   [TokenLogprob.from_proto(lp) for lp in r.logprobs] or None,
+                   [TokenLogprob.from_proto(lp) for lp in r.prompt_logprobs] or None)
 
 
 @dataclass(slots=True)

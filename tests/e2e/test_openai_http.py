@@ -74,6 +74,47 @@ def test_logit_bias_forces_a_token(http_url):
     assert forced["choices"][0]["text"] == tokens[0] * 3
 
 
+def test_echo_with_logprobs_scores_the_prompt_as_harnesses_ask(http_url, grpc_target):
+    # lm-evaluation-harness's local-completions loglikelihood request: token ids, echo, one logprob.
+    from shardline.client import ShardlineClient
+
+    prompt = [504, 3575, 282, 4649, 314, 7042]  # "The capital of France is Paris"
+    req = {"model": MODEL, "prompt": prompt, "max_tokens": 1, "temperature": 0, "logprobs": 1, "echo": True}
+    status, body = post(f"{http_url}/v1/completions", req)
+    assert status == 200, body
+    choice = body["choices"][0]
+    with ShardlineClient(grpc_target) as client:
+        ref = client.generate(prompt, max_tokens=1, temperature=0.0, prompt_logprobs=1, top_logprobs=1)
+    assert choice["text"] == "The capital of France is Paris" + ref.text
+    lp = choice["logprobs"]
+    assert lp["tokens"][:6] == ["The", " capital", " of", " France", " is", " Paris"]
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert lp["token_logprobs"][1:6] == pytest.approx([x.logprob for x in ref.prompt_logprobs], abs=1e-6)
+    assert lp["token_logprobs"][6] == pytest.approx(ref.logprobs[0].logprob, abs=1e-6)
+    # is_greedy as the harness reads it: " Paris" is the model's top choice after "... France is".
+    assert max(lp["top_logprobs"][5], key=lp["top_logprobs"][5].get) == " Paris"
+    assert lp["text_offset"][:6] == [0, 3, 11, 14, 21, 24]
+    # Streamed: the echoed prompt comes first, with the same logprobs.
+    events = [e for e in sse(f"{http_url}/v1/completions", {**req, "stream": True}) if e != "[DONE]"]
+    assert events[0]["choices"][0]["text"] == "The capital of France is Paris"
+    assert events[0]["choices"][0]["logprobs"]["token_logprobs"] == lp["token_logprobs"][:6]
+    assert "".join(e["choices"][0]["text"] for e in events) == choice["text"]
+
+
+def test_prompt_logprobs_in_vllms_shape(http_url):
+    status, body = post(f"{http_url}/v1/completions", {"model": MODEL, "prompt": "The capital of France is",
+                                                       "max_tokens": 2, "temperature": 0, "prompt_logprobs": 2})
+    assert status == 200, body
+    positions = body["choices"][0]["prompt_logprobs"]
+    assert len(positions) == body["usage"]["prompt_tokens"] == 5 and positions[0] is None
+    assert "3575" in positions[1] and positions[1]["3575"]["decoded_token"] == " capital"
+    assert all(2 <= len(p) <= 3 for p in positions[1:])  # the prompt token, and the 2 most likely
+    status, chat = post(f"{http_url}/v1/chat/completions", {
+        "model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, "prompt_logprobs": 0})
+    assert status == 200, chat
+    assert len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"] and chat["prompt_logprobs"][0] is None
+
+
 def test_seed_reproducible(http_url):
     req = {"model": MODEL, "prompt": "My favourite colour is", "max_tokens": 16, "temperature": 1.0, "seed": 42}
     texts = {post(f"{http_url}/v1/completions", req)[1]["choices"][0]["text"] for _ in range(2)}
@@ -118,6 +159,8 @@ def test_32_concurrent_streams(http_url):
     ({"prompt": "hello " * 1500, "max_tokens": 4}, "prompt_token_ids"),
     ({"max_tokens": 4}, "prompt"),
     ({"prompt": "x", "logprobs": 50}, "logprobs"),
+    ({"prompt": "x", "prompt_logprobs": 21}, "prompt_logprobs"),
+    ({"prompt": "x", "prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
 ])
 def test_bad_parameters_are_400_naming_the_field(http_url, body, field):
     status, resp = post(f"{http_url}/v1/completions", {"model": MODEL, **body})

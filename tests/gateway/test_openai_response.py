@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from gateway.openai_echo import EchoedPrompt
 from gateway.openai_response import ResponseFormatter
 from gateway.request_runner import Completion
 from gateway.request_stream import StreamChunk
@@ -34,3 +35,50 @@ def test_streamed_offsets_count_text_held_back_in_an_earlier_chunk() -> None:
     offsets = [e["choices"][0]["logprobs"]["text_offset"] for c in (first, second, third)
                for e in formatter.events(c) if e["choices"]]
     assert offsets == [[0], [3], [5]]
+
+
+ECHO = EchoedPrompt(text="Hello world", first_token_text="Hel")
+PROMPT_LOGPROBS = [_logprob(11, -2.0, [(20, -0.5)]), _logprob(12, -1.0, [(12, -1.0)])]  # prompt: 10 11 12
+
+
+def test_echo_puts_the_prompt_and_its_logprobs_before_the_completion() -> None:
+    completion = Completion(text="X", token_ids=[20], logprobs=[_logprob(20, -0.5, [(20, -0.5)])],
+                            token_texts=TEXTS, finish_reason="length", prompt_logprobs=PROMPT_LOGPROBS)
+    choice = ResponseFormatter("cmpl-1", "m", chat=False, echo=ECHO).whole(completion)["choices"][0]
+    assert choice["text"] == "Hello worldX" and "prompt_logprobs" not in choice
+    assert choice["logprobs"] == {
+        "tokens": ["Hel", "lo", " world", "X"],
+        "token_logprobs": [None, -2.0, -1.0, -0.5],
+        "top_logprobs": [None, {"X": -0.5, "lo": -2.0}, {" world": -1.0}, {"X": -0.5}],
+        "text_offset": [0, 3, 5, 11],
+    }
+    # Without logprobs, only the text.
+    plain = Completion(text="X", token_ids=[20], token_texts=TEXTS, finish_reason="length")
+    choice = ResponseFormatter("cmpl-1", "m", chat=False, echo=ECHO).whole(plain)["choices"][0]
+    assert choice["text"] == "Hello worldX" and choice["logprobs"] is None
+    # A one-token prompt has no prompt logprobs, but its token is still listed (with a null logprob).
+    one = Completion(text="X", token_ids=[20], logprobs=[_logprob(20, -0.5, [])], token_texts=TEXTS,
+                     finish_reason="length")
+    choice = ResponseFormatter("cmpl-1", "m", chat=False, echo=EchoedPrompt("Hel", "Hel")).whole(one)["choices"][0]
+    assert choice["logprobs"]["tokens"] == ["Hel", "X"] and choice["logprobs"]["token_logprobs"] == [None, -0.5]
+
+
+def test_a_streamed_echo_is_the_first_event() -> None:
+    formatter = ResponseFormatter("cmpl-1", "m", chat=False, echo=ECHO)
+    first = StreamChunk("X", [20], 0, [_logprob(20, -0.5, [])], TEXTS, prompt_logprobs=PROMPT_LOGPROBS)
+    last = StreamChunk("lo", [11], 1, [_logprob(11, -0.25, [])], TEXTS, finish_reason="length")
+    events = [e["choices"][0] for c in (first, last) for e in formatter.events(c)]
+    assert [e["text"] for e in events] == ["Hello world", "X", "lo"]
+    assert events[0]["logprobs"]["token_logprobs"] == [None, -2.0, -1.0] and events[0]["finish_reason"] is None
+    assert [e["logprobs"]["text_offset"] for e in events[1:]] == [[11], [12]]
+
+
+def test_prompt_logprobs_take_vllms_shape() -> None:
+    completion = Completion(text="X", token_ids=[20], token_texts=TEXTS, finish_reason="length",
+                            prompt_logprobs=PROMPT_LOGPROBS)
+    want = [None, {"20": {"logprob": -0.5, "decoded_token": "X"}, "11": {"logprob": -2.0, "decoded_token": "lo"}},
+            {"12": {"logprob": -1.0, "decoded_token": " world"}}]
+    choice = ResponseFormatter("cmpl-1", "m", chat=False, prompt_logprobs=True).whole(completion)["choices"][0]
+    assert choice["prompt_logprobs"] == want and choice["text"] == "X"
+    chat = ResponseFormatter("chatcmpl-1", "m", chat=True, prompt_logprobs=True).whole(completion)
+    assert chat["prompt_logprobs"] == want and "prompt_logprobs" not in chat["choices"][0]

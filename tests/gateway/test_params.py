@@ -68,3 +68,22 @@ def test_an_empty_variable_means_unset(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SHARDLINE_MAX_PROMPT_TOKENS", "")
     settings = parse_settings([])
     assert (settings.default_max_tokens, settings.max_prompt_tokens) == (None, None)
+
+
+def test_prompt_logprobs_and_echo() -> None:
+    params, *_ = sampling_from_openai({"prompt": "x", "prompt_logprobs": 3}, chat=False)
+    assert params.HasField("prompt_logprobs") and params.prompt_logprobs == 3
+    params, *_ = sampling_from_openai({"prompt": "x", "echo": True, "logprobs": 2}, chat=False)
+    assert params.prompt_logprobs == 2  # the echoed prompt's tokens get logprobs like the completion's
+    params, *_ = sampling_from_openai({"prompt": "x", "echo": True}, chat=False)
+    assert not params.HasField("prompt_logprobs")  # echo alone needs none computed
+    params, *_ = sampling_from_openai({"messages": [], "prompt_logprobs": 0}, chat=True)
+    assert params.HasField("prompt_logprobs") and params.prompt_logprobs == 0
+    for body, chat, field in (({"echo": True}, True, "echo"), ({"prompt_logprobs": 21}, False, "prompt_logprobs"),
+                              ({"prompt_logprobs": 1, "stream": True}, False, "prompt_logprobs")):
+        with pytest.raises(InvalidArgument) as caught:
+            sampling_from_openai(body, chat=chat)
+        assert caught.value.field == field
+    with pytest.raises(InvalidArgument) as caught:
+        validate_sampling(sampling_pb2.SamplingParameters(prompt_logprobs=21), LIMITS, "params.")
+    assert caught.value.field == "params.prompt_logprobs"

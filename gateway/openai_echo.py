@@ -1,0 +1,69 @@
+"""Prompt logprobs in OpenAI's and vLLM's shapes, and /v1/completions' `echo`.
+
+Evaluation harnesses (lm-evaluation-harness's `local-completions`, for one) score a text by sending
+it as the prompt with `echo: true, logprobs: 1` and reading the prompt tokens' logprobs back. The
+workers compute them in the prefill (`SamplingParameters.prompt_logprobs`); this module puts the
+prompt back in front of the completion: its text, and its tokens in the legacy `logprobs` object,
+the first one with a null logprob as OpenAI sends it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from gateway.backends import RPC_TIMEOUT_S, upstream
+from gateway.request_runner import LiveRequest, RequestRunner
+from shardline.proto import sampling_pb2, tokenizer_pb2
+
+
+@dataclass(slots=True)
+class EchoedPrompt:
+    """What an echo puts before a choice's completion."""
+
+    text: str  # the prompt as sent, or its token ids decoded
+    first_token_text: str  # the text of its first token, which has no logprob (nothing comes before it)
+
+
+async def echoed_prompts(runner: RequestRunner, lives: list[LiveRequest]) -> list[EchoedPrompt]:
+    """Each request's echo, with one Detokenize call for all of them."""
+    items = []
+    for live in lives:
+        items.append(tokenizer_pb2.DetokenizeItem(new_token_ids=live.prompt_ids[:1], final=True))
+        if live.prompt.text is None:  # token ids: their decode, special tokens kept, as vLLM echoes them
+            items.append(tokenizer_pb2.DetokenizeItem(new_token_ids=live.prompt_ids, final=True))
+    with upstream("tokenizer"):
+        reply = await runner.backends.tokenizer.Detokenize(tokenizer_pb2.DetokenizeRequest(items=items),
+                                                           timeout=RPC_TIMEOUT_S)
+    texts = iter(result.text for result in reply.results)
+    echoes = []
+    for live in lives:
+        first = next(texts)
+        echoes.append(EchoedPrompt(live.prompt.text if live.prompt.text is not None else next(texts), first))
+    return echoes
+
+
+def echo_logprobs(echo: EchoedPrompt, prompt_logprobs: list[sampling_pb2.TokenLogprob],
+                  texts: dict[int, str]) -> dict[str, list[Any]]:
+    """The prompt's part of a completion's legacy `logprobs` object (text_offset from 0)."""
+    tokens = [echo.first_token_text, *(texts[lp.token_id] for lp in prompt_logprobs)]
+    offsets, offset = [], 0
+    for token in tokens:
+        offsets.append(offset)
+        offset += len(token)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [None, *(lp.logprob for lp in prompt_logprobs)],
+        "top_logprobs": [None, *({**{texts[alt.token_id]: alt.logprob for alt in lp.top},
+                                  texts[lp.token_id]: lp.logprob} for lp in prompt_logprobs)],
+        "text_offset": offsets,
+    }
+
+
+def vllm_prompt_logprobs(prompt_logprobs: list[sampling_pb2.TokenLogprob],
+                         texts: dict[int, str]) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's `prompt_logprobs`: None for the first prompt token, then per position the prompt token
+    and the most likely alternatives, keyed by token id."""
+    return [None, *({str(t): {"logprob": v, "decoded_token": texts[t]}
+                     for t, v in [*((alt.token_id, alt.logprob) for alt in lp.top), (lp.token_id, lp.logprob)]}
+                    for lp in prompt_logprobs)]
