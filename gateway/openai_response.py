@@ -140,7 +140,7 @@ class ResponseFormatter:
         """The echoed prompt's text, and its logprobs when the request asked for logprobs."""
         if self.echo is None:
             return "", None
-        if not (prompt_logprobs or logprobs):
+        if not logprobs:  # prompt_logprobs alone answers in vLLM's own field, not in `logprobs`
             return self.echo.text, None
         echoed = echo_logprobs(self.echo, prompt_logprobs, texts)
         self._text_offset = sum(len(token) for token in echoed["tokens"])  # the completion's tokens follow

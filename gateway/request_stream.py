@@ -69,6 +69,8 @@ class RequestStream:
     timing: StreamTiming = field(default_factory=StreamTiming)
     cached_tokens: int = 0  # prompt tokens the worker found in its prefix cache, from the first delta
     min_tokens: int = 0  # stop strings end the request only once it has this many tokens (as in vLLM)
+    # It asked for prompt logprobs, which only the first token's delta from its worker carries.
+    wants_prompt_logprobs: bool = False
 
     def usage(self) -> sampling_pb2.Usage:
         """Its usage so far, for a request the gateway ends itself (a stop string, a lost consumer)."""

@@ -245,6 +245,13 @@ class StreamHub:
             new, logprobs = list(delta.token_ids[skip:]), list(delta.logprobs[skip:])
             # Only the first token's delta has them; a repeat of it (skip) has been passed on already.
             prompt_logprobs = list(delta.prompt_logprobs) if delta.offset == 0 and not skip else []
+            if stream.wants_prompt_logprobs and delta.offset == 0 and not skip and delta.token_ids and \
+                    len(prompt_logprobs) != stream.prompt_tokens - 1:
+                # Its first token came from the Redis record (this gateway lost its output stream just
+                # then), which keeps no logprobs: an error the client can retry, not a short answer.
+                self._finish(stream, StreamChunk("", [], 0, error="its prompt logprobs were lost in a "
+                                                 "reconnection to the scheduler; send it again"), "error", cancel=True)
+                continue
             if merged is not None:
                 merged.new += new
                 merged.logprobs += logprobs

@@ -56,6 +56,11 @@ def test_echo_puts_the_prompt_and_its_logprobs_before_the_completion() -> None:
     plain = Completion(text="X", token_ids=[20], token_texts=TEXTS, finish_reason="length")
     choice = ResponseFormatter("cmpl-1", "m", chat=False, echo=ECHO).whole(plain)["choices"][0]
     assert choice["text"] == "Hello worldX" and choice["logprobs"] is None
+    # prompt_logprobs without logprobs (vLLM's own field) puts nothing in the legacy object.
+    asked = Completion(text="X", token_ids=[20], token_texts=TEXTS, finish_reason="length",
+                       prompt_logprobs=PROMPT_LOGPROBS)
+    choice = ResponseFormatter("cmpl-1", "m", chat=False, echo=ECHO, prompt_logprobs=True).whole(asked)["choices"][0]
+    assert choice["text"] == "Hello worldX" and choice["logprobs"] is None and len(choice["prompt_logprobs"]) == 3
     # A one-token prompt has no prompt logprobs, but its token is still listed (with a null logprob).
     one = Completion(text="X", token_ids=[20], logprobs=[_logprob(20, -0.5, [])], token_texts=TEXTS,
                      finish_reason="length")

@@ -241,3 +241,35 @@ def test_a_client_leaving_a_stream_cancels_it_and_logs_no_error(tokenizer_addres
     ours = [r.getMessage() for r in caplog.records
             if r.levelname == "ERROR" and r.name.startswith(("gateway", "opentelemetry", "tracing", "shardline"))]
     assert ours == []
+
+
+def test_a_first_token_without_the_prompt_logprobs_asked_for_fails_the_request(tokenizer_address, text_ids) -> None:
+    """A first token caught up from the Redis record has no prompt logprobs: an error, not a short answer."""
+
+    def top(token_id: int) -> sampling_pb2.TokenLogprob:
+        return sampling_pb2.TokenLogprob(token_id=token_id, logprob=-1.0)
+
+    async def body(stack: Stack) -> None:
+        hub = stack.gateway.hub
+        whole = RequestStream("pl-whole", 3, True, StopMatcher([]), wants_prompt_logprobs=True)
+        lost = RequestStream("pl-lost", 3, True, StopMatcher([]), wants_prompt_logprobs=True)
+        one = RequestStream("pl-one-token-prompt", 1, True, StopMatcher([]), wants_prompt_logprobs=True)
+        for stream in (whole, lost, one):
+            hub.register(stream)
+        await hub._handle([
+            common_pb2.RequestDelta(request_id="pl-whole", offset=0, token_ids=text_ids[:1],
+                                    prompt_logprobs=[top(text_ids[1]), top(text_ids[2])]),
+            common_pb2.RequestDelta(request_id="pl-lost", offset=0, token_ids=text_ids[:2]),
+            common_pb2.RequestDelta(request_id="pl-one-token-prompt", offset=0, token_ids=text_ids[:1]),
+        ])
+        chunk = whole.queue.get_nowait()
+        assert [lp.token_id for lp in chunk.prompt_logprobs] == text_ids[1:3] and chunk.finish_reason is None
+        assert set(chunk.token_texts) == set(text_ids[1:3])
+        failed = lost.queue.get_nowait()
+        assert failed.finish_reason == "error" and "prompt logprobs were lost" in failed.error
+        await stack.scheduler.wait_cancelled("pl-lost")
+        assert one.queue.get_nowait().finish_reason is None  # a one-token prompt has none to lose
+        hub.release("pl-whole")
+        hub.release("pl-one-token-prompt")
+
+    run_on_stack(tokenizer_address, Script(text_ids), body)
