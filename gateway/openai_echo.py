@@ -2,9 +2,9 @@
 
 Evaluation harnesses (lm-evaluation-harness's `local-completions`, for one) score a text by sending
 it as the prompt with `echo: true, logprobs: 1` and reading the prompt tokens' logprobs back. The
-workers compute them in the prefill (`SamplingParameters.prompt_logprobs`); this module puts the
-prompt back in front of the completion: its text, and its tokens in the legacy `logprobs` object,
-the first one with a null logprob as OpenAI sends it.
+workers compute them in the prefill (`SamplingParameters.prompt_logprobs`). This module finds the
+text an echo puts in front of a completion, and gives vLLM's own `prompt_logprobs` shape; the
+ResponseFormatter puts the prompt's tokens in the legacy `logprobs` object.
 """
 
 from __future__ import annotations
@@ -41,23 +41,6 @@ async def echoed_prompts(runner: RequestRunner, lives: list[LiveRequest]) -> lis
         first = next(texts)
         echoes.append(EchoedPrompt(live.prompt.text if live.prompt.text is not None else next(texts), first))
     return echoes
-
-
-def echo_logprobs(echo: EchoedPrompt, prompt_logprobs: list[sampling_pb2.TokenLogprob],
-                  texts: dict[int, str]) -> dict[str, list[Any]]:
-    """The prompt's part of a completion's legacy `logprobs` object (text_offset from 0)."""
-    tokens = [echo.first_token_text, *(texts[lp.token_id] for lp in prompt_logprobs)]
-    offsets, offset = [], 0
-    for token in tokens:
-        offsets.append(offset)
-        offset += len(token)
-    return {
-        "tokens": tokens,
-        "token_logprobs": [None, *(lp.logprob for lp in prompt_logprobs)],
-        "top_logprobs": [None, *({**{texts[alt.token_id]: alt.logprob for alt in lp.top},
-                                  texts[lp.token_id]: lp.logprob} for lp in prompt_logprobs)],
-        "text_offset": offsets,
-    }
 
 
 def vllm_prompt_logprobs(prompt_logprobs: list[sampling_pb2.TokenLogprob],

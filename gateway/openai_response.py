@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from gateway.openai_echo import EchoedPrompt, echo_logprobs, vllm_prompt_logprobs
+from gateway.openai_echo import EchoedPrompt, vllm_prompt_logprobs
 from gateway.request_runner import Completion
 from gateway.request_stream import StreamChunk
 from shardline.proto import sampling_pb2
@@ -142,9 +142,11 @@ class ResponseFormatter:
             return "", None
         if not logprobs:  # prompt_logprobs alone answers in vLLM's own field, not in `logprobs`
             return self.echo.text, None
-        echoed = echo_logprobs(self.echo, prompt_logprobs, texts)
-        self._text_offset = sum(len(token) for token in echoed["tokens"])  # the completion's tokens follow
-        return self.echo.text, echoed
+        # The prompt's first token has no logprob (nothing comes before it): null, as OpenAI sends it.
+        first = {"tokens": [self.echo.first_token_text], "token_logprobs": [None], "top_logprobs": [None],
+                 "text_offset": [0]}
+        rest, self._text_offset = _legacy_logprobs(prompt_logprobs, texts, len(self.echo.first_token_text))
+        return self.echo.text, _joined(first, rest)
 
     def _logprobs(self, logprobs: list[sampling_pb2.TokenLogprob], texts: dict[int, str]) -> dict[str, Any] | None:
         if not logprobs:
@@ -156,19 +158,27 @@ class ResponseFormatter:
                 for lp in logprobs
             ]}
         # Each token's offset in the completion's text, the same streamed or not.
-        offsets = []
-        for lp in logprobs:
-            offsets.append(self._text_offset)
-            self._text_offset += len(texts[lp.token_id])
-        return {
-            "tokens": [texts[lp.token_id] for lp in logprobs],
-            "token_logprobs": [lp.logprob for lp in logprobs],
-            # The sampled token is always among the alternatives, as OpenAI and vLLM send them
-            # (so there are up to logprobs + 1 of them).
-            "top_logprobs": [{**{texts[alt.token_id]: alt.logprob for alt in lp.top}, texts[lp.token_id]: lp.logprob}
-                             for lp in logprobs],
-            "text_offset": offsets,
-        }
+        body, self._text_offset = _legacy_logprobs(logprobs, texts, self._text_offset)
+        return body
+
+
+def _legacy_logprobs(logprobs: list[sampling_pb2.TokenLogprob], texts: dict[int, str], offset: int
+                     ) -> tuple[dict[str, list[Any]], int]:
+    """/v1/completions' logprobs object for these tokens, their text offsets counted from `offset`;
+    and the offset after them."""
+    offsets = []
+    for lp in logprobs:
+        offsets.append(offset)
+        offset += len(texts[lp.token_id])
+    return {
+        "tokens": [texts[lp.token_id] for lp in logprobs],
+        "token_logprobs": [lp.logprob for lp in logprobs],
+        # The token itself is always among the alternatives, as OpenAI and vLLM send them
+        # (so there are up to logprobs + 1 of them).
+        "top_logprobs": [{**{texts[alt.token_id]: alt.logprob for alt in lp.top}, texts[lp.token_id]: lp.logprob}
+                         for lp in logprobs],
+        "text_offset": offsets,
+    }, offset
 
 
 def _joined(first: dict[str, list[Any]] | None, second: dict[str, list[Any]] | None) -> dict[str, list[Any]] | None:

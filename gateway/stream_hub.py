@@ -244,9 +244,9 @@ class StreamHub:
             final = delta.finish_reason != sampling_pb2.FINISH_REASON_UNSPECIFIED
             new, logprobs = list(delta.token_ids[skip:]), list(delta.logprobs[skip:])
             # Only the first token's delta has them; a repeat of it (skip) has been passed on already.
-            prompt_logprobs = list(delta.prompt_logprobs) if delta.offset == 0 and not skip else []
-            if stream.wants_prompt_logprobs and delta.offset == 0 and not skip and delta.token_ids and \
-                    len(prompt_logprobs) != stream.prompt_tokens - 1:
+            first = delta.offset == 0 and not skip and bool(delta.token_ids)
+            prompt_logprobs = list(delta.prompt_logprobs) if first else []
+            if first and stream.wants_prompt_logprobs and len(prompt_logprobs) != stream.prompt_tokens - 1:
                 # Its first token came from the Redis record (this gateway lost its output stream just
                 # then), which keeps no logprobs: an error the client can retry, not a short answer.
                 self._finish(stream, StreamChunk("", [], 0, error="its prompt logprobs were lost in a "
@@ -271,7 +271,7 @@ class StreamHub:
             for w in work
         ]
         # Logprobs name tokens by id; their texts ride in the same call, one final item per distinct id.
-        named = sorted({t for w in work for t in (*_named_tokens(w.logprobs), *_named_tokens(w.prompt_logprobs))})
+        named = sorted({t for w in work for t in _named_tokens(w.logprobs, w.prompt_logprobs)})
         items += [tokenizer_pb2.DetokenizeItem(new_token_ids=[t], final=True) for t in named]
         # A delta that crosses min_tokens also gets the text of its tokens before it, which stop
         # strings must not end the request in (vLLM checks them token by token).
@@ -314,8 +314,7 @@ class StreamHub:
             text, end = self._match_stops(w, result.text, reply.results[splits[i]].text if i in splits else None)
             chunk = StreamChunk(text, w.new, w.offset, w.logprobs, prompt_logprobs=w.prompt_logprobs)
             if w.logprobs or w.prompt_logprobs:
-                chunk.token_texts = {t: texts[t] for t in (*_named_tokens(w.logprobs),
-                                                           *_named_tokens(w.prompt_logprobs))}
+                chunk.token_texts = {t: texts[t] for t in _named_tokens(w.logprobs, w.prompt_logprobs)}
             if end is not None and len(w.new) > 1:  # which of its tokens completed the stop string?
                 search = StopSearch(item, len(w.new), result.text, end, lo=_unarmed(w) + 1, hi=len(w.new),
                                     hi_text=result.text)
@@ -352,8 +351,7 @@ class StreamHub:
         for o in overshot:
             w, chunk, keep = o.work, o.chunk, o.search.hi
             chunk.token_ids, chunk.logprobs = w.new[:keep], w.logprobs[:keep]
-            chunk.token_texts = {t: chunk.token_texts[t] for t in (*_named_tokens(chunk.logprobs),
-                                                                   *_named_tokens(chunk.prompt_logprobs))}
+            chunk.token_texts = {t: chunk.token_texts[t] for t in _named_tokens(chunk.logprobs, chunk.prompt_logprobs)}
             w.stream.next_offset = w.offset + keep  # its usage counts the kept tokens
             self._finish(w.stream, chunk, "stop", cancel=not w.final)
 
@@ -425,8 +423,10 @@ def _tail(ids: list[int], size: int) -> list[int]:
     return ids[max(0, len(ids) - size) :]
 
 
-def _named_tokens(logprobs: list[sampling_pb2.TokenLogprob]) -> list[int]:
-    return [t for lp in logprobs for t in (lp.token_id, *(alt.token_id for alt in lp.top))]
+def _named_tokens(*logprob_lists: list[sampling_pb2.TokenLogprob]) -> list[int]:
+    """Every token id the logprobs name: each token and its alternatives."""
+    return [t for logprobs in logprob_lists for lp in logprobs
+            for t in (lp.token_id, *(alt.token_id for alt in lp.top))]
 
 
 def _record_timing(timing: StreamTiming, has_tokens: bool, now: float, start_ns: int, end_ns: int) -> None:

@@ -112,7 +112,8 @@ class Sampler:
         if raw_logprobs is not None:
             lp_seqs = [seqs[i] for i in lp_rows]
             lp_tokens = [token_list[i] for i in lp_rows]
-            for i, entry in zip(lp_rows, _gather_logprobs(raw_logprobs, lp_tokens, lp_seqs)):
+            for i, entry in zip(lp_rows, token_logprobs(raw_logprobs, lp_tokens,
+                                                        [seq.params.logprobs or 0 for seq in lp_seqs])):
                 logprobs[i] = entry
         return SamplerOutput(token_ids=token_list, logprobs=logprobs)
 
@@ -237,13 +238,6 @@ def _keep_first(kept: torch.Tensor, index: torch.Tensor, ordered_ids: torch.Tens
     """Narrows rows `index` of `kept` to the first counts[r] ([n, 1]) token ids of ordered_ids[r]."""
     first = torch.arange(ordered_ids.shape[1], device=kept.device) < counts
     kept[index] &= torch.zeros_like(kept[index]).scatter_(1, ordered_ids, first)
-
-
-def _gather_logprobs(
-    raw_logprobs: torch.Tensor, token_ids: list[int], seqs: list[Sequence]
-) -> list[TokenLogprobs]:
-    """The sampled token's logprob and the top N of each row of raw_logprobs."""
-    return token_logprobs(raw_logprobs, token_ids, [seq.params.logprobs or 0 for seq in seqs])
 
 
 def token_logprobs(raw_logprobs: torch.Tensor, token_ids: list[int], num_top: list[int]) -> list[TokenLogprobs]:
