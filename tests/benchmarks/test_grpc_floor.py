@@ -12,7 +12,8 @@ def test_grpc_floor_measures_both_hops(tmp_path, capsys):
     assert main(["--bursts", "3", "--concurrency", "4", "--input-len", "8", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     unary, streams = result["unary"], result["streams"]
-    assert unary["server_cpu_ms_per_call"] >= 0 and unary["client_cpu_ms_per_call"] > 0
+    # CPU is read at nanosecond resolution on both sides: even 12 calls cost some.
+    assert unary["server_cpu_ms_per_call"] > 0 and unary["client_cpu_ms_per_call"] > 0
     assert unary["burst_wall_ms_median"] > 0
     # Every stream of every burst reached the server (its arrival was read back), after the send.
     assert 0 < streams["last_arrival_ms_min"] <= streams["last_arrival_ms_median"]
