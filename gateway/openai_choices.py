@@ -129,15 +129,17 @@ async def merged_chunks(choices: list[Choice]) -> AsyncIterator[tuple[int, Strea
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def total_usage(choices: list[Choice], usages: list[sampling_pb2.Usage | None]) -> sampling_pb2.Usage:
+def total_usage(choices: list[Choice], usages: list[sampling_pb2.Usage | None], echo_only: bool = False
+                ) -> sampling_pb2.Usage:
     """The request's usage: each prompt counted once (with its first choice's cache hits), every choice's
-    output tokens summed."""
+    output tokens summed; none under `echo_only`, whose responses leave out the token sampled."""
     total = sampling_pb2.Usage()
     for choice, usage in zip(choices, usages):
         usage = usage or usage_of(choice.live.prompt_tokens, 0)
         if choice.sample == 0:
             total.prompt_tokens += usage.prompt_tokens
             total.cached_tokens += usage.cached_tokens
-        total.completion_tokens += usage.completion_tokens
+        if not echo_only:
+            total.completion_tokens += usage.completion_tokens
     total.total_tokens = total.prompt_tokens + total.completion_tokens
     return total

@@ -23,9 +23,10 @@ class EchoedPrompt:
 
     text: str  # the prompt as sent, or its token ids decoded
     first_token_text: str  # the text of its first token, which has no logprob (nothing comes before it)
+    only: bool = False  # max_tokens 0: the echo is the whole choice, and the token sampled is left out
 
 
-async def echoed_prompts(runner: RequestRunner, lives: list[LiveRequest]) -> list[EchoedPrompt]:
+async def echoed_prompts(runner: RequestRunner, lives: list[LiveRequest], only: bool = False) -> list[EchoedPrompt]:
     """Each request's echo, with one Detokenize call for all of them."""
     items = []
     for live in lives:
@@ -39,7 +40,7 @@ async def echoed_prompts(runner: RequestRunner, lives: list[LiveRequest]) -> lis
     echoes = []
     for live in lives:
         first = next(texts)
-        echoes.append(EchoedPrompt(live.prompt.text if live.prompt.text is not None else next(texts), first))
+        echoes.append(EchoedPrompt(live.prompt.text if live.prompt.text is not None else next(texts), first, only))
     return echoes
 
 

@@ -20,7 +20,7 @@ from gateway.backends import HEALTH_TIMEOUT_S
 from gateway.metrics import metrics_handler
 from gateway.openai_choices import Choice, choice_specs, close_choices, merged_chunks, start_choices, total_usage
 from gateway.openai_echo import echoed_prompts
-from gateway.openai_request import parse_request
+from gateway.openai_request import OpenAIRequest, parse_request
 from gateway.openai_response import ResponseFormatter, error_body
 from gateway.params import OPENAI_COMPLETIONS_DEFAULT_MAX_TOKENS
 from gateway.request_runner import ModelNotFound, RequestRunner
@@ -125,12 +125,13 @@ class OpenAIHttpApi:
                                      attr.CHOICES: [choice.live.request_id for choice in choices]})
             created = int(time.time())
             try:
-                echoes = await echoed_prompts(self._runner, [c.live for c in choices]) if parsed.echo else None
+                echoes = (await echoed_prompts(self._runner, [c.live for c in choices], parsed.echo_only)
+                          if parsed.echo else None)
                 formatters = [ResponseFormatter(request_id, choice.live.model, chat, parsed.include_usage, choice.index,
                                                 created, echoes[i] if echoes else None, parsed.prompt_logprobs)
                               for i, choice in enumerate(choices)]
                 if parsed.stream:
-                    return await self._stream(request, request_id, choices, formatters, parsed.include_usage)
+                    return await self._stream(request, request_id, choices, formatters, parsed)
                 completions = await asyncio.gather(*(choice.live.collect() for choice in choices))
             finally:
                 # Also reached when the client disconnects (the handler is cancelled): cancels upstream.
@@ -138,12 +139,12 @@ class OpenAIHttpApi:
         for completion in completions:
             if (failure := completion.failure()) is not None:
                 raise failure
-        usage = total_usage(choices, [completion.usage for completion in completions])
+        usage = total_usage(choices, [completion.usage for completion in completions], parsed.echo_only)
         return web.json_response(ResponseFormatter.whole_of(formatters, completions, usage),
                                  headers={"X-Request-Id": request_id})
 
     async def _stream(self, request: web.Request, request_id: str, choices: list[Choice],
-                      formatters: list[ResponseFormatter], include_usage: bool) -> web.StreamResponse:
+                      formatters: list[ResponseFormatter], parsed: OpenAIRequest) -> web.StreamResponse:
         response = web.StreamResponse(headers={
             "Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Request-Id": request_id})
         await response.prepare(request)
@@ -158,8 +159,9 @@ class OpenAIHttpApi:
                     usages[index] = chunk.usage
                 if events:
                     await response.write(b"".join(_sse(event) for event in events))
-            if include_usage:
-                await response.write(_sse(formatters[0].usage_event(total_usage(choices, usages))))
+            if parsed.include_usage:
+                usage = total_usage(choices, usages, parsed.echo_only)
+                await response.write(_sse(formatters[0].usage_event(usage)))
             await response.write(_DONE)
         await response.write_eof()
         return response

@@ -28,6 +28,7 @@ class OpenAIRequest:
     max_tokens_field: str = "max_tokens"  # max_completion_tokens when a chat request used that name
     n: int = 1  # completions to generate per prompt
     echo: bool = False  # completions: the prompt comes back before its completion (with its logprobs)
+    echo_only: bool = False  # echo with max_tokens 0: each choice is its prompt alone (how text is scored)
     prompt_logprobs: bool = False  # vLLM's prompt_logprobs field was sent: answer it in vLLM's shape
 
     @property
@@ -53,8 +54,15 @@ def parse_request(body: Any, chat: bool) -> OpenAIRequest:
         raise InvalidArgument("stream_options", "is only allowed when stream is true")
     include_usage = bool(json_field(options or {}, "include_usage", bool))
     echo = not chat and bool(json_field(body, "echo", bool))
+    echo_only = echo and params.HasField("max_tokens") and params.max_tokens == 0
+    if echo_only:
+        # OpenAI's way to score a text: its logprobs, no completion. As in vLLM, the engine still samples
+        # one token (a prefill yields one), and the response leaves it out.
+        if params.min_tokens:
+            raise InvalidArgument("min_tokens", "must not exceed max_tokens")
+        params.max_tokens = 1
     return OpenAIRequest(chat, model, prompts, params, priority, stream, include_usage, max_tokens_field, n, echo,
-                         body.get("prompt_logprobs") is not None)
+                         echo_only, body.get("prompt_logprobs") is not None)
 
 
 def _prompts(body: dict[str, Any]) -> list[Prompt]:

@@ -75,8 +75,11 @@ class ResponseFormatter:
         if self.chat:
             return {"index": self.index, "message": {"role": "assistant", "content": completion.text},
                     "logprobs": logprobs, "finish_reason": completion.finish_reason}
-        choice = {"index": self.index, "text": prefix + completion.text, "logprobs": logprobs,
-                  "finish_reason": completion.finish_reason}
+        if self.echo is not None and self.echo.only:  # max_tokens 0: no completion, the limit ended it
+            choice = {"index": self.index, "text": prefix, "logprobs": echoed, "finish_reason": "length"}
+        else:
+            choice = {"index": self.index, "text": prefix + completion.text, "logprobs": logprobs,
+                      "finish_reason": completion.finish_reason}
         if self.prompt_logprobs:
             choice["prompt_logprobs"] = vllm_prompt_logprobs(completion.prompt_logprobs, completion.token_texts)
         return choice
@@ -110,6 +113,10 @@ class ResponseFormatter:
             self._echoed = True
             text, logprobs = self._echo(chunk.prompt_logprobs, chunk.logprobs, chunk.token_texts)
             events.append(self._chunk(text, logprobs, None))
+        if self.echo is not None and self.echo.only:
+            if chunk.finish_reason:
+                events.append(self._chunk("", None, "length"))
+            return events
         if chunk.text or chunk.logprobs or chunk.finish_reason:
             logprobs = self._logprobs(chunk.logprobs, chunk.token_texts)
             body = {"content": chunk.text} if chunk.text else {}

@@ -101,6 +101,26 @@ def test_echo_with_logprobs_scores_the_prompt_as_harnesses_ask(http_url, grpc_ta
     assert "".join(e["choices"][0]["text"] for e in events) == choice["text"]
 
 
+def test_echo_with_max_tokens_0_scores_the_prompt_alone(http_url):
+    # OpenAI's own scoring request: the prompt back with its logprobs, and no completion.
+    req = {"model": MODEL, "prompt": "The capital of France is Paris", "temperature": 0, "logprobs": 1, "echo": True}
+    _, with_token = post(f"{http_url}/v1/completions", {**req, "max_tokens": 1})
+    status, body = post(f"{http_url}/v1/completions", {**req, "max_tokens": 0})
+    assert status == 200, body
+    choice, scored = body["choices"][0], with_token["choices"][0]["logprobs"]
+    assert choice["text"] == "The capital of France is Paris" and choice["finish_reason"] == "length"
+    assert choice["logprobs"] == {key: values[:6] for key, values in scored.items()}
+    assert body["usage"]["prompt_tokens"] == body["usage"]["total_tokens"] == 6
+    assert body["usage"]["completion_tokens"] == 0
+    events = [e for e in sse(f"{http_url}/v1/completions", {**req, "max_tokens": 0, "stream": True,
+                                                            "stream_options": {"include_usage": True}})
+              if e != "[DONE]"]
+    assert [(e["choices"][0]["text"], e["choices"][0]["finish_reason"]) for e in events[:-1]] == [
+        ("The capital of France is Paris", None), ("", "length")]
+    assert events[0]["choices"][0]["logprobs"] == choice["logprobs"]
+    assert events[-1]["usage"]["completion_tokens"] == 0
+
+
 def test_prompt_logprobs_in_vllms_shape(http_url):
     status, body = post(f"{http_url}/v1/completions", {"model": MODEL, "prompt": "The capital of France is",
                                                        "max_tokens": 2, "temperature": 0, "prompt_logprobs": 2})

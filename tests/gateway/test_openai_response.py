@@ -78,6 +78,24 @@ def test_a_streamed_echo_is_the_first_event() -> None:
     assert [e["logprobs"]["text_offset"] for e in events[1:]] == [[11], [12]]
 
 
+def test_echo_with_max_tokens_0_is_the_prompt_alone() -> None:
+    # The one token the engine sampled is left out: no text, no logprob; the limit ended the choice.
+    only = EchoedPrompt(text="Hello world", first_token_text="Hel", only=True)
+    completion = Completion(text="X", token_ids=[20], logprobs=[_logprob(20, -0.5, [(20, -0.5)])],
+                            token_texts=TEXTS, finish_reason="stop", prompt_logprobs=PROMPT_LOGPROBS)
+    choice = ResponseFormatter("cmpl-1", "m", chat=False, echo=only).whole(completion)["choices"][0]
+    assert choice["text"] == "Hello world" and choice["finish_reason"] == "length"
+    assert choice["logprobs"]["tokens"] == ["Hel", "lo", " world"]
+    assert choice["logprobs"]["token_logprobs"] == [None, -2.0, -1.0]
+    # Streamed: the echo, then the end, and nothing of the token between.
+    formatter = ResponseFormatter("cmpl-1", "m", chat=False, echo=only)
+    chunk = StreamChunk("X", [20], 0, [_logprob(20, -0.5, [])], TEXTS, finish_reason="stop",
+                        prompt_logprobs=PROMPT_LOGPROBS)
+    events = [e["choices"][0] for e in formatter.events(chunk)]
+    assert [(e["text"], e["finish_reason"]) for e in events] == [("Hello world", None), ("", "length")]
+    assert events[0]["logprobs"]["token_logprobs"] == [None, -2.0, -1.0] and events[1]["logprobs"] is None
+
+
 def test_prompt_logprobs_take_vllms_shape() -> None:
     completion = Completion(text="X", token_ids=[20], token_texts=TEXTS, finish_reason="length",
                             prompt_logprobs=PROMPT_LOGPROBS)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from gateway.main import parse_settings
+from gateway.openai_request import parse_request
 from gateway.params import ModelLimits, resolve_max_tokens, sampling_from_openai, validate_sampling
 from shardline.errors import InvalidArgument
 from shardline.proto import sampling_pb2
@@ -87,3 +88,19 @@ def test_prompt_logprobs_and_echo() -> None:
     with pytest.raises(InvalidArgument) as caught:
         validate_sampling(sampling_pb2.SamplingParameters(prompt_logprobs=21), LIMITS, "params.")
     assert caught.value.field == "params.prompt_logprobs"
+
+
+def test_echo_with_max_tokens_0_asks_for_one_token_and_keeps_none() -> None:
+    # OpenAI's way to score a text. The engine samples one token (a prefill yields one); the response drops it.
+    parsed = parse_request({"prompt": "x", "echo": True, "max_tokens": 0, "logprobs": 1}, chat=False)
+    assert parsed.echo_only and parsed.params.max_tokens == 1 and parsed.params.prompt_logprobs == 1
+    assert not parse_request({"prompt": "x", "echo": True, "max_tokens": 2}, chat=False).echo_only
+    # Without echo, max_tokens 0 asks for nothing at all: still refused, when the limits are checked.
+    unechoed = parse_request({"prompt": "x", "max_tokens": 0}, chat=False)
+    assert not unechoed.echo_only and unechoed.params.max_tokens == 0
+    with pytest.raises(InvalidArgument) as caught:
+        validate_sampling(unechoed.params, LIMITS)
+    assert caught.value.field == "max_tokens"
+    with pytest.raises(InvalidArgument) as caught:
+        parse_request({"prompt": "x", "echo": True, "max_tokens": 0, "min_tokens": 1}, chat=False)
+    assert caught.value.field == "min_tokens"
