@@ -64,6 +64,10 @@ class RunnerConfig:
     cuda_graphs: bool = True  # capture decode steps on CUDA
     quantization: str | None = None  # CPU only: "int8" (W8A8, fastest) or "int4" (weight-only); see layers/quantize.py
     onednn_weights: bool = True  # CPU float32 without quantization: oneDNN-packed weights (layers/onednn.py)
+    # CPU: attention whose rounding no batch-mate, padding or chunking changes (layers/invariant_attention.py).
+    # With int8, whose GEMMs are exact, a request's tokens are then bitwise the same alone, batched,
+    # from the prefix cache, after preemption and when resumed.
+    batch_invariant: bool = False
     trace_instance: str | None = None  # when set, ranks 1..N-1 export a span per step under this instance id
     profile_tokens: int = 2048  # the largest step's token count, profiled on GPU before sizing the KV cache
 
@@ -81,6 +85,9 @@ class ShardWorker:
         self.tp = init_tp_group(rank, config.tp_size, init_method, self.device)
         self.dtype = parse_dtype(config.dtype, "cpu" if config.device == "cpu" else "cuda")
         self.block_size = config.block_size
+        if config.batch_invariant and self.device != "cpu":
+            raise ValueError("batch_invariant attention is built from torch's CPU kernels: give device cpu")
+        self.batch_invariant = config.batch_invariant
         self.model = load_model(config.model, self.tp, self.dtype, self.device, config.max_model_len)
         if config.quantization is not None:
             if self.device != "cpu":
@@ -114,7 +121,7 @@ class ShardWorker:
 
         Rank 0 also fills `prompt.result` when the batch asks for prompt logits.
         """
-        positions, meta = build_step(batch, self.block_size, self.device)
+        positions, meta = build_step(batch, self.block_size, self.device, self.batch_invariant)
         input_ids = batch.token_ids.to(self.device)
         hidden = self.graphs.run(input_ids, positions, meta) if self.graphs is not None else None
         if hidden is None:

@@ -9,8 +9,11 @@ rank then builds identical metadata locally.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
+
+from gpu_worker_svc.model.layers.invariant_attention import TILE
 
 
 @dataclass(slots=True)
@@ -71,6 +74,11 @@ class AttentionMetadata:
     # On CPU, decodes whose contexts differ widely, split into groups each padded only to its own
     # longest; empty: one group, the two fields above (always so on CUDA, whose graphs take one).
     decode_groups: list[DecodeGroup] = field(default_factory=list)
+    # Batch-invariant attention (layers/invariant_attention.py): every chunk and decode gathers its
+    # context from the cache, padded to a multiple of its TILE keys, and has a mask.
+    invariant: bool = False
+    # What the first layer derives from the fields above for all of them (invariant: the gathers' rows).
+    derived: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -88,9 +96,9 @@ class DecodeGroup:
 DECODE_GROUP_SPREAD = 2
 
 
-def build_step(batch: StepBatch, block_size: int, device: torch.device | str = "cpu"
+def build_step(batch: StepBatch, block_size: int, device: torch.device | str = "cpu", invariant: bool = False
                ) -> tuple[torch.Tensor, AttentionMetadata]:
-    """Positions [T] and attention metadata for a step."""
+    """Positions [T] and attention metadata for a step; `invariant` lays it out for invariant_attention."""
     num_computed = batch.num_computed.tolist()
     num_new = batch.num_new.tolist()
     bt = batch.block_tables
@@ -109,14 +117,14 @@ def build_step(batch: StepBatch, block_size: int, device: torch.device | str = "
             decodes.append(i)
         else:
             bounds.append((start, start + n))
-            if c == 0:
+            if c == 0 and not invariant:
                 gathers.append(None)
                 masks.append(None)
             else:
-                pos = torch.arange(c + n)
+                pos = _padded(c + n, invariant)
                 gathers.append((bt[i, pos // block_size] * block_size + pos % block_size).to(device))
-                # The chunk ends the context: query i sees positions up to c + i.
-                masks.append(torch.ones(n, c + n, dtype=torch.bool, device=device).tril(c))
+                # The chunk ends the context: query i sees positions up to c + i (never the padding).
+                masks.append(torch.ones(n, len(pos), dtype=torch.bool, device=device).tril(c))
         start += n
 
     decode_index = decode_gather = decode_mask = None
@@ -128,23 +136,32 @@ def build_step(batch: StepBatch, block_size: int, device: torch.device | str = "
         decode_index = ends[rows].to(device)
         split = _by_context(ctx.tolist()) if str(device) == "cpu" else []
         if len(split) > 1:
-            groups = [DecodeGroup(torch.tensor(g).to(device), *_decode_context(bt[rows[g]], ctx[g], block_size, device))
+            groups = [DecodeGroup(torch.tensor(g).to(device),
+                                  *_decode_context(bt[rows[g]], ctx[g], block_size, device, invariant))
                       for g in split]
         else:
-            decode_gather, decode_mask = _decode_context(bt[rows], ctx, block_size, device)
+            decode_gather, decode_mask = _decode_context(bt[rows], ctx, block_size, device, invariant)
     meta = AttentionMetadata(slot_mapping.to(device), bounds, gathers, masks, decode_index, decode_gather, decode_mask,
-                             groups)
+                             groups, invariant)
     return positions.to(device), meta
 
 
-def _decode_context(tables: torch.Tensor, ctx: torch.Tensor, block_size: int, device: torch.device | str
-                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _padded(length: int, invariant: bool) -> torch.Tensor:
+    """Positions [0, length), or under `invariant` to a multiple of TILE, the padding repeating the
+    last position (a real slot, so it holds finite values; the masks hide it)."""
+    if not invariant:
+        return torch.arange(length)
+    return torch.arange(-(-length // TILE) * TILE).clamp_(max=length - 1)
+
+
+def _decode_context(tables: torch.Tensor, ctx: torch.Tensor, block_size: int, device: torch.device | str,
+                    invariant: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Slots of each decode's context, padded to the longest, and the mask of the padding (None: none)."""
-    pos = torch.arange(int(ctx.max()))
+    pos = _padded(int(ctx.max()), invariant)
     gather = (tables[:, pos // block_size] * block_size + pos % block_size).to(device)
-    if int(ctx.min()) == len(pos):
+    if int(ctx.min()) == len(pos) and not invariant:
         return gather, None
-    return gather, (pos[None, :] < ctx[:, None])[:, None, None, :].to(device)
+    return gather, (torch.arange(len(pos))[None, :] < ctx[:, None])[:, None, None, :].to(device)
 
 
 def _by_context(lengths: list[int]) -> list[list[int]]:

@@ -71,6 +71,8 @@ def parse_args(argv: list[str] | None) -> WorkerSettings:
                    help="CPU weight format: int8 (fastest), fp16 (near-lossless) or int4 (smallest)")
     p.add_argument("--no-onednn-weights", dest="onednn_weights", action="store_false",
                    help="CPU float32: keep torch's F.linear instead of oneDNN-packed weights")
+    p.add_argument("--batch-invariant", dest="batch_invariant", action="store_true",
+                   help="CPU: tokens bitwise independent of batching, prefix caching and resumes (slower)")
     p.add_argument("--torch-threads", dest="torch_threads", type=int)
     p.add_argument("--metrics-port", dest="metrics_port", type=int)
     p.add_argument("--no-tracing", dest="tracing", action="store_false")
@@ -85,7 +87,7 @@ def engine_config(s: WorkerSettings) -> EngineConfig:
                           block_size=s.block_size, cpu_kv_bytes=s.kv_cache_bytes,
                           gpu_memory_utilization=s.gpu_memory_utilization,
                           trace_instance=s.resolved_worker_id if s.tracing else None, quantization=s.quantization,
-                          onednn_weights=s.onednn_weights)
+                          onednn_weights=s.onednn_weights, batch_invariant=s.batch_invariant)
     return EngineConfig(runner, SchedulerConfig(s.max_num_seqs, s.max_num_batched_tokens),
                         s.enable_prefix_caching)
 

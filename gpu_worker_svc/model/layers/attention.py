@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gpu_worker_svc.model.attention_metadata import AttentionMetadata
+from gpu_worker_svc.model.attention_metadata import AttentionMetadata, DecodeGroup
+from gpu_worker_svc.model.layers.invariant_attention import InvariantContext, invariant_attention
 
 
 class PagedAttention(nn.Module):
@@ -25,6 +26,8 @@ class PagedAttention(nn.Module):
         k_cache.index_copy_(0, meta.slot_mapping, k)
         v_cache.index_copy_(0, meta.slot_mapping, v)
 
+        if meta.invariant:
+            return self._invariant(q, k_cache, v_cache, meta)
         if not meta.prefill_bounds:  # the common step: the batch is the decodes, in order
             return self._decode(q, k_cache, v_cache, meta)
         out = torch.empty_like(q)
@@ -38,6 +41,36 @@ class PagedAttention(nn.Module):
             decodes = self._decode(q.index_select(0, meta.decode_index), k_cache, v_cache, meta)
             out.flatten(1).index_copy_(0, meta.decode_index, decodes)  # far cheaper than index_put on CPU
         return out.flatten(1)
+
+    def _invariant(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   meta: AttentionMetadata) -> torch.Tensor:
+        """Each chunk, then the decodes group by group, each query over its context gathered from the cache."""
+        contexts = meta.derived.get("invariant")
+        if contexts is None:  # the first layer lays out the step's contexts; the others reuse them
+            contexts = meta.derived["invariant"] = self._invariant_contexts(meta)
+        prefills, decodes = contexts
+        out = torch.empty_like(q)
+        for (start, end), context in zip(meta.prefill_bounds, prefills):
+            out[start:end] = invariant_attention(q[None, start:end], k_cache, v_cache, context)[0]
+        for rows, context in decodes:
+            out.index_copy_(0, rows, invariant_attention(q.index_select(0, rows)[:, None], k_cache, v_cache,
+                                                         context)[:, 0])
+        return out.flatten(1)
+
+    def _invariant_contexts(self, meta: AttentionMetadata
+                            ) -> tuple[list[InvariantContext], list[tuple[torch.Tensor, InvariantContext]]]:
+        """Each chunk's context; and each decode group's flat-batch rows, and its context."""
+        prefills = [InvariantContext.of(gather[None], mask[None], self.num_kv_heads)
+                    for gather, mask in zip(meta.prefill_gather, meta.prefill_mask)]
+        decodes = []
+        if meta.decode_index is not None:
+            groups = meta.decode_groups or [DecodeGroup(torch.arange(meta.decode_index.numel()), meta.decode_gather,
+                                                        meta.decode_mask)]
+            for group in groups:
+                allowed = group.mask.view(group.gather.shape[0], 1, -1)
+                decodes.append((meta.decode_index.index_select(0, group.rows.to(meta.decode_index.device)),
+                                InvariantContext.of(group.gather, allowed, self.num_kv_heads)))
+        return prefills, decodes
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:

@@ -2,7 +2,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from gpu_worker_svc.server.main import parse_args
+from gpu_worker_svc.server.main import engine_config, parse_args
 
 
 def test_flags_override_the_environment_and_unset_flags_leave_it(monkeypatch):
@@ -13,6 +13,9 @@ def test_flags_override_the_environment_and_unset_flags_leave_it(monkeypatch):
     assert (s.port, s.tp_size, s.scheduler_address, s.max_num_seqs) == (50070, 3, "sched:1", 4)
     assert not s.tracing and not s.enable_prefix_caching
     assert s.onednn_weights and not parse_args(["--no-onednn-weights"]).onednn_weights
+    assert not s.batch_invariant and parse_args(["--batch-invariant"]).batch_invariant
+    monkeypatch.setenv("SHARDLINE_BATCH_INVARIANT", "1")
+    assert engine_config(parse_args([])).runner.batch_invariant
 
 
 def test_defaults_resolve_from_the_port_and_device(monkeypatch):
