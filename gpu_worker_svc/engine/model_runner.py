@@ -23,6 +23,7 @@ from gpu_worker_svc.engine.kv_cache import allocate_kv_cache, calibration_prefil
 from gpu_worker_svc.engine.sampler import TokenLogprobs, token_logprobs
 from gpu_worker_svc.model.attention_metadata import StepBatch, build_step
 from gpu_worker_svc.model.config import ModelConfig
+from gpu_worker_svc.model.layers.invariant_attention import check_invariant_attention
 from gpu_worker_svc.model.layers.onednn import onednn_available
 from gpu_worker_svc.model.layers.quantize import pack_fp32_for_onednn, quantize_model
 from gpu_worker_svc.model.loader import load_config, load_model, parse_dtype
@@ -72,6 +73,19 @@ class RunnerConfig:
     profile_tokens: int = 2048  # the largest step's token count, profiled on GPU before sizing the KV cache
 
 
+def _check_batch_invariance(config: RunnerConfig, dtype: torch.dtype) -> None:
+    """Refuses batch_invariant where a part of the step would still round a row with its batch."""
+    if config.device != "cpu":
+        raise ValueError("batch_invariant attention is built from torch's CPU kernels: give device cpu")
+    # int8's integer GEMMs are exact; oneDNN's packed fp32 GEMM rounds a row alike at any row count
+    # (measured). fp16, int4 and torch's F.linear do not (fp16 and F.linear: ~1e-6 alone vs batched).
+    if not (config.quantization == "int8" or (config.quantization is None and dtype == torch.float32
+                                                and config.onednn_weights and onednn_available())):
+        mode = config.quantization or f"{config.dtype} without oneDNN-packed weights"
+        raise ValueError(f"batch_invariant needs int8 or float32 oneDNN-packed weights: the GEMMs of {mode} "
+                         f"round a row differently with the number of rows beside it")
+
+
 class ShardWorker:
     """One rank: its model shard and its slice of the KV cache."""
 
@@ -82,13 +96,16 @@ class ShardWorker:
         elif config.device.startswith("cuda"):
             torch.cuda.set_device(rank)
         self.device = config.device if config.device == "cpu" else f"cuda:{rank}"
-        self.tp = init_tp_group(rank, config.tp_size, init_method, self.device)
+        self.tp = init_tp_group(rank, config.tp_size, init_method, self.device, ordered=config.batch_invariant)
         self.dtype = parse_dtype(config.dtype, "cpu" if config.device == "cpu" else "cuda")
         self.block_size = config.block_size
-        if config.batch_invariant and self.device != "cpu":
-            raise ValueError("batch_invariant attention is built from torch's CPU kernels: give device cpu")
         self.batch_invariant = config.batch_invariant
+        if self.batch_invariant:
+            _check_batch_invariance(config, self.dtype)
         self.model = load_model(config.model, self.tp, self.dtype, self.device, config.max_model_len)
+        if self.batch_invariant:  # with this rank's own attention shapes
+            attn = self.model.model.layers[0].self_attn.attn
+            check_invariant_attention((attn.num_heads, attn.num_kv_heads, attn.head_dim))
         if config.quantization is not None:
             if self.device != "cpu":
                 raise ValueError(f"quantization {config.quantization} uses torch's CPU kernels: give device cpu")

@@ -20,6 +20,10 @@ class TPGroup:
 
     rank: int = 0
     world_size: int = 1
+    # all_reduce adds the ranks' parts in rank order. Gloo's all-reduce adds them in an order that
+    # depends on the tensor's size, so a row's sum would change with the rows beside it: batch
+    # invariance needs this (at the cost of an all-gather's traffic).
+    ordered: bool = False
 
     @property
     def is_driver(self) -> bool:
@@ -31,9 +35,17 @@ class TPGroup:
         return self.rank * per, (self.rank + 1) * per
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        if self.world_size > 1:
+        if self.world_size == 1:
+            return x
+        if not self.ordered:
             dist.all_reduce(x)
-        return x
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.world_size)]
+        dist.all_gather(parts, x.contiguous())
+        total = parts[0]
+        for part in parts[1:]:
+            total += part
+        return x.copy_(total)
 
     def gather_last_dim(self, x: torch.Tensor) -> torch.Tensor | None:
         """Concatenate every rank's `x` along the last dim, on rank 0 only (others get None)."""
@@ -56,7 +68,7 @@ class TPGroup:
 
 
 def init_tp_group(rank: int, world_size: int, init_method: str, device: str = "cpu",
-                  timeout_s: float = 600.0) -> TPGroup:
+                  timeout_s: float = 600.0, ordered: bool = False) -> TPGroup:
     """Join the process group; gloo on CPU, NCCL on CUDA."""
     if world_size > 1:
         backend = "nccl" if device.startswith("cuda") else "gloo"
@@ -65,7 +77,7 @@ def init_tp_group(rank: int, world_size: int, init_method: str, device: str = "c
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=timeout_s))
-    return TPGroup(rank=rank, world_size=world_size)
+    return TPGroup(rank=rank, world_size=world_size, ordered=ordered)
 
 
 def destroy_tp_group(group: TPGroup) -> None:

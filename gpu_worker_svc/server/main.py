@@ -72,7 +72,7 @@ def parse_args(argv: list[str] | None) -> WorkerSettings:
     p.add_argument("--no-onednn-weights", dest="onednn_weights", action="store_false",
                    help="CPU float32: keep torch's F.linear instead of oneDNN-packed weights")
     p.add_argument("--batch-invariant", dest="batch_invariant", action="store_true",
-                   help="CPU: tokens bitwise independent of batching, prefix caching and resumes (slower)")
+                   help="CPU, int8 or fp32: tokens bitwise independent of batching, prefix caching and resumes (slower)")
     p.add_argument("--torch-threads", dest="torch_threads", type=int)
     p.add_argument("--metrics-port", dest="metrics_port", type=int)
     p.add_argument("--no-tracing", dest="tracing", action="store_false")

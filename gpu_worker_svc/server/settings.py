@@ -56,9 +56,10 @@ class WorkerSettings(BaseSettings):
     # float32 on CPU without quantization: reorder the weights once for oneDNN's GEMM (~1.3x faster decode
     # steps, same arithmetic; gpu_worker_svc/model/layers/onednn.py). Off: torch's F.linear.
     onednn_weights: bool = True
-    # CPU: batch-invariant attention (gpu_worker_svc/model/layers/invariant_attention.py). A request's
-    # tokens and logprobs are then bitwise the same alone or batched, from the prefix cache or not,
-    # and when resumed on another worker, int8 included; ~10-15% fewer tokens/s.
+    # CPU, int8 or fp32 oneDNN weights: batch-invariant attention (model/layers/invariant_attention.py)
+    # and rank-ordered TP sums. A request's tokens and logprobs are then bitwise the same alone or
+    # batched, from the prefix cache or not, and resumed on another worker of the same CPU type;
+    # ~10% fewer tokens/s with short prompts, ~35% with 2048-token ones (README, Benchmarks).
     batch_invariant: bool = False
     # Torch intra-op threads of rank 0; 0 leaves the engine's choice (cores / tp_size).
     torch_threads: int = Field(0, ge=0)

@@ -108,8 +108,44 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hidden: torch.Ten
     real.view(hkv, s_, n, group, length).masked_fill_(hidden[None, :, :, None], -math.inf)
     real.sub_(real.amax(-1, keepdim=True)).exp_()
     tiled = scores.view(batch, padded, tiles, TILE)
-    denominator = tiled[:, :rows].sum(-1).cumsum(-1)[..., -1:]  # [batch, rows, 1]: tile sums, added in order
+    denominator = _in_order(tiled[:, :rows].sum(-1).movedim(-1, 0))  # [batch, rows]
     partial = torch.bmm(tiled.transpose(1, 2).reshape(batch * tiles, padded, TILE),
                         v.reshape(batch * tiles, TILE, d))
-    out = partial.view(batch, tiles, padded, d)[:, :, :rows].cumsum(1)[:, -1].div_(denominator)
+    out = _in_order(partial.view(batch, tiles, padded, d)[:, :, :rows].movedim(1, 0)).div_(denominator[..., None])
     return out.view(hkv, s_, n, group, d).permute(1, 2, 0, 3, 4).reshape(s_, n, hq, d)
+
+
+def _in_order(per_tile: torch.Tensor) -> torch.Tensor:
+    """The sum over the first dimension, tile after tile: the same additions for a row however many
+    (all-zero) tiles follow its last key. (cumsum along a middle dimension was 10x slower.)"""
+    total = per_tile[0].clone()
+    for tile in per_tile[1:]:
+        total += tile
+    return total
+
+
+def check_invariant_attention(heads: tuple[int, int, int] = (9, 3, 64), positions: int = 300) -> None:
+    """RuntimeError unless this machine's kernels give a query the same bits in every layout a step
+    can put it in. The rules above (rows per matrix, keys per tile) were measured on one CPU and
+    torch build; another (AVX-512, MKL_CBWR, ...) may dispatch to kernels that round otherwise."""
+    q_heads, kv_heads, d = heads
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(positions, h, d, generator=g) for h in (q_heads, kv_heads, kv_heads))
+
+    def queries(first: int, end: int, extra_tiles: int = 0) -> torch.Tensor:
+        length = (-(-end // TILE) + extra_tiles) * TILE
+        slots = torch.arange(length).clamp(max=end - 1)[None]
+        allowed = torch.ones(end - first, length, dtype=torch.bool).tril(first)[None]
+        return invariant_attention(q[None, first:end], k, v, InvariantContext.of(slots, allowed, kv_heads))[0]
+
+    whole = queries(0, positions)
+    same = all(torch.equal(queries(a, b, x), whole[a:b]) for a, b, x in ((0, 37, 1), (37, positions, 0), (100, 102, 2)))
+    decoded = [5, 63, 64, 200, positions - 1]
+    length = -(-positions // TILE) * TILE
+    slots = torch.stack([torch.arange(length).clamp(max=p) for p in decoded])
+    allowed = torch.stack([torch.arange(length) <= p for p in decoded])[:, None]
+    out = invariant_attention(q[decoded][:, None], k, v, InvariantContext.of(slots, allowed, kv_heads))
+    same = same and all(torch.equal(out[i, 0], whole[p]) for i, p in enumerate(decoded))
+    if not same:
+        raise RuntimeError("batch-invariant attention does not hold with this machine's torch kernels (their "
+                           "rounding depends on shapes differently than where it was measured): run without it")

@@ -214,3 +214,11 @@ def test_undamaged_folder_loads(hf_folder, tiny_model):
     """The control: the failures above come from the damage each test does, not from the fixture."""
     model = load_model(hf_folder, TPGroup())
     assert torch.equal(model.model.embed_tokens.weight, tiny_model.model.embed_tokens.weight)
+
+
+@pytest.mark.parametrize("config", [RunnerConfig(quantization="fp16", batch_invariant=True),
+                                    RunnerConfig(onednn_weights=False, batch_invariant=True),
+                                    RunnerConfig(dtype="bfloat16", batch_invariant=True)])
+def test_batch_invariance_is_refused_where_the_gemms_round_with_the_batch(config):
+    with pytest.raises(ValueError, match="batch_invariant needs int8 or float32 oneDNN-packed weights"):
+        ModelRunner(config)
