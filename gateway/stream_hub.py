@@ -15,14 +15,13 @@ import asyncio
 import logging
 import time
 from collections.abc import Coroutine
-from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
 
 from gateway.backends import RPC_TIMEOUT_S, Backends, upstream
+from gateway.delta_stops import DeltaWork, Overshot, match_stops, unarmed_tokens
 from gateway.request_stream import RequestStream, StreamChunk, StreamTiming
-from gateway.stop_matcher import StopMatcher
 from gateway.stop_search import StopSearch, find_stop_tokens
 from shardline.errors import InvalidArgument, ShardlineError
 from shardline.proto import common_pb2, sampling_pb2, scheduler_pb2, tokenizer_pb2
@@ -39,27 +38,6 @@ FINISH_REASONS = {
 _RESUME_TAIL = 8
 _FIRST_BACKOFF_S = 0.05
 _MAX_BACKOFF_S = 2.0
-
-
-@dataclass(slots=True)
-class _Work:
-    stream: RequestStream
-    delta: common_pb2.RequestDelta
-    new: list[int]  # the delta's tokens not seen before
-    logprobs: list[sampling_pb2.TokenLogprob]
-    offset: int  # output index of new[0]
-    final: bool  # the delta ends the request
-    prompt_logprobs: list[sampling_pb2.TokenLogprob] = field(default_factory=list)  # from the first delta
-
-
-@dataclass(slots=True)
-class _Overshot:
-    """A work of several tokens whose stop string matched: the token that completed it is searched for."""
-
-    work: _Work
-    chunk: StreamChunk  # its last chunk, text already cut at the stop string
-    held: str  # the text its stop matcher held back before it, which the matcher put in front
-    search: StopSearch
 
 
 class StreamHub:
@@ -226,7 +204,7 @@ class StreamHub:
     async def _handle(self, deltas: list[common_pb2.RequestDelta]) -> None:
         # One request can appear more than once (a resumed record, then the deltas held meanwhile,
         # which may overlap it): each delta is cut against the tokens taken so far in this call.
-        work: dict[str, _Work] = {}
+        work: dict[str, DeltaWork] = {}
         for delta in deltas:
             stream = self._streams.get(delta.request_id)
             if stream is None or stream.finished:
@@ -258,12 +236,12 @@ class StreamHub:
                 merged.prompt_logprobs += prompt_logprobs
                 merged.final, merged.delta = final, delta if final else merged.delta
             elif new or final:
-                work[delta.request_id] = _Work(stream, delta, new, logprobs, delta.offset + skip, final,
+                work[delta.request_id] = DeltaWork(stream, delta, new, logprobs, delta.offset + skip, final,
                                                prompt_logprobs)
         if work:
             await self._detokenize(list(work.values()))
 
-    async def _detokenize(self, work: list[_Work]) -> None:
+    async def _detokenize(self, work: list[DeltaWork]) -> None:
         items = [
             tokenizer_pb2.DetokenizeItem(
                 prefix_token_ids=w.stream.prefix, new_token_ids=w.stream.pending + w.new, final=w.final,
@@ -275,11 +253,11 @@ class StreamHub:
         items += [tokenizer_pb2.DetokenizeItem(new_token_ids=[t], final=True) for t in named]
         # A delta that crosses min_tokens also gets the text of its tokens before it, which stop
         # strings must not end the request in (vLLM checks them token by token).
-        crossing = [i for i, w in enumerate(work) if 0 < _unarmed(w) < len(w.new)]
+        crossing = [i for i, w in enumerate(work) if 0 < unarmed_tokens(w) < len(w.new)]
         splits = {i: len(items) + n for n, i in enumerate(crossing)}  # work index -> its extra item
         for w in (work[i] for i in crossing):
             items.append(tokenizer_pb2.DetokenizeItem(
-                prefix_token_ids=w.stream.prefix, new_token_ids=w.stream.pending + w.new[: _unarmed(w)],
+                prefix_token_ids=w.stream.prefix, new_token_ids=w.stream.pending + w.new[: unarmed_tokens(w)],
                 skip_special_tokens=w.stream.skip_special_tokens))
         start_ns = time.time_ns()
         try:
@@ -296,7 +274,7 @@ class StreamHub:
         end_ns, now = time.time_ns(), time.perf_counter()
         texts = dict(zip(named, (result.text for result in reply.results[len(work) :])))
         specials = frozenset(tokenizer.special_token_ids)
-        overshot: list[_Overshot] = []
+        overshot: list[Overshot] = []
         for i, (w, result) in enumerate(zip(work, reply.results)):
             stream = w.stream
             sent = stream.pending + w.new
@@ -311,14 +289,14 @@ class StreamHub:
                 stream.cached_tokens = w.delta.usage.cached_tokens
             _record_timing(stream.timing, bool(w.new), now, start_ns, end_ns)
             held = stream.stop.held
-            text, end = self._match_stops(w, result.text, reply.results[splits[i]].text if i in splits else None)
+            text, end = match_stops(w, result.text, reply.results[splits[i]].text if i in splits else None)
             chunk = StreamChunk(text, w.new, w.offset, w.logprobs, prompt_logprobs=w.prompt_logprobs)
             if w.logprobs or w.prompt_logprobs:
                 chunk.token_texts = {t: texts[t] for t in _named_tokens(w.logprobs, w.prompt_logprobs)}
             if end is not None and len(w.new) > 1:  # which of its tokens completed the stop string?
-                search = StopSearch(item, len(w.new), result.text, end, lo=_unarmed(w) + 1, hi=len(w.new),
+                search = StopSearch(item, len(w.new), result.text, end, lo=unarmed_tokens(w) + 1, hi=len(w.new),
                                     hi_text=result.text)
-                overshot.append(_Overshot(w, chunk, held, search))
+                overshot.append(Overshot(w, chunk, held, search))
             elif end is not None:
                 self._finish(stream, chunk, "stop", cancel=not w.final)
             elif w.final:
@@ -331,7 +309,7 @@ class StreamHub:
         if overshot:
             await self._cut_after_stops(overshot)
 
-    async def _cut_after_stops(self, overshot: list[_Overshot]) -> None:
+    async def _cut_after_stops(self, overshot: list[Overshot]) -> None:
         """Ends requests whose stop string completed inside a delta of several tokens, keeping the
         tokens through the one that completed it (vLLM checks stop strings token by token, so its
         output, logprobs and usage end there). If the search fails, every token is kept, as before
@@ -342,7 +320,7 @@ class StreamHub:
                 # Of the stop strings that token completes, the first in the list wins, as in vLLM (all
                 # the delta's tokens before it complete none). Not when min_tokens fell inside the
                 # delta: stop strings in its text before then must not count.
-                if _unarmed(o.work) == 0:
+                if unarmed_tokens(o.work) == 0:
                     shown = o.held + o.search.hi_text
                     start = o.work.stream.stop.first_listed(shown)
                     o.chunk.text = shown[:start] if start is not None else o.chunk.text
@@ -354,24 +332,6 @@ class StreamHub:
             chunk.token_texts = {t: chunk.token_texts[t] for t in _named_tokens(chunk.logprobs, chunk.prompt_logprobs)}
             w.stream.next_offset = w.offset + keep  # its usage counts the kept tokens
             self._finish(w.stream, chunk, "stop", cancel=not w.final)
-
-    @staticmethod
-    def _match_stops(w: _Work, text: str, unarmed_text: str | None) -> tuple[str, int | None]:
-        """Feeds a work's text to its stop matcher, armed from its min_tokens-th token on.
-
-        Returns the text to send and, when a stop string matched, where it ends in `text`.
-        """
-        stop = w.stream.stop
-        unarmed = _unarmed(w)
-        if unarmed == 0 or not w.new:
-            return _ended(stop, *stop.feed(text, final=w.final, one_token=len(w.new) == 1), 0)
-        if unarmed_text is None:  # every new token comes before min_tokens
-            return _ended(stop, *stop.feed(text, final=w.final, armed=False), 0)
-        if not text.startswith(unarmed_text):  # a decoder that respells its tail: check the whole text
-            return _ended(stop, *stop.feed(text, final=w.final), 0)
-        before, _ = stop.feed(unarmed_text, armed=False)
-        after, end = _ended(stop, *stop.feed(text[len(unarmed_text) :], final=w.final), len(unarmed_text))
-        return before + after, end
 
     def _finish(self, stream: RequestStream, chunk: StreamChunk, reason: str, cancel: bool,
                 usage: sampling_pb2.Usage | None = None) -> None:
@@ -405,18 +365,6 @@ class StreamHub:
             logger.warning("cancel of %s failed: %s %s", request_id, exc.code().name, exc.details())
             return
         self._unsent_cancels.discard(request_id)
-
-
-def _ended(stop: StopMatcher, text: str, stopped: bool, fed_from: int) -> tuple[str, int | None]:
-    """(text, where the matched stop string ends in the work's text, or None): the matcher's end is in
-    the piece it was fed, which began `fed_from` characters into the work's text."""
-    return text, fed_from + stop.match_end if stopped else None
-
-
-def _unarmed(w: _Work) -> int:
-    """How many of a work's new tokens come before its request's min_tokens-th, where stop strings
-    cannot end it yet (vLLM checks them once the output has min_tokens tokens)."""
-    return min(max(0, w.stream.min_tokens - 1 - w.offset), len(w.new)) if w.stream.stop.holds_text else 0
 
 
 def _tail(ids: list[int], size: int) -> list[int]:
