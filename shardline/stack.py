@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from collections.abc import Callable
@@ -63,6 +64,10 @@ class StackConfig:
         return cls(**{**ports, **kwargs})
 
 
+class StartInterrupted(Exception):
+    """The `interrupt` event passed to LocalStack.start was set while it started: what had started is stopped."""
+
+
 @dataclass(slots=True)
 class Child:
     name: str
@@ -81,18 +86,28 @@ class LocalStack:
         self._tmp: tempfile.TemporaryDirectory | None = None
         self.redis_url = config.redis_url or ""
         self.worker_ports: list[int] = []
+        self._interrupt: threading.Event | None = None
 
     # -- lifecycle ------------------------------------------------------------
-    def start(self, progress: Callable[[str], None] = lambda msg: None, timeout_s: float = 300.0) -> LocalStack:
+    def start(self, progress: Callable[[str], None] = lambda msg: None, timeout_s: float = 300.0,
+              interrupt: threading.Event | None = None) -> LocalStack:
         """Start every service and wait until all are healthy; on any failure (or Ctrl-C) stop what started.
 
         The services run in sessions of their own, so nothing else would stop them.
+
+        `interrupt`: an event a signal handler sets to abandon the start; it is polled while the
+        services come up, and start() stops them and raises StartInterrupted. A handler that raises
+        instead (KeyboardInterrupt) can be lost: a signal handled inside a __del__, as when a health
+        check's gRPC channel is collected, has its exception ignored, and the start carries on.
         """
+        self._interrupt = interrupt
         try:
             self._start(progress, timeout_s)
         except BaseException:
             self.stop()
             raise
+        finally:
+            self._interrupt = None
         return self
 
     def _start(self, progress: Callable[[str], None], timeout_s: float) -> None:
@@ -165,9 +180,14 @@ class LocalStack:
         self._wait_healthy(self.children, progress, deadline)
         url = f"http://127.0.0.1:{self.config.http_port}/health"
         while not _http_ok(url):  # the gateway is healthy once it reaches the scheduler and a worker is up
+            self._check_interrupt()
             if time.monotonic() > deadline:
                 raise TimeoutError(f"gateway /health not OK after {timeout_s:.0f}s")
             time.sleep(0.2)
+
+    def _check_interrupt(self) -> None:
+        if self._interrupt is not None and self._interrupt.is_set():
+            raise StartInterrupted("interrupted while starting")
 
     def _last_words(self, child: Child) -> str:
         """With --log-dir, the end of a failed child's log (what it said on stderr, otherwise)."""
@@ -184,6 +204,7 @@ class LocalStack:
         pending = [child for child in children if not child.ready]
         while pending:
             for child in list(pending):
+                self._check_interrupt()
                 if child.proc.poll() is not None:
                     raise RuntimeError(f"{child.name} exited with code {child.proc.returncode} while starting"
                                        + self._last_words(child))

@@ -13,7 +13,7 @@ from pathlib import Path
 from shardline.cli.arg_types import at_least_one
 from shardline.service_main import redacted
 from shardline.signals import STOP_SIGNALS
-from shardline.stack import LocalStack, StackConfig
+from shardline.stack import LocalStack, StackConfig, StartInterrupted
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -39,21 +39,20 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.monotonic()
     print(f"shardline: starting {args.workers} worker(s) at TP {args.tp} with "
           f"{args.model or 'SmolLM2-135M-Instruct (default)'} ...", flush=True)
-    # While starting, Ctrl-C (and SIGTERM and SIGHUP, made to match) interrupts start(), which stops
-    # what it started.
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, signal.default_int_handler)
+    # Ctrl-C, SIGTERM and a closed terminal (SIGHUP) all set `stop`, while starting as after: the
+    # services must not outlive `up`. start() polls it, and stops what it started.
+    stop = threading.Event()
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, lambda *_: stop.set())
     try:
-        stack.start(progress=lambda msg: print(f"  [{time.monotonic() - t0:5.1f}s] {msg}", flush=True))
-    except KeyboardInterrupt:
+        stack.start(progress=lambda msg: print(f"  [{time.monotonic() - t0:5.1f}s] {msg}", flush=True),
+                    interrupt=stop)
+    except StartInterrupted:
         print("shardline: interrupted while starting; stopped", file=sys.stderr)
         return 130
     except (RuntimeError, TimeoutError) as exc:
         print(f"shardline: failed to start: {exc}", file=sys.stderr)
         return 1
-    stop = threading.Event()
-    for sig in STOP_SIGNALS:  # a closed terminal (SIGHUP) too: the services must not outlive `up`
-        signal.signal(sig, lambda *_: stop.set())
     traces = (f"\n  traces        http://127.0.0.1:{config.dashboard_port}/   (dashboard; OTLP on :{config.otlp_port})"
               f"\n                shardline trace export --redis-url {redacted(stack.redis_url)} --last 1"
               if args.tracing else "")

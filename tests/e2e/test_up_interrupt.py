@@ -38,6 +38,11 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
+def _logs(tmp_path: Path) -> str:
+    return "".join(f"\n--- {log.name}\n{log.read_text(errors='replace')[-2000:]}"
+                   for log in sorted((tmp_path / "logs").glob("*.log")))
+
+
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGHUP, signal.SIGKILL])
 def test_stopping_up_while_starting_stops_every_service(tmp_path, sig):
     up = subprocess.Popen(
@@ -55,8 +60,14 @@ def test_stopping_up_while_starting_stops_every_service(tmp_path, sig):
         if sig == signal.SIGKILL:  # no cleanup runs in `up`: its services die with it (PR_SET_PDEATHSIG)
             assert up.wait(timeout=30) == -signal.SIGKILL
         else:
-            assert up.wait(timeout=30) == 130
-            assert "interrupted while starting" in up.stdout.read()
+            try:
+                code = up.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                up.kill()
+                pytest.fail(f"`up` did not exit within 30 s of {sig.name}:\n{up.communicate()[0]}{_logs(tmp_path)}")
+            output = up.stdout.read()
+            assert code == 130, output
+            assert "interrupted while starting" in output
         deadline = time.monotonic() + 15
         while any(_alive(pid) for pid in children) and time.monotonic() < deadline:
             time.sleep(0.05)

@@ -6,10 +6,11 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 
 import pytest
 
-from shardline.stack import LocalStack, StackConfig
+from shardline.stack import LocalStack, StackConfig, StartInterrupted
 
 
 def test_ctrl_c_during_a_spawn_still_records_the_child():
@@ -44,3 +45,24 @@ def test_a_child_whose_parent_died_before_its_prctl_ends_itself():
     finally:
         kept.kill()
         kept.wait()
+
+
+def test_an_interrupt_while_starting_stops_what_started(tmp_path):
+    # `up`'s signal handlers set an event that start() polls: an exception raised from a handler
+    # instead is lost when the signal lands in a __del__ (CI saw `up` start on after a SIGHUP).
+    stack = LocalStack(StackConfig.on_free_ports(redis_url="redis://127.0.0.1:1"))  # no embedded Redis
+    started: list[subprocess.Popen] = []
+
+    def sleeper(name: str, argv: list[str], env: dict[str, str]) -> subprocess.Popen:
+        started.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                                        start_new_session=True))
+        return started[-1]
+
+    stack._popen = sleeper
+    interrupt = threading.Event()
+    timer = threading.Timer(0.5, interrupt.set)  # the services are up but not healthy yet
+    timer.start()
+    with pytest.raises(StartInterrupted):
+        stack.start(interrupt=interrupt, timeout_s=30)
+    assert [child.name for child in stack.children] == ["tokenizer", "scheduler", "worker-0", "gateway"]
+    assert all(proc.poll() is not None for proc in started)
