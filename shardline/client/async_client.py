@@ -8,6 +8,7 @@ from typing import Any, TypeVar
 
 import grpc
 
+from shardline.client.channel_options import CHANNEL_OPTIONS
 from shardline.client.sync_client import RETRYABLE
 from shardline.client.types import Chunk, Completion, ModelInfo, RequestInfo, build_request, was_taken
 from shardline.proto import common_pb2, generation_pb2, generation_pb2_grpc
@@ -38,7 +39,7 @@ class AsyncShardlineClient:
     @property
     def _stub(self) -> generation_pb2_grpc.GenerationStub:
         if self._stub_ is None:
-            self._channel = grpc.aio.insecure_channel(self._target)
+            self._channel = grpc.aio.insecure_channel(self._target, options=CHANNEL_OPTIONS)
             self._stub_ = generation_pb2_grpc.GenerationStub(self._channel)
         return self._stub_
 

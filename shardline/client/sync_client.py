@@ -8,6 +8,7 @@ from typing import Any, TypeVar
 
 import grpc
 
+from shardline.client.channel_options import CHANNEL_OPTIONS
 from shardline.client.types import Chunk, Completion, ModelInfo, RequestInfo, build_request, was_taken
 from shardline.proto import common_pb2, generation_pb2, generation_pb2_grpc
 
@@ -30,7 +31,7 @@ class ShardlineClient:
 
     def __init__(self, target: str = "localhost:50051", *, api_key: str | None = None,
                  timeout: float | None = None, retries: int = 4, backoff_s: float = 0.2) -> None:
-        self._channel = grpc.insecure_channel(target)
+        self._channel = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
         self._stub = generation_pb2_grpc.GenerationStub(self._channel)
         self._metadata = [("authorization", f"Bearer {api_key}")] if api_key else []
         self.timeout = timeout
