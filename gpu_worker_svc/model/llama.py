@@ -53,7 +53,7 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(F.silu(gate).mul_(up))  # in place: no second [T, n] buffer
 
     def divide_up_channels(self, s: torch.Tensor) -> None:
         """Scale down_proj's input channel j by 1 / s[j], through the up projection's row j."""

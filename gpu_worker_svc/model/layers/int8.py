@@ -108,6 +108,10 @@ class _OneDNNInt8:
 
     def matmul(self, unit_rows: torch.Tensor) -> torch.Tensor:
         """`unit_rows` are rows already divided by their absmax."""
-        codes = torch.quantize_per_tensor(unit_rows, _ACT_SCALE, _ACT_ZERO_POINT, torch.quint8).int_repr()
+        quantized = torch.quantize_per_tensor(unit_rows, _ACT_SCALE, _ACT_ZERO_POINT, torch.quint8)
+        # The quint8 tensor's storage holds the codes as plain bytes: a uint8 tensor over it reads them
+        # where int_repr() would copy them (~1 ms per 2048-row GEMM, 4% of a 16 x 128-token prefill).
+        codes = torch.empty(0, dtype=torch.uint8).set_(quantized.untyped_storage(), quantized.storage_offset(),
+                                                       quantized.shape, quantized.stride())
         return torch.ops.onednn.qlinear_pointwise(codes, _ACT_SCALE, _ACT_ZERO_POINT, self.packed, self.scale,
                                                   self.zero_point, None, 1.0, 0, torch.float32, "none", [], "")
