@@ -18,6 +18,9 @@ from torch import nn
 
 from gpu_worker_svc.model.layers.int8 import require_fbgemm
 
+# The overload itself: the packet would scan the arguments for the packed weight in Python first.
+_FBGEMM_LINEAR_FP16 = torch.ops.quantized.linear_dynamic_fp16.default
+
 
 class FP16Weight(nn.Module):
     """An fbgemm-packed fp16 copy of one linear layer's (sharded) weight."""
@@ -30,5 +33,5 @@ class FP16Weight(nn.Module):
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        y = torch.ops.quantized.linear_dynamic_fp16(x.reshape(-1, shape[-1]).float(), self.packed)
+        y = _FBGEMM_LINEAR_FP16(x.reshape(-1, shape[-1]).float(), self.packed)
         return y.to(x.dtype).view(*shape[:-1], self.out_features)
