@@ -225,8 +225,8 @@ class StreamHub:
             first = delta.offset == 0 and not skip and bool(delta.token_ids)
             prompt_logprobs = list(delta.prompt_logprobs) if first else []
             if first and stream.wants_prompt_logprobs and len(prompt_logprobs) != stream.prompt_tokens - 1:
-                # Its first token came from the Redis record (this gateway lost its output stream just
-                # then), which keeps no logprobs: an error the client can retry, not a short answer.
+                # Its first token came from a Redis record without them (the scheduler keeps them
+                # since 2026-11-30, an older one did not): an error the client can retry, not a short answer.
                 self._finish(stream, StreamChunk("", [], 0, error="its prompt logprobs were lost in a "
                                                  "reconnection to the scheduler; send it again"), "error", cancel=True)
                 continue
@@ -388,9 +388,11 @@ def _record_timing(timing: StreamTiming, has_tokens: bool, now: float, start_ns:
 
 
 def _record_delta(info: common_pb2.RequestInfo, offset: int) -> common_pb2.RequestDelta:
-    """A delta holding a request record's tokens from `offset` on, final when the record is."""
+    """A delta holding a request record's tokens from `offset` on, with their logprobs (and, from
+    0, the prompt's) where it asked for them; final when the record is."""
     delta = common_pb2.RequestDelta(
-        request_id=info.request_id, token_ids=info.output_token_ids[offset:], offset=offset)
+        request_id=info.request_id, token_ids=info.output_token_ids[offset:], offset=offset,
+        logprobs=info.output_logprobs[offset:], prompt_logprobs=info.prompt_logprobs if offset == 0 else [])
     if info.status == sampling_pb2.REQUEST_STATUS_FINISHED:
         delta.finish_reason = info.finish_reason or sampling_pb2.FINISH_REASON_STOP
     elif info.status == sampling_pb2.REQUEST_STATUS_CANCELLED:

@@ -93,6 +93,8 @@ class RequestTable:
         new_tokens: dict[str, list[int]] = defaultdict(list)
         first_token_ts: dict[str, float] = {}
         cached_tokens: dict[str, int] = {}
+        logprobs: dict[str, list[bytes]] = defaultdict(list)
+        prompt_logprobs: dict[str, list[bytes]] = {}
         finished: list[Outcome] = []
         kept_per_step: list[list[tuple[LiveRequest, common_pb2.RequestDelta]]] = []
         for step in steps:
@@ -109,6 +111,12 @@ class RequestTable:
                         first_token_ts[request.request_id] = now
                     new_tokens[request.request_id].extend(delta.token_ids)
                     request.num_output_tokens += len(delta.token_ids)
+                    # Kept beside the tokens, so a stream rebuilt from Redis (Resume, a gateway's
+                    # catch-up after a reconnection) has its logprobs too.
+                    logprobs[request.request_id] += [lp.SerializeToString() for lp in delta.logprobs]
+                    if delta.offset == 0 and delta.prompt_logprobs:
+                        prompt_logprobs[request.request_id] = [lp.SerializeToString()
+                                                               for lp in delta.prompt_logprobs]
                 if delta.finish_reason:
                     _fill_usage(request, delta.usage)
                     reason = FinishReason(delta.finish_reason)
@@ -119,7 +127,8 @@ class RequestTable:
         self._registry.report(worker_id, stats.num_running, stats.num_waiting, stats.kv_blocks_used)
         # Persist before relaying, so whatever a gateway has seen can be read back from Redis. The
         # step's tokens and its finishes land together: recovery never sees a complete output RUNNING.
-        await self._store.append_step(new_tokens, first_token_ts, [o.stored() for o in finished], cached_tokens)
+        await self._store.append_step(new_tokens, first_token_ts, [o.stored() for o in finished], cached_tokens,
+                                      logprobs, prompt_logprobs)
         self._end(finished)
         for step, kept in zip(steps, kept_per_step):
             self._publish(worker_id, step.step, kept)

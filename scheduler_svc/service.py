@@ -136,7 +136,14 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         record = await self._store.get(request_id)
         if record is None:
             raise NotFound(f"request_id: no request {request_id!r} (never submitted, or expired)")
-        return _to_request_info(record, await self._store.get_tokens(request_id))
+        info = _to_request_info(record, await self._store.get_tokens(request_id))
+        if info.params.logprobs or info.params.HasField("prompt_logprobs"):
+            output, prompt = await self._store.get_logprobs(request_id)
+            # A step may have landed between the two reads: its logprobs go with tokens not read yet.
+            info.output_logprobs.extend(sampling_pb2.TokenLogprob.FromString(lp)
+                                        for lp in output[: len(info.output_token_ids)])
+            info.prompt_logprobs.extend(sampling_pb2.TokenLogprob.FromString(lp) for lp in prompt)
+        return info
 
 
 def _to_request_info(record: RequestRecord, tokens: list[int]) -> common_pb2.RequestInfo:

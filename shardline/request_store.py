@@ -10,6 +10,10 @@ Keys, all under `shardline:`:
 - `shardline:req:<id>:prompt`: prompt token ids, packed little-endian uint32;
 - `shardline:req:<id>:tokens`: generated token ids, packed the same way and
   grown with APPEND, so reading from an offset is one GETRANGE;
+- `shardline:req:<id>:logprobs`: when the request asked for logprobs, a list with
+  one serialized shardline.v1.TokenLogprob per generated token, index for index;
+- `shardline:req:<id>:prompt_logprobs`: when it asked for prompt logprobs, a list
+  of them, one per prompt token after the first;
 - `shardline:active`: set of unfinished request ids (recovery after a restart);
 - `shardline:recent`: sorted set of request ids scored by arrival (listings).
 
@@ -106,6 +110,14 @@ def _tokens_key(request_id: str) -> str:
     return f"{PREFIX}req:{request_id}:tokens"
 
 
+def _logprobs_key(request_id: str) -> str:
+    return f"{PREFIX}req:{request_id}:logprobs"
+
+
+def _prompt_logprobs_key(request_id: str) -> str:
+    return f"{PREFIX}req:{request_id}:prompt_logprobs"
+
+
 # KEYS: hash, prompt, active, recent. ARGV: id, arrival_ts, trim_before, prompt, field, value, ...
 # One script so a duplicate id is refused atomically instead of overwriting a live request.
 _CREATE_LUA = """
@@ -118,7 +130,8 @@ redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', '(' .. ARGV[3])
 return 1
 """
 
-# KEYS: hash, prompt, tokens, active. ARGV: id, retention_ms (0 unless finishing), field, value, ...
+# KEYS: hash, prompt, tokens, logprobs, prompt logprobs, active. ARGV: id, retention_ms (0 unless
+# finishing), field, value, ...
 # Only a live request changes: a missing hash (unknown, or expired) is not
 # resurrected as a fragment, and a terminal status is final, so a cancel that
 # races a normal finish cannot overwrite it.
@@ -132,8 +145,8 @@ if last_set > 3 then redis.call('HSET', KEYS[1], unpack(ARGV, 4, last_set)) end
 for i = last_set + 1, #ARGV, 2 do redis.call('HSETNX', KEYS[1], ARGV[i], ARGV[i + 1]) end
 local retention_ms = tonumber(ARGV[2])
 if retention_ms > 0 then
-  redis.call('SREM', KEYS[4], ARGV[1])
-  for i = 1, 3 do redis.call('PEXPIRE', KEYS[i], retention_ms) end
+  redis.call('SREM', KEYS[6], ARGV[1])
+  for i = 1, 5 do redis.call('PEXPIRE', KEYS[i], retention_ms) end
 end
 return 1
 """
@@ -192,7 +205,8 @@ def _update_args(request_id: str, retention_ms: int, fields: dict[str, Any],
                  once: dict[str, Any] | None = None) -> tuple[list[str], list[Any]]:
     """KEYS and ARGV of _UPDATE_LIVE_LUA: `fields` are set, `once` only where absent."""
     once = once or {}
-    keys = [_hash_key(request_id), _prompt_key(request_id), _tokens_key(request_id), ACTIVE_KEY]
+    keys = [_hash_key(request_id), _prompt_key(request_id), _tokens_key(request_id), _logprobs_key(request_id),
+            _prompt_logprobs_key(request_id), ACTIVE_KEY]
     pairs = [item for pair in [*fields.items(), *once.items()] for item in pair]
     return keys, [request_id, retention_ms, len(once), *pairs]
 
@@ -246,13 +260,16 @@ class RequestStore:
     async def append_step(
         self, deltas: dict[str, list[int]], first_token_ts: dict[str, float] | None = None,
         finishes: Sequence[tuple[str, RequestStatus, FinishReason, str | None]] = (),
-        cached_tokens: dict[str, int] | None = None,
+        cached_tokens: dict[str, int] | None = None, logprobs: dict[str, list[bytes]] | None = None,
+        prompt_logprobs: dict[str, list[bytes]] | None = None,
     ) -> list[bool]:
         """Appends one engine step's new tokens for every request, and records the requests the step
         finished (as `finish_many`), in ONE round trip; returns finish_many's answers.
 
         `first_token_ts` maps requests whose first token is in this step to its time, and
-        `cached_tokens` those whose worker said how many prompt tokens it had cached. Only for live
+        `cached_tokens` those whose worker said how many prompt tokens it had cached. `logprobs`
+        holds the serialized TokenLogprob of each new token of the requests that asked for them, and
+        `prompt_logprobs` a request's prompt logprobs, which come with its first token. Only for live
         requests: on the hot path, it does not check. It is one MULTI/EXEC when the step finishes a
         request: a crash between a request's last tokens and its finish would leave it RUNNING with
         a complete output, and recovery would run it on past its end.
@@ -265,6 +282,10 @@ class RequestStore:
             pipe.hset(_hash_key(request_id), "first_token_ts", ts)
         for request_id, count in (cached_tokens or {}).items():
             pipe.hset(_hash_key(request_id), "cached_tokens", count)
+        for key, lists in ((_logprobs_key, logprobs), (_prompt_logprobs_key, prompt_logprobs)):
+            for request_id, items in (lists or {}).items():
+                if items:
+                    pipe.rpush(key(request_id), *items)
         appends = len(pipe)
         self._queue_finishes(pipe, finishes)
         if not len(pipe):
@@ -349,6 +370,17 @@ class RequestStore:
             raise ValueError(f"offset must be >= 0, got {offset}")
         data = await self._redis.getrange(_tokens_key(request_id), offset * TOKEN_BYTES, -1)
         return unpack_token_ids(data)
+
+    async def get_logprobs(self, request_id: str, offset: int = 0) -> tuple[list[bytes], list[bytes]]:
+        """The serialized TokenLogprobs of the generated tokens from index `offset` on, and of the
+        prompt, in one round trip (empty where the request asked for none, or is unknown)."""
+        if offset < 0:
+            raise ValueError(f"offset must be >= 0, got {offset}")
+        pipe = self._redis.pipeline(transaction=False)
+        pipe.lrange(_logprobs_key(request_id), offset, -1)
+        pipe.lrange(_prompt_logprobs_key(request_id), 0, -1)
+        output, prompt = await pipe.execute()
+        return output, prompt
 
     async def get_prompt(self, request_id: str) -> list[int] | None:
         """Prompt token ids, or None if unknown or expired."""

@@ -105,7 +105,7 @@ class Chunk:
 
 @dataclass(slots=True)
 class RequestInfo:
-    """A request's record: status, worker, attempts, timings (unix seconds) and tokens."""
+    """A request's record: status, worker, attempts, timings (unix seconds), tokens and their logprobs."""
 
     request_id: str
     model: str
@@ -120,6 +120,9 @@ class RequestInfo:
     first_token_time: float | None
     finish_time: float | None
     output_token_ids: list[int]
+    # When the request asked for them (top_logprobs, prompt_logprobs): as in its Completion.
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None
 
     @classmethod
     def from_proto(cls, r: common_pb2.RequestInfo) -> RequestInfo:
@@ -128,7 +131,9 @@ class RequestInfo:
 
         return cls(r.request_id, r.model, _STATUS.get(r.status, "unknown"), r.worker_id, r.attempt,
                    _FINISH.get(r.finish_reason), r.error, Usage.from_proto(r.usage), ts("arrival_time"),
-                   ts("dispatch_time"), ts("first_token_time"), ts("finish_time"), list(r.output_token_ids))
+                   ts("dispatch_time"), ts("first_token_time"), ts("finish_time"), list(r.output_token_ids),
+                   [TokenLogprob.from_proto(lp) for lp in r.output_logprobs] or None,
+                   [TokenLogprob.from_proto(lp) for lp in r.prompt_logprobs] or None)
 
 
 @dataclass(slots=True)

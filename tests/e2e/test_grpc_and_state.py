@@ -40,6 +40,23 @@ def test_async_client_and_resume(grpc_target):
     assert stored == full
 
 
+def test_a_resumed_stream_and_the_record_keep_the_logprobs(grpc_target):
+    # Replayed from Redis, as after a lost connection: a client asking for logprobs gets them all.
+    with ShardlineClient(grpc_target) as client:
+        whole = client.generate("The sky is", max_tokens=8, temperature=0.0, ignore_eos=True, top_logprobs=2,
+                                prompt_logprobs=1)
+        chunks = list(client.resume(whole.request_id, offset=0))
+        later = list(client.resume(whole.request_id, offset=5))
+        info = client.get_request(whole.request_id)
+    assert len(whole.logprobs) == 8 and whole.prompt_logprobs and whole.usage.prompt_tokens > 1
+    assert [lp for c in chunks for lp in c.logprobs or ()] == whole.logprobs
+    assert next(c.prompt_logprobs for c in chunks if c.prompt_logprobs) == whole.prompt_logprobs
+    assert [lp for c in later for lp in c.logprobs or ()] == whole.logprobs[5:]
+    assert not any(c.prompt_logprobs for c in later)  # sent with the first token only
+    assert info.logprobs == whole.logprobs and info.prompt_logprobs == whole.prompt_logprobs
+    assert len(info.prompt_logprobs) == whole.usage.prompt_tokens - 1
+
+
 def test_an_async_stream_left_early_can_be_resumed_at_once(grpc_target):
     # Breaking out of the stream must end its rpc; before, the request ran on to the end, and a
     # Resume was refused ("already streaming") all that time.

@@ -234,6 +234,30 @@ async def test_tokens_by_offset(redis_url: str) -> None:
 
 
 @run_async
+async def test_logprobs_are_kept_token_for_token(redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    def lp(token_id: int) -> bytes:
+        top = [sampling_pb2.TopLogprob(token_id=token_id + 1, logprob=-0.5)]
+        return sampling_pb2.TokenLogprob(token_id=token_id, logprob=-0.25, top=top).SerializeToString()
+
+    async with RequestStore(redis_url) as store:
+        for request_id in ("with", "without"):
+            await store.create(record(request_id), [1, 2, 3])
+        sends = _count_round_trips(monkeypatch)
+        await store.append_step({"with": [7], "without": [8]}, logprobs={"with": [lp(7)]},
+                                prompt_logprobs={"with": [lp(2), lp(3)]})
+        await store.append_step({"with": [9, 10], "without": [11]}, logprobs={"with": [lp(9), lp(10)]})
+        assert len(sends) == 2  # still one round trip a step
+        monkeypatch.undo()
+        output, prompt = await store.get_logprobs("with")
+        assert output == [lp(7), lp(9), lp(10)] and prompt == [lp(2), lp(3)]
+        assert sampling_pb2.TokenLogprob.FromString(output[1]).top[0].token_id == 10
+        assert await store.get_logprobs("with", offset=2) == ([lp(10)], [lp(2), lp(3)])
+        assert await store.get_logprobs("without") == ([], [])
+        with pytest.raises(ValueError):
+            await store.get_logprobs("with", -1)
+
+
+@run_async
 async def test_active_set_and_recent_listing(redis_url: str) -> None:
     now = time.time()
     async with RequestStore(redis_url) as store:
@@ -253,17 +277,20 @@ async def test_finish_sets_ttl_and_keys_expire(redis_url: str) -> None:
     async with RequestStore(redis_url, retention_s=3600) as store:
         await store.create(record("r1"), [1, 2])
         await store.append_step({"r1": [3]})
-        keys = ["shardline:req:r1", "shardline:req:r1:prompt", "shardline:req:r1:tokens"]
-        assert [raw.ttl(k) for k in keys] == [-1, -1, -1]  # live requests never expire
+        await store.append_step({"r1": [4]}, logprobs={"r1": [b"lp"]}, prompt_logprobs={"r1": [b"p"]})
+        keys = ["shardline:req:r1", "shardline:req:r1:prompt", "shardline:req:r1:tokens",
+                "shardline:req:r1:logprobs", "shardline:req:r1:prompt_logprobs"]
+        assert [raw.ttl(k) for k in keys] == [-1] * 5  # live requests never expire
         await store.finish("r1", RequestStatus.FINISHED, FinishReason.STOP)
         assert all(3590 <= raw.ttl(k) <= 3600 for k in keys)
     async with RequestStore(redis_url, retention_s=0.2) as store:
         await store.create(record("r2"), [1])
-        await store.append_step({"r2": [5]})
+        await store.append_step({"r2": [5]}, logprobs={"r2": [b"lp"]}, prompt_logprobs={"r2": [b"p"]})
         await store.finish("r2", RequestStatus.FINISHED, FinishReason.STOP)
         await asyncio.sleep(0.4)
         assert await store.get("r2") is None
         assert await store.get_prompt("r2") is None
         assert await store.get_tokens("r2") == []
+        assert await store.get_logprobs("r2") == ([], [])
         assert [r.request_id for r in await store.list_recent(10)] == ["r1"]
     raw.close()
