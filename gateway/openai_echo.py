@@ -47,7 +47,9 @@ async def echoed_prompts(runner: RequestRunner, lives: list[LiveRequest], only: 
 def vllm_prompt_logprobs(prompt_logprobs: list[sampling_pb2.TokenLogprob],
                          texts: dict[int, str]) -> list[dict[str, dict[str, Any]] | None]:
     """vLLM's `prompt_logprobs`: None for the first prompt token, then per position the prompt token
-    and the most likely alternatives, keyed by token id."""
-    return [None, *({str(t): {"logprob": v, "decoded_token": texts[t]}
-                     for t, v in [*((alt.token_id, alt.logprob) for alt in lp.top), (lp.token_id, lp.logprob)]}
+    and the most likely alternatives, keyed by token id, each with its rank (the alternatives' are
+    their places, 1 first)."""
+    return [None, *({str(t): {"logprob": v, "rank": rank, "decoded_token": texts[t]}
+                     for t, v, rank in [*((alt.token_id, alt.logprob, i + 1) for i, alt in enumerate(lp.top)),
+                                        (lp.token_id, lp.logprob, lp.rank)]}
                     for lp in prompt_logprobs)]

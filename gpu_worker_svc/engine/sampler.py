@@ -35,6 +35,7 @@ _GOLDEN_GAMMA = 0x9E3779B97F4A7C15
 class TokenLogprobs:
     token_id: int  # the sampled token
     logprob: float  # its log-probability under the raw logits
+    rank: int  # how many tokens have a logprob at least as high (vLLM's rank; 1: the most likely)
     top: list[tuple[int, float]]  # the top N (token id, logprob), most likely first
 
 
@@ -243,13 +244,15 @@ def _keep_first(kept: torch.Tensor, index: torch.Tensor, ordered_ids: torch.Tens
 def token_logprobs(raw_logprobs: torch.Tensor, token_ids: list[int], num_top: list[int]) -> list[TokenLogprobs]:
     """Row i's logprob of token_ids[i], and its num_top[i] most likely tokens, from log-softmaxed rows."""
     chosen_ids = torch.tensor(token_ids, device=raw_logprobs.device).unsqueeze(1)
-    chosen = raw_logprobs.gather(1, chosen_ids).squeeze(1).tolist()
+    chosen_column = raw_logprobs.gather(1, chosen_ids)
+    chosen = chosen_column.squeeze(1).tolist()
+    ranks = (raw_logprobs >= chosen_column).sum(dim=1).tolist()  # one pass over the rows, for all of them
     most = min(max(num_top, default=0), raw_logprobs.shape[1])
     top_values: list[list[float]] = [[] for _ in token_ids]
     top_ids: list[list[int]] = [[] for _ in token_ids]
     if most > 0:
         values, ids = torch.topk(raw_logprobs, most, dim=-1)
         top_values, top_ids = values.tolist(), ids.tolist()
-    return [TokenLogprobs(token_id=token_ids[i], logprob=chosen[i],
+    return [TokenLogprobs(token_id=token_ids[i], logprob=chosen[i], rank=ranks[i],
                           top=list(zip(top_ids[i][:n], top_values[i][:n], strict=True)))
             for i, n in enumerate(num_top)]

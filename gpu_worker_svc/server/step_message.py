@@ -30,7 +30,7 @@ def request_delta(out: RequestOutput) -> common_pb2.RequestDelta:
 
 
 def _token_logprob(lp: TokenLogprobs) -> sampling_pb2.TokenLogprob:
-    return sampling_pb2.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob,
+    return sampling_pb2.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob, rank=lp.rank,
                                      top=[sampling_pb2.TopLogprob(token_id=t, logprob=v) for t, v in lp.top])
 
 

@@ -45,11 +45,12 @@ class TokenLogprob:
 
     token_id: int
     logprob: float
-    top: list[tuple[int, float]] = field(default_factory=list)
+    top: list[tuple[int, float]] = field(default_factory=list)  # (token id, logprob), most likely first
+    rank: int = 0  # how many tokens are at least as likely (vLLM's rank; 1: the most likely); 0: unknown
 
     @classmethod
     def from_proto(cls, lp: sampling_pb2.TokenLogprob) -> TokenLogprob:
-        return cls(lp.token_id, lp.logprob, [(t.token_id, t.logprob) for t in lp.top])
+        return cls(lp.token_id, lp.logprob, [(t.token_id, t.logprob) for t in lp.top], lp.rank)
 
 
 @dataclass(slots=True)

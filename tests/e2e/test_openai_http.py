@@ -129,6 +129,10 @@ def test_prompt_logprobs_in_vllms_shape(http_url):
     assert len(positions) == body["usage"]["prompt_tokens"] == 5 and positions[0] is None
     assert "3575" in positions[1] and positions[1]["3575"]["decoded_token"] == " capital"
     assert all(2 <= len(p) <= 3 for p in positions[1:])  # the prompt token, and the 2 most likely
+    for position in positions[1:]:  # vLLM's ranks: the alternatives' places, and the prompt token's own
+        ranked = sorted(position.values(), key=lambda entry: -entry["logprob"])
+        assert [entry["rank"] for entry in ranked[:2]] == [1, 2]
+        assert all(entry["rank"] >= 1 for entry in ranked) and (len(ranked) == 2 or ranked[2]["rank"] > 2)
     status, chat = post(f"{http_url}/v1/chat/completions", {
         "model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, "prompt_logprobs": 0})
     assert status == 200, chat

@@ -11,9 +11,9 @@ from shardline.proto import sampling_pb2
 TEXTS = {10: "Hel", 11: "lo", 12: " world", 20: "X"}
 
 
-def _logprob(token_id: int, logprob: float, top: list[tuple[int, float]]) -> sampling_pb2.TokenLogprob:
+def _logprob(token_id: int, logprob: float, top: list[tuple[int, float]], rank: int = 0) -> sampling_pb2.TokenLogprob:
     alternatives = [sampling_pb2.TopLogprob(token_id=t, logprob=lp) for t, lp in top]
-    return sampling_pb2.TokenLogprob(token_id=token_id, logprob=logprob, top=alternatives)
+    return sampling_pb2.TokenLogprob(token_id=token_id, logprob=logprob, top=alternatives, rank=rank)
 
 
 def test_completion_top_logprobs_always_hold_the_sampled_token() -> None:
@@ -38,7 +38,7 @@ def test_streamed_offsets_count_text_held_back_in_an_earlier_chunk() -> None:
 
 
 ECHO = EchoedPrompt(text="Hello world", first_token_text="Hel")
-PROMPT_LOGPROBS = [_logprob(11, -2.0, [(20, -0.5)]), _logprob(12, -1.0, [(12, -1.0)])]  # prompt: 10 11 12
+PROMPT_LOGPROBS = [_logprob(11, -2.0, [(20, -0.5)], rank=2), _logprob(12, -1.0, [(12, -1.0)], rank=1)]  # 10 11 12
 
 
 def test_echo_puts_the_prompt_and_its_logprobs_before_the_completion() -> None:
@@ -99,8 +99,9 @@ def test_echo_with_max_tokens_0_is_the_prompt_alone() -> None:
 def test_prompt_logprobs_take_vllms_shape() -> None:
     completion = Completion(text="X", token_ids=[20], token_texts=TEXTS, finish_reason="length",
                             prompt_logprobs=PROMPT_LOGPROBS)
-    want = [None, {"20": {"logprob": -0.5, "decoded_token": "X"}, "11": {"logprob": -2.0, "decoded_token": "lo"}},
-            {"12": {"logprob": -1.0, "decoded_token": " world"}}]
+    want = [None, {"20": {"logprob": -0.5, "rank": 1, "decoded_token": "X"},
+                   "11": {"logprob": -2.0, "rank": 2, "decoded_token": "lo"}},
+            {"12": {"logprob": -1.0, "rank": 1, "decoded_token": " world"}}]
     choice = ResponseFormatter("cmpl-1", "m", chat=False, prompt_logprobs=True).whole(completion)["choices"][0]
     assert choice["prompt_logprobs"] == want and choice["text"] == "X"
     chat = ResponseFormatter("chatcmpl-1", "m", chat=True, prompt_logprobs=True).whole(completion)

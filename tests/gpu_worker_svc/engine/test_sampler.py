@@ -3,7 +3,7 @@ from collections import Counter
 import pytest
 import torch
 
-from gpu_worker_svc.engine.sampler import Sampler, draw_key, race_noise
+from gpu_worker_svc.engine.sampler import Sampler, draw_key, race_noise, token_logprobs
 from gpu_worker_svc.engine.sampling_params import SamplingParams
 from gpu_worker_svc.engine.sequence import Sequence
 
@@ -169,6 +169,22 @@ def test_logprobs_come_from_raw_logits():
     assert [t for t, _ in first.top] == ids.tolist()
     assert [v for _, v in first.top] == pytest.approx(values.tolist())
     assert all(a[1] >= b[1] for a, b in zip(first.top, first.top[1:]))
+
+
+def test_a_tokens_rank_counts_the_tokens_at_least_as_likely():
+    # vLLM's rank: 1 for the most likely token; a tie counts the other token too.
+    raw = torch.log_softmax(torch.tensor([[2.0, 1.0, 3.0, 1.0, 0.5], [0.0, 0.0, 0.0, 0.0, 0.0]]), dim=-1)
+    first, second = token_logprobs(raw, [2, 1], [0, 0])
+    assert first.rank == 1
+    assert second.rank == 5  # all five are as likely
+    ranks = [entry.rank for entry in token_logprobs(raw[:1].expand(5, -1), [0, 1, 2, 3, 4], [0] * 5)]
+    assert ranks == [2, 4, 1, 4, 5]
+    # Sampled tokens carry theirs: greedy picks the most likely.
+    out = Sampler()(random_logits(2, seed=5), [make_seq(seed=None, temperature=0.0, logprobs=1),
+                                               make_seq(seed=6, temperature=5.0, logprobs=1)])
+    greedy, hot = out.logprobs
+    assert greedy.rank == 1
+    assert hot.rank == int((torch.log_softmax(random_logits(2, seed=5)[1], -1) >= hot.logprob).sum())
 
 
 def test_sampling_without_seed_is_an_error():
