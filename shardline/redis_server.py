@@ -158,10 +158,12 @@ class EmbeddedRedis:
             # errors from before the log is set up land).
             "--logfile", "",
         ]
-        # The child keeps its own copy of the log descriptor.
+        # The child keeps its own copy of the log descriptor. In a session of its own: a Ctrl-C in
+        # the terminal reaches the whole foreground group, and the server would shut down at once,
+        # while the services that write to it are still stopping; stop() ends it after them.
         with open(self.log_path, "ab") as log, signals_deferred():
             self._process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                                             preexec_fn=die_with_parent())
+                                             start_new_session=True, preexec_fn=die_with_parent())
 
     def _wait_ready(self, port: int) -> None:
         assert self._process is not None

@@ -13,7 +13,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import urllib.request
 from collections.abc import Callable
@@ -65,7 +64,7 @@ class StackConfig:
 
 
 class StartInterrupted(Exception):
-    """The `interrupt` event passed to LocalStack.start was set while it started: what had started is stopped."""
+    """LocalStack.start's `interrupted` said so while it started: what had started is stopped."""
 
 
 @dataclass(slots=True)
@@ -86,28 +85,29 @@ class LocalStack:
         self._tmp: tempfile.TemporaryDirectory | None = None
         self.redis_url = config.redis_url or ""
         self.worker_ports: list[int] = []
-        self._interrupt: threading.Event | None = None
+        self._interrupted: Callable[[], bool] | None = None
 
     # -- lifecycle ------------------------------------------------------------
     def start(self, progress: Callable[[str], None] = lambda msg: None, timeout_s: float = 300.0,
-              interrupt: threading.Event | None = None) -> LocalStack:
+              interrupted: Callable[[], bool] | None = None) -> LocalStack:
         """Start every service and wait until all are healthy; on any failure (or Ctrl-C) stop what started.
 
         The services run in sessions of their own, so nothing else would stop them.
 
-        `interrupt`: an event a signal handler sets to abandon the start; it is polled while the
-        services come up, and start() stops them and raises StartInterrupted. A handler that raises
-        instead (KeyboardInterrupt) can be lost: a signal handled inside a __del__, as when a health
-        check's gRPC channel is collected, has its exception ignored, and the start carries on.
+        `interrupted`: whether to abandon the start (a stop signal came); it is polled while the
+        services come up, and start() then stops them and raises StartInterrupted. A signal handler
+        that raises instead (KeyboardInterrupt) can be lost: a signal handled inside a __del__, as
+        when a health check's gRPC channel is collected, has its exception ignored, and the start
+        carries on.
         """
-        self._interrupt = interrupt
+        self._interrupted = interrupted
         try:
             self._start(progress, timeout_s)
         except BaseException:
             self.stop()
             raise
         finally:
-            self._interrupt = None
+            self._interrupted = None
         return self
 
     def _start(self, progress: Callable[[str], None], timeout_s: float) -> None:
@@ -136,6 +136,7 @@ class LocalStack:
                                 "TOKENIZER_ADDRESS": f"127.0.0.1:{c.tokenizer_port}",
                                 "SCHEDULER_ADDRESS": f"127.0.0.1:{c.scheduler_port}"}, f"127.0.0.1:{c.grpc_port}")
         self.wait_ready(progress, max(0.0, deadline - time.monotonic()))
+        self._check_interrupt()
 
     def add_worker(self, index: int) -> Child:
         c = self.config
@@ -186,7 +187,7 @@ class LocalStack:
             time.sleep(0.2)
 
     def _check_interrupt(self) -> None:
-        if self._interrupt is not None and self._interrupt.is_set():
+        if self._interrupted is not None and self._interrupted():
             raise StartInterrupted("interrupted while starting")
 
     def _last_words(self, child: Child) -> str:

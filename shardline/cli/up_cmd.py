@@ -6,7 +6,6 @@ import argparse
 import os
 import signal
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -39,14 +38,19 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.monotonic()
     print(f"shardline: starting {args.workers} worker(s) at TP {args.tp} with "
           f"{args.model or 'SmolLM2-135M-Instruct (default)'} ...", flush=True)
-    # Ctrl-C, SIGTERM and a closed terminal (SIGHUP) all set `stop`, while starting as after: the
-    # services must not outlive `up`. start() polls it, and stops what it started.
-    stop = threading.Event()
+    # Ctrl-C, SIGTERM and a closed terminal (SIGHUP) stop `up`, while starting as after: the services
+    # must not outlive it. The handler only notes the signal, and the code polls: a handler that
+    # raises is lost in a __del__, and one that sets a threading.Event deadlocks if it lands while
+    # the main thread holds the Event's lock in wait().
+    received: list[int] = []
     for sig in STOP_SIGNALS:
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, lambda signum, _frame: received.append(signum))
     try:
         stack.start(progress=lambda msg: print(f"  [{time.monotonic() - t0:5.1f}s] {msg}", flush=True),
-                    interrupt=stop)
+                    interrupted=lambda: bool(received))
+        if received:  # after start()'s last look
+            stack.stop()
+            raise StartInterrupted
     except StartInterrupted:
         print("shardline: interrupted while starting; stopped", file=sys.stderr)
         return 130
@@ -65,7 +69,8 @@ shardline is up ({time.monotonic() - t0:.1f}s):
 Ctrl-C stops everything.""", flush=True)
     restarts: dict[str, list[float]] = {}
     code = 0
-    while not stop.wait(1.0):
+    while not received and code == 0:
+        time.sleep(0.2)  # a signal ends the sleep early only if its handler raises; 0.2 s is soon enough
         for child in stack.dead_children():
             # A supervisor, like compose's restart policy: every service rebuilds its state from Redis,
             # and the scheduler re-dispatches a dead worker's requests meanwhile.
@@ -75,7 +80,6 @@ Ctrl-C stops everything.""", flush=True)
                 print(f"shardline: {child.name} keeps exiting ({child.proc.returncode}); stopping", file=sys.stderr,
                       flush=True)
                 code = 1
-                stop.set()
                 break
             print(f"shardline: {child.name} exited ({child.proc.returncode}); restarting it", file=sys.stderr,
                   flush=True)
