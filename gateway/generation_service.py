@@ -104,7 +104,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         stop = StopMatcher(list(params.stop))
         # Deltas wait in `buffered` until the record is in, so none is lost or doubled around Attach.
         hub.register(RequestStream(info.request_id, info.usage.prompt_tokens, params.skip_special_tokens, stop,
-                                   buffered=[], min_tokens=params.min_tokens))
+                                   buffered=[], min_tokens=params.min_tokens,
+                                   wants_prompt_logprobs=params.HasField("prompt_logprobs")))
         try:
             if running:
                 attach = scheduler_pb2.AttachRequest(request_id=info.request_id, gateway_id=self._gateway_id)

@@ -140,8 +140,10 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         if info.params.logprobs or info.params.HasField("prompt_logprobs"):
             output, prompt = await self._store.get_logprobs(request_id)
             # A step may have landed between the two reads: its logprobs go with tokens not read yet.
-            info.output_logprobs.extend(sampling_pb2.TokenLogprob.FromString(lp)
-                                        for lp in output[: len(info.output_token_ids)])
+            # Fewer than the tokens (a record from before they were kept) pair with none of them.
+            if len(output) >= len(info.output_token_ids):
+                info.output_logprobs.extend(sampling_pb2.TokenLogprob.FromString(lp)
+                                            for lp in output[: len(info.output_token_ids)])
             info.prompt_logprobs.extend(sampling_pb2.TokenLogprob.FromString(lp) for lp in prompt)
         return info
 

@@ -272,9 +272,10 @@ class RequestStore:
         `prompt_logprobs` a request's prompt logprobs, which come with its first token. Only for live
         requests: on the hot path, it does not check. It is one MULTI/EXEC when the step finishes a
         request: a crash between a request's last tokens and its finish would leave it RUNNING with
-        a complete output, and recovery would run it on past its end.
+        a complete output, and recovery would run it on past its end. So is a step with logprobs: a
+        list that missed a step's entries would pair every later one with the wrong token.
         """
-        pipe = self._redis.pipeline(transaction=bool(finishes))
+        pipe = self._redis.pipeline(transaction=bool(finishes or logprobs or prompt_logprobs))
         for request_id, token_ids in deltas.items():
             if token_ids:
                 pipe.append(_tokens_key(request_id), pack_token_ids(token_ids))

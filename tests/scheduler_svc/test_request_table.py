@@ -4,8 +4,9 @@ from scheduler_svc.live_request import LiveRequest
 from scheduler_svc.relay import Relay
 from scheduler_svc.request_table import RequestTable
 from scheduler_svc.worker_registry import WorkerRegistry
-from shardline.proto import common_pb2, sampling_pb2, worker_pb2
+from shardline.proto import common_pb2, sampling_pb2, scheduler_pb2, worker_pb2
 from shardline.request_store import FinishReason, RequestStatus, RequestStore
+from tests.scheduler_svc.harness import cluster
 from tests.tracing.run_async import run_async
 
 
@@ -62,3 +63,36 @@ async def test_steps_are_persisted_in_one_pipeline_and_relayed_per_step(redis_ur
         record = await store.get("a")
         assert record.first_token_ts is not None and record.status == RequestStatus.QUEUED
         assert record.cached_tokens == 2  # kept for GetRequest's usage
+
+
+@run_async
+async def test_logprobs_are_persisted_token_for_token_and_read_back(redis_url: str) -> None:
+    def lp(token_id: int) -> sampling_pb2.TokenLogprob:
+        return sampling_pb2.TokenLogprob(token_id=token_id, logprob=-float(token_id), rank=token_id % 7 + 1)
+
+    async with cluster(redis_url) as running:
+        params = sampling_pb2.SamplingParameters(max_tokens=8, seed=1, logprobs=True, prompt_logprobs=0)
+        for request_id in ("kept", "old"):
+            await running.stub.Submit(scheduler_pb2.SubmitRequest(
+                request_id=request_id, gateway_id="gw", model="test-model", prompt_token_ids=[1, 2, 3],
+                params=params, eos_token_ids=[2]))
+        table = running.server.dispatcher.requests
+        kept = table.get("kept")
+        kept.worker_id = "w0"
+        steps = [  # the second repeats token 11, with its logprob: both are dropped together
+            worker_pb2.StepOutput(step=1, deltas=[common_pb2.RequestDelta(
+                request_id="kept", token_ids=[10, 11], offset=0, logprobs=[lp(10), lp(11)],
+                prompt_logprobs=[lp(2), lp(3)])]),
+            worker_pb2.StepOutput(step=2, deltas=[common_pb2.RequestDelta(
+                request_id="kept", token_ids=[11, 12], offset=1, logprobs=[lp(11), lp(12)])]),
+        ]
+        await table.handle_steps("w0", steps)
+        info = await running.info("kept")
+        assert list(info.output_token_ids) == [10, 11, 12]
+        assert list(info.output_logprobs) == [lp(10), lp(11), lp(12)]
+        assert list(info.prompt_logprobs) == [lp(2), lp(3)]
+        # Fewer logprobs than tokens (a record written before they were kept) pair with none.
+        async with RequestStore(redis_url) as store:
+            await store.append_step({"old": [5, 6]}, logprobs={"old": [lp(6).SerializeToString()]})
+        info = await running.info("old")
+        assert list(info.output_token_ids) == [5, 6] and not info.output_logprobs
