@@ -148,6 +148,7 @@ class LocalStack:
         }, f"127.0.0.1:{port}", service="worker")
 
     def _spawn(self, name: str, settings: dict[str, object], health: str | None, service: str | None = None) -> Child:
+        self._check_interrupt()  # a stop signal during the start: start nothing more
         env = {**os.environ, "SHARDLINE_TRACING": "1" if self.config.tracing else "0",
                "SHARDLINE_INSTANCE_ID": name, "PYTHONUNBUFFERED": "1"}
         if self.config.tracing:

@@ -66,3 +66,9 @@ def test_an_interrupt_while_starting_stops_what_started(tmp_path):
         stack.start(interrupted=interrupt.is_set, timeout_s=30)
     assert [child.name for child in stack.children] == ["tokenizer", "scheduler", "worker-0", "gateway"]
     assert all(proc.poll() is not None for proc in started)
+    # A signal before the services are spawned: none is.
+    idle = LocalStack(StackConfig.on_free_ports(redis_url="redis://127.0.0.1:1"))
+    idle._popen = sleeper
+    with pytest.raises(StartInterrupted):
+        idle.start(interrupted=lambda: True, timeout_s=30)
+    assert idle.children == [] and len(started) == 4
