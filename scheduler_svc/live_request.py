@@ -67,11 +67,18 @@ class LiveRequest:
 
     def new_request(self) -> worker_pb2.NewRequest:
         """The request as a worker receives it: prompt plus whatever earlier attempts generated."""
+        params = self.params
+        if self.output_token_ids and params.HasField("prompt_logprobs"):
+            # Its prompt's logprobs came with its first token and are in Redis (the same MULTI/EXEC):
+            # computed again, they would cost the new worker's prefill its prefix cache.
+            params = sampling_pb2.SamplingParameters()
+            params.CopyFrom(self.params)
+            params.ClearField("prompt_logprobs")
         return worker_pb2.NewRequest(
             request_id=self.request_id,
             prompt_token_ids=self.prompt_token_ids,
             output_token_ids=self.output_token_ids,
-            params=self.params,
+            params=params,
             eos_token_ids=self.eos_token_ids,
             priority=self.priority,
             traceparent=self.traceparent,

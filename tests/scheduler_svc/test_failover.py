@@ -42,6 +42,27 @@ async def test_worker_death_mid_stream_resumes_on_another_worker(redis_url: str)
 
 
 @run_async
+async def test_a_redispatch_does_not_ask_for_the_prompt_logprobs_again(redis_url: str) -> None:
+    async with cluster(redis_url) as c:
+        gateway = await c.gateway("gw-1")
+        doomed = await c.worker("w0")
+        params = sampling_pb2.SamplingParameters(max_tokens=10, seed=5, logprobs=True, prompt_logprobs=2)
+        await c.stub.Submit(scheduler_pb2.SubmitRequest(request_id="r1", gateway_id="gw-1", model="test-model",
+                                                        prompt_token_ids=[9, 8, 7], params=params, eos_token_ids=[2]))
+        await eventually(lambda: len(gateway.tokens("r1")) >= 3, what="first tokens")
+        doomed.generating.clear()
+        await asyncio.sleep(0.05)
+        survivor = await c.worker("w1")
+        await doomed.kill()
+        await gateway.wait_finished("r1")
+        [first], [resumed] = doomed.received, survivor.received
+        assert first.params.HasField("prompt_logprobs") and not resumed.params.HasField("prompt_logprobs")
+        assert resumed.params.logprobs and resumed.params.seed == 5
+        info = await c.info("r1")  # the stored request keeps what it asked for
+        assert info.params.prompt_logprobs == 2
+
+
+@run_async
 async def test_queued_requests_go_first_after_a_failure(redis_url: str) -> None:
     async with cluster(redis_url, dispatch_overcommit=1.0) as c:
         gateway = await c.gateway("gw-1")
