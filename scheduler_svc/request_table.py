@@ -113,7 +113,8 @@ class RequestTable:
                     request.num_output_tokens += len(delta.token_ids)
                     # Kept beside the tokens, so a stream rebuilt from Redis (Resume, a gateway's
                     # catch-up after a reconnection) has its logprobs too.
-                    logprobs[request.request_id] += [lp.SerializeToString() for lp in delta.logprobs]
+                    if delta.logprobs:
+                        logprobs[request.request_id] += [lp.SerializeToString() for lp in delta.logprobs]
                     if delta.offset == 0 and delta.prompt_logprobs:
                         prompt_logprobs[request.request_id] = [lp.SerializeToString()
                                                                for lp in delta.prompt_logprobs]

@@ -22,9 +22,12 @@ from shardline.errors import ShardlineError
 
 log = logging.getLogger(__name__)
 
+# The largest message either way; the SDK's channels take the same (shardline/client/channel_options.py).
+MAX_MESSAGE_BYTES = 64 << 20
+
 GRPC_OPTIONS = [
-    ("grpc.max_receive_message_length", 64 << 20),
-    ("grpc.max_send_message_length", 64 << 20),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.keepalive_time_ms", 10_000),
     ("grpc.keepalive_timeout_ms", 5_000),
     ("grpc.keepalive_permit_without_calls", 1),

@@ -275,7 +275,8 @@ class RequestStore:
         a complete output, and recovery would run it on past its end. So is a step with logprobs: a
         list that missed a step's entries would pair every later one with the wrong token.
         """
-        pipe = self._redis.pipeline(transaction=bool(finishes or logprobs or prompt_logprobs))
+        with_logprobs = any((logprobs or {}).values()) or any((prompt_logprobs or {}).values())
+        pipe = self._redis.pipeline(transaction=bool(finishes) or with_logprobs)
         for request_id, token_ids in deltas.items():
             if token_ids:
                 pipe.append(_tokens_key(request_id), pack_token_ids(token_ids))

@@ -8,7 +8,7 @@ sends messages up to 64 MB (shardline/grpc_server.py), so the SDK takes as much.
 
 from __future__ import annotations
 
-MAX_MESSAGE_BYTES = 64 << 20
+from shardline.grpc_server import MAX_MESSAGE_BYTES
 
 CHANNEL_OPTIONS: list[tuple[str, int]] = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),

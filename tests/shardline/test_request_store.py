@@ -253,6 +253,19 @@ async def test_logprobs_are_kept_token_for_token(redis_url: str, monkeypatch: py
         assert sampling_pb2.TokenLogprob.FromString(output[1]).top[0].token_id == 10
         assert await store.get_logprobs("with", offset=2) == ([lp(10)], [lp(2), lp(3)])
         assert await store.get_logprobs("without") == ([], [])
+        # Only a step that carries logprobs pays for MULTI/EXEC.
+        pipeline = store._redis.pipeline
+        transactions: list[bool] = []
+
+        def spy(transaction: bool = True, **kwargs: Any):
+            transactions.append(transaction)
+            return pipeline(transaction=transaction, **kwargs)
+
+        monkeypatch.setattr(store._redis, "pipeline", spy)
+        await store.append_step({"without": [12]}, logprobs={"without": []}, prompt_logprobs={})
+        await store.append_step({"with": [13]}, logprobs={"with": [lp(13)]})
+        assert transactions == [False, True]
+        monkeypatch.undo()
         with pytest.raises(ValueError):
             await store.get_logprobs("with", -1)
 
