@@ -21,6 +21,7 @@ import grpc
 
 from gateway.backends import RPC_TIMEOUT_S, Backends, upstream
 from gateway.delta_stops import DeltaWork, Overshot, match_stops, unarmed_tokens
+from gateway.record_delta import record_delta
 from gateway.request_stream import RequestStream, StreamChunk, StreamTiming
 from gateway.stop_search import StopSearch, find_stop_tokens
 from shardline.errors import InvalidArgument, ShardlineError
@@ -108,7 +109,7 @@ class StreamHub:
             stream = self._streams[request_id]
             await self._restore_held_back(stream, list(info.output_token_ids[:offset]))
             stream.next_offset = offset
-            deltas = [_record_delta(info, offset), *(stream.buffered or ())]
+            deltas = [record_delta(info, offset), *(stream.buffered or ())]
             stream.buffered = None
             await self._handle(deltas)
             return stream
@@ -188,7 +189,7 @@ class StreamHub:
                     request_id=rid, offset=stream.next_offset, finish_reason=sampling_pb2.FINISH_REASON_ERROR,
                     error="the scheduler has no record of this request any more"))
             else:
-                deltas.append(_record_delta(record, stream.next_offset))
+                deltas.append(record_delta(record, stream.next_offset))
         async with self._lock:
             await self._handle(deltas)
 
@@ -385,21 +386,3 @@ def _record_timing(timing: StreamTiming, has_tokens: bool, now: float, start_ns:
         timing.detokenize_start_ns = start_ns
     timing.detokenize_calls += 1
     timing.detokenize_end_ns = end_ns
-
-
-def _record_delta(info: common_pb2.RequestInfo, offset: int) -> common_pb2.RequestDelta:
-    """A delta holding a request record's tokens from `offset` on, with their logprobs (and, from
-    0, the prompt's) where it asked for them; final when the record is."""
-    delta = common_pb2.RequestDelta(
-        request_id=info.request_id, token_ids=info.output_token_ids[offset:], offset=offset,
-        logprobs=info.output_logprobs[offset:], prompt_logprobs=info.prompt_logprobs if offset == 0 else [])
-    if info.status == sampling_pb2.REQUEST_STATUS_FINISHED:
-        delta.finish_reason = info.finish_reason or sampling_pb2.FINISH_REASON_STOP
-    elif info.status == sampling_pb2.REQUEST_STATUS_CANCELLED:
-        delta.finish_reason = sampling_pb2.FINISH_REASON_ABORT
-    elif info.status == sampling_pb2.REQUEST_STATUS_FAILED:
-        delta.finish_reason = sampling_pb2.FINISH_REASON_ERROR
-        delta.error = info.error
-    if delta.finish_reason:
-        delta.usage.CopyFrom(info.usage)
-    return delta
