@@ -21,8 +21,7 @@ class PagedAttention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         """q: [T, Hq, D]; k, v: [T, Hkv, D]. Returns [T, Hq * D]."""
-        k_cache = kv_cache[0].view(-1, self.num_kv_heads, self.head_dim)
-        v_cache = kv_cache[1].view(-1, self.num_kv_heads, self.head_dim)
+        k_cache, v_cache = kv_cache.view(2, -1, self.num_kv_heads, self.head_dim).unbind(0)
         k_cache.index_copy_(0, meta.slot_mapping, k)
         v_cache.index_copy_(0, meta.slot_mapping, v)
 

@@ -32,6 +32,9 @@ class FP16Weight(nn.Module):
         self.out_features = weight.shape[0]
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        y = _FBGEMM_LINEAR_FP16(x.reshape(-1, shape[-1]).float(), self.packed)
-        return y.to(x.dtype).view(*shape[:-1], self.out_features)
+        # The model's activations are already 2-D fp32: no reshape or cast that would do nothing.
+        rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+        y = _FBGEMM_LINEAR_FP16(rows if rows.dtype == torch.float32 else rows.float(), self.packed)
+        if x.dtype != torch.float32:
+            y = y.to(x.dtype)
+        return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)

@@ -236,3 +236,19 @@ def test_a_models_other_eos_ids_stop_like_stop_tokens(engine, monkeypatch):
     assert waiting["eos-ignored"].params.stop_token_ids == []
     for request_id in waiting:
         engine.abort_request(request_id, report=False)
+
+
+def test_the_model_runs_without_torch_function_checks(engine, prompts):
+    """fbgemm's packed weights make each op's __torch_function__ check throw a C++ exception (~15 us a
+    GEMM); the runner's step turns the checks off."""
+    seen: list[bool] = []
+    model = engine.runner._shard.model
+    hooks = [module.register_forward_pre_hook(lambda m, a: seen.append(torch._C._is_torch_function_enabled()))
+             for module in (model.model.layers[0].self_attn.qkv_proj, model.model.layers[-1].mlp)]
+    try:
+        engine.generate([prompts[0]], dataclasses.replace(GREEDY, max_tokens=3))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert len(seen) == 6 and not any(seen)
+    assert torch._C._is_torch_function_enabled()  # and only inside the step
