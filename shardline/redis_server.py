@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 from typing import Self
@@ -71,6 +72,7 @@ class EmbeddedRedis:
         self._port: int | None = None
         self._process: subprocess.Popen[bytes] | None = None
         self._lock: int | None = None  # fd holding the data directory's lock while the server runs
+        self._check: Callable[[], None] | None = None  # start()'s, called while waiting for the server
 
     @property
     def port(self) -> int:
@@ -89,12 +91,17 @@ class EmbeddedRedis:
         """The server's log (its stdout and stderr)."""
         return self.data_dir / LOG_NAME
 
-    def start(self) -> Self:
-        """Starts the server and waits until it answers PING."""
+    def start(self, check: Callable[[], None] | None = None) -> Self:
+        """Starts the server and waits until it answers PING.
+
+        `check` is called while waiting (every 20 ms); whatever it raises (`shardline up` raises
+        when a stop signal came) stops the server and ends the start.
+        """
         if self._process is not None:
             raise RedisServerError("embedded Redis is already running")
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self._lock_data_dir()
+        self._check = check
         try:
             port = self._spawn_until_ready(find_redis_server())
         except BaseException:
@@ -171,6 +178,8 @@ class EmbeddedRedis:
         client = _control_client(port, 0.5)
         try:
             while True:
+                if self._check is not None:
+                    self._check()
                 if self._process.poll() is not None:
                     raise RedisServerError(
                         f"redis-server exited with code {self._process.returncode} on port {port}\n{self._log_tail()}"

@@ -117,7 +117,8 @@ class LocalStack:
             if data_dir is None:
                 self._tmp = tempfile.TemporaryDirectory(prefix="shardline-")
                 data_dir = Path(self._tmp.name)
-            self.redis = EmbeddedRedis(Path(data_dir) / "redis").start()
+            # Its start may take seconds (an AOF to replay): a stop signal ends it there too.
+            self.redis = EmbeddedRedis(Path(data_dir) / "redis").start(check=self._check_interrupt)
             self.redis_url = self.redis.url
             progress(f"redis      {self.redis_url} (embedded, AOF in {data_dir}/redis)")
         deadline = time.monotonic() + timeout_s

@@ -94,3 +94,20 @@ def test_a_second_server_on_one_data_dir_is_refused(tmp_path: Path) -> None:
         assert redis.Redis.from_url(first.url).ping()  # the first is untouched
     with EmbeddedRedis(tmp_path) as again:  # stopping released the directory
         assert redis.Redis.from_url(again.url).ping()
+
+
+def test_a_start_ends_when_its_check_raises(tmp_path: Path) -> None:
+    """`shardline up` passes a check that raises once a stop signal came: the start stops the server,
+    releases the data directory and raises it, rather than waiting out the server's start."""
+    server = EmbeddedRedis(tmp_path)
+    calls = []
+
+    def check() -> None:
+        calls.append(server._process)
+        raise InterruptedError("stop signal")
+
+    with pytest.raises(InterruptedError):
+        server.start(check=check)
+    assert calls and calls[0].poll() is not None  # killed and reaped
+    with EmbeddedRedis(tmp_path) as again:  # the directory was released
+        assert redis.Redis.from_url(again.url).ping()

@@ -10,6 +10,7 @@ import threading
 
 import pytest
 
+from shardline.redis_server import EmbeddedRedis
 from shardline.stack import LocalStack, StackConfig, StartInterrupted
 
 
@@ -72,3 +73,20 @@ def test_an_interrupt_while_starting_stops_what_started(tmp_path):
     with pytest.raises(StartInterrupted):
         idle.start(interrupted=lambda: True, timeout_s=30)
     assert idle.children == [] and len(started) == 4
+
+
+def test_an_interrupt_while_the_embedded_redis_starts_stops_it(tmp_path):
+    # The embedded Redis can take seconds to start (an AOF to replay): a signal then ends the start.
+    stack = LocalStack(StackConfig.on_free_ports(data_dir=tmp_path))
+    seen = []
+
+    def interrupted() -> bool:
+        seen.append(stack.redis)
+        return True
+
+    with pytest.raises(StartInterrupted):
+        stack.start(interrupted=interrupted, timeout_s=30)
+    assert seen[0] is None  # asked while the server was starting, not once it had
+    assert stack.redis is None and stack.children == []
+    with EmbeddedRedis(tmp_path / "redis") as again:  # stopped, and its data directory released
+        assert again.port
