@@ -71,7 +71,7 @@ class ResponseFormatter:
     def choice(self, completion: Completion) -> dict[str, Any]:
         """This choice in a non-streamed response."""
         prefix, echoed = self._echo(completion.prompt_logprobs, completion.logprobs, completion.token_texts)
-        logprobs = _joined(echoed, self._logprobs(completion.logprobs, completion.token_texts))
+        logprobs = _joined(echoed, self._logprobs(completion.logprobs, completion.token_texts, completion.token_bytes))
         if self.chat:
             return {"index": self.index, "message": {"role": "assistant", "content": completion.text},
                     "logprobs": logprobs, "finish_reason": completion.finish_reason}
@@ -118,7 +118,7 @@ class ResponseFormatter:
                 events.append(self._chunk("", None, "length"))
             return events
         if chunk.text or chunk.logprobs or chunk.finish_reason:
-            logprobs = self._logprobs(chunk.logprobs, chunk.token_texts)
+            logprobs = self._logprobs(chunk.logprobs, chunk.token_texts, chunk.token_bytes)
             body = {"content": chunk.text} if chunk.text else {}
             events.append(self._chunk(body if self.chat else chunk.text, logprobs, chunk.finish_reason))
         return events
@@ -155,13 +155,14 @@ class ResponseFormatter:
         rest, self._text_offset = _legacy_logprobs(prompt_logprobs, texts, len(self.echo.first_token_text))
         return self.echo.text, _joined(first, rest)
 
-    def _logprobs(self, logprobs: list[sampling_pb2.TokenLogprob], texts: dict[int, str]) -> dict[str, Any] | None:
+    def _logprobs(self, logprobs: list[sampling_pb2.TokenLogprob], texts: dict[int, str],
+                  raw: dict[int, bytes]) -> dict[str, Any] | None:
         if not logprobs:
             return None
         if self.chat:
             return {"content": [
-                {**_token_entry(lp.token_id, lp.logprob, texts),
-                 "top_logprobs": [_token_entry(alt.token_id, alt.logprob, texts) for alt in lp.top]}
+                {**_token_entry(lp.token_id, lp.logprob, texts, raw),
+                 "top_logprobs": [_token_entry(alt.token_id, alt.logprob, texts, raw) for alt in lp.top]}
                 for lp in logprobs
             ]}
         # Each token's offset in the completion's text, the same streamed or not.
@@ -195,6 +196,8 @@ def _joined(first: dict[str, list[Any]] | None, second: dict[str, list[Any]] | N
     return {key: first[key] + second[key] for key in first}
 
 
-def _token_entry(token_id: int, logprob: float, texts: dict[int, str]) -> dict[str, Any]:
+def _token_entry(token_id: int, logprob: float, texts: dict[int, str], raw: dict[int, bytes]) -> dict[str, Any]:
+    # OpenAI's `bytes` lets a client rebuild a character split over tokens: a token that ends
+    # mid-character has the bytes it spells, not those of the U+FFFD its text shows.
     text = texts[token_id]
-    return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+    return {"token": text, "logprob": logprob, "bytes": list(raw.get(token_id) or text.encode())}

@@ -92,6 +92,7 @@ class Completion:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[sampling_pb2.TokenLogprob] = field(default_factory=list)
     token_texts: dict[int, str] = field(default_factory=dict)
+    token_bytes: dict[int, bytes] = field(default_factory=dict)
     finish_reason: str | None = None
     usage: sampling_pb2.Usage | None = None
     error: str = ""
@@ -103,6 +104,7 @@ class Completion:
         self.logprobs += chunk.logprobs
         self.prompt_logprobs += chunk.prompt_logprobs
         self.token_texts.update(chunk.token_texts)
+        self.token_bytes.update(chunk.token_bytes)
         self.finish_reason, self.usage, self.error = chunk.finish_reason, chunk.usage, chunk.error
 
     def failure(self) -> ShardlineError | None:

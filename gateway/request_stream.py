@@ -20,6 +20,8 @@ class StreamChunk:
     offset: int  # index in the request's output of token_ids[0]
     logprobs: list[sampling_pb2.TokenLogprob] = field(default_factory=list)  # per token, when asked for
     token_texts: dict[int, str] = field(default_factory=dict)  # text of each token named in logprobs
+    # The bytes of those whose text is U+FFFD: a token that ends mid-character (logprobs' `bytes`).
+    token_bytes: dict[int, bytes] = field(default_factory=dict)
     finish_reason: str | None = None  # "stop", "length", "abort" or "error" on the last chunk only
     usage: sampling_pb2.Usage | None = None  # token accounting, on the last chunk only
     error: str = ""  # why the request failed, with finish_reason "error"; with "abort", that it timed out

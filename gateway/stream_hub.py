@@ -251,7 +251,7 @@ class StreamHub:
         ]
         # Logprobs name tokens by id; their texts ride in the same call, one final item per distinct id.
         named = sorted({t for w in work for t in _named_tokens(w.logprobs, w.prompt_logprobs)})
-        items += [tokenizer_pb2.DetokenizeItem(new_token_ids=[t], final=True) for t in named]
+        items += [tokenizer_pb2.DetokenizeItem(new_token_ids=[t], final=True, raw_bytes=True) for t in named]
         # A delta that crosses min_tokens also gets the text of its tokens before it, which stop
         # strings must not end the request in (vLLM checks them token by token).
         crossing = [i for i, w in enumerate(work) if 0 < unarmed_tokens(w) < len(w.new)]
@@ -273,7 +273,10 @@ class StreamHub:
                 self._finish(w.stream, chunk, "error", cancel=not w.final)
             return
         end_ns, now = time.time_ns(), time.perf_counter()
-        texts = dict(zip(named, (result.text for result in reply.results[len(work) :])))
+        named_results = reply.results[len(work) : len(work) + len(named)]
+        texts = {t: result.text for t, result in zip(named, named_results)}
+        # A token that ends mid-character has no text of its own (U+FFFD): logprobs give its bytes.
+        broken = {t: result.raw_bytes for t, result in zip(named, named_results) if "\ufffd" in result.text}
         specials = frozenset(tokenizer.special_token_ids)
         overshot: list[Overshot] = []
         for i, (w, result) in enumerate(zip(work, reply.results)):
@@ -294,6 +297,7 @@ class StreamHub:
             chunk = StreamChunk(text, w.new, w.offset, w.logprobs, prompt_logprobs=w.prompt_logprobs)
             if w.logprobs or w.prompt_logprobs:
                 chunk.token_texts = {t: texts[t] for t in _named_tokens(w.logprobs, w.prompt_logprobs)}
+                chunk.token_bytes = {t: broken[t] for t in chunk.token_texts if t in broken}
             if end is not None and len(w.new) > 1:  # which of its tokens completed the stop string?
                 search = StopSearch(item, len(w.new), result.text, end, lo=unarmed_tokens(w) + 1, hi=len(w.new),
                                     hi_text=result.text)

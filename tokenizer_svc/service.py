@@ -81,8 +81,14 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServicer):
     ) -> tokenizer_pb2.DetokenizeResponse:
         items = [self._item(i, item) for i, item in enumerate(request.items)]
         results = await asyncio.to_thread(detokenize_batch, self._tokenizer, items)
+        token_bytes = self._tokenizer.token_bytes
         return tokenizer_pb2.DetokenizeResponse(
-            results=[tokenizer_pb2.DetokenizeResult(text=text, num_consumed=n) for text, n in results]
+            results=[
+                tokenizer_pb2.DetokenizeResult(
+                    text=text, num_consumed=n, raw_bytes=token_bytes(item.new_token_ids) if item.raw_bytes else b""
+                )
+                for (text, n), item in zip(results, request.items)
+            ]
         )
 
     def _item(self, index: int, item: tokenizer_pb2.DetokenizeItem) -> DetokenizeItem:

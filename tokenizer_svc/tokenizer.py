@@ -19,6 +19,7 @@ from tokenizers import Tokenizer as BackendTokenizer
 
 from shardline.gguf_file import GGUFError, GGUFFile
 from tokenizer_svc.gguf_tokenizer import build_gguf_backend, post_processor
+from tokenizer_svc.token_bytes import TokenBytes
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +48,7 @@ class Tokenizer:
         "byte_token_ids",
         "vocab_size",
         "context_length",
+        "token_bytes",
     )
 
     def __init__(
@@ -82,6 +84,8 @@ class Tokenizer:
         self.eos_token_ids = self._stop_token_ids(extra_eos_token_ids)
         # The longest prompt plus output the model was trained for, from the same metadata (None: not stated).
         self.context_length = context_length
+        # Each token's bytes before UTF-8 decoding (logprobs' `bytes`).
+        self.token_bytes = TokenBytes(backend)
 
     @classmethod
     def from_model_path(cls, path: str | Path) -> Tokenizer:

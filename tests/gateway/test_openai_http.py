@@ -162,6 +162,27 @@ def test_logprobs_in_completions_and_chat(tokenizer_address, text_ids, tokenizer
     run_on_stack(tokenizer_address, Script(text_ids, logprobs=True), body)
 
 
+def test_chat_logprobs_bytes_rebuild_a_character_split_over_tokens(tokenizer_address, tokenizer: Tokenizer) -> None:
+    # The emoji is two tokens, " \xf0\x9f\x98" and "\x80": alone, each one's text is U+FFFD.
+    text = "I 😀 it"
+    ids = tokenizer.encode_batch([text], add_special_tokens=False)[0]
+
+    async def body(stack: Stack) -> None:
+        messages = [{"role": "user", "content": "hi"}]
+        chat = await client(stack).chat.completions.create(model=MODEL, messages=messages, logprobs=True)
+        stream = await client(stack).chat.completions.create(model=MODEL, messages=messages, logprobs=True,
+                                                             stream=True)
+        streamed = [entry async for chunk in stream if chunk.choices[0].logprobs
+                    for entry in chunk.choices[0].logprobs.content]
+        for content in (chat.choices[0].logprobs.content, streamed):
+            assert "\ufffd" in "".join(entry.token for entry in content)
+            assert b"".join(bytes(entry.bytes) for entry in content) == text.encode()
+            assert [bytes(entry.bytes) for entry in content] == [tokenizer.token_bytes([t]) for t in ids]
+        assert chat.choices[0].message.content == text
+
+    run_on_stack(tokenizer_address, Script(ids, logprobs=True), body)
+
+
 def test_chat_messages_as_clients_send_them(tokenizer_address, text_ids, tokenizer: Tokenizer) -> None:
     # An assistant turn with null content (it only called tools) and content as several text parts.
     sent = [{"role": "user", "content": [{"type": "text", "text": "Say"}, {"type": "text", "text": "hi"}]},

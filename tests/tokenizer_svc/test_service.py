@@ -75,6 +75,22 @@ def test_detokenize_batched_final_gives_the_full_decode(service, tokenizer, corp
         response = await stub.Detokenize(tokenizer_pb2.DetokenizeRequest(items=items))
         assert [r.text for r in response.results] == [tokenizer.decode(seq) for seq in ids]
         assert [r.num_consumed for r in response.results] == [len(seq) for seq in ids]
+        assert all(r.raw_bytes == b"" for r in response.results)  # only when asked for
+
+    with_stub(service, body)
+
+
+def test_detokenize_gives_raw_bytes_when_asked(service, tokenizer) -> None:
+    # " \xf0\x9f\x98" is one token and "\x80" the next: alone, neither is text.
+    ids = tokenizer.encode_batch(["a 😀"], add_special_tokens=False)[0]
+
+    async def body(stub: Stub) -> None:
+        items = [tokenizer_pb2.DetokenizeItem(new_token_ids=[t], final=True, raw_bytes=True) for t in ids]
+        items.append(tokenizer_pb2.DetokenizeItem(new_token_ids=ids, final=True, raw_bytes=True))
+        response = await stub.Detokenize(tokenizer_pb2.DetokenizeRequest(items=items))
+        assert "\ufffd" in "".join(r.text for r in response.results[:-1])
+        assert [r.raw_bytes for r in response.results[:-1]] == [tokenizer.token_bytes([t]) for t in ids]
+        assert response.results[-1].raw_bytes == "a 😀".encode() and response.results[-1].text == "a 😀"
 
     with_stub(service, body)
 
