@@ -1,15 +1,20 @@
 """RMSNorm, with the residual add fused in (computed in float32, as HF does).
 
-In float32 on CPU it calls torch.rms_norm: one dispatch instead of seven small
-ones (a decode step runs 61 norms), and bitwise equal to HF's spelled-out form
-(tested). In bf16 it is not, and on CUDA it may be a fused kernel, so those keep
-HF's form.
+In float32 on CPU, for a decode step's few rows, it calls torch.rms_norm: one
+dispatch instead of seven small ones (a decode step runs 61 norms), and bitwise
+equal to HF's spelled-out form (tested). For a prefill's rows HF's form is far
+faster (0.31 against 2.08 ms at 2048 rows, measured here). In bf16 torch.rms_norm
+is not bitwise HF's, and on CUDA it may be a fused kernel, so those keep HF's form.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+
+# torch.rms_norm's CPU path is the faster below this size (64 rows of 576), HF's form above it.
+_FUSED_MAX_ELEMENTS = 64 * 576
 
 
 class RMSNorm(nn.Module):
@@ -24,7 +29,7 @@ class RMSNorm(nn.Module):
         if residual is not None:
             x = x + residual
             residual = x
-        if x.dtype == torch.float32 and not x.is_cuda:
+        if x.dtype == torch.float32 and not x.is_cuda and x.numel() < _FUSED_MAX_ELEMENTS:
             out = torch.rms_norm(x, self.weight.shape, self.weight, self.eps)
         else:
             h = x.float()
