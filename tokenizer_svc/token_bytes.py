@@ -58,8 +58,14 @@ class TokenBytes:
             return b""
         if self._byte_level is not None and all(c in self._byte_level for c in piece):
             return bytes(self._byte_level[c] for c in piece)
-        if self._byte_fallback and len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+        if self._byte_fallback and _is_byte_piece(piece):
             return bytes([int(piece[3:5], 16)])
         if self._space_mark:
             return piece.replace(_SPACE_MARK, " ").encode()
         return self._backend.decode([token_id], skip_special_tokens=False).encode()
+
+
+def _is_byte_piece(piece: str) -> bool:
+    """Sentencepiece's spelling of a byte-fallback token: <0x00> .. <0xFF>."""
+    return len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">") and all(
+        c in "0123456789ABCDEFabcdef" for c in piece[3:5])
