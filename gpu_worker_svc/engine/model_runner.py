@@ -103,9 +103,10 @@ class ShardWorker:
         if self.batch_invariant:
             _check_batch_invariance(config, self.dtype)
         self.model = load_model(config.model, self.tp, self.dtype, self.device, config.max_model_len)
-        if self.batch_invariant:  # with this rank's own attention shapes
+        if self.batch_invariant:  # with this rank's own attention shapes, and the model's hidden size
             attn = self.model.model.layers[0].self_attn.attn
             check_invariant_attention((attn.num_heads, attn.num_kv_heads, attn.head_dim))
+            self.model.model.norm.check_paths_agree()
         if config.quantization is not None:
             if self.device != "cpu":
                 raise ValueError(f"quantization {config.quantization} uses torch's CPU kernels: give device cpu")

@@ -37,6 +37,17 @@ class RMSNorm(nn.Module):
             out = self.weight * h.to(x.dtype)
         return out if residual is None else (out, residual)
 
+    def check_paths_agree(self) -> None:
+        """RuntimeError unless this machine's torch.rms_norm gives HF's form bitwise, at this size: a
+        row's norm must not depend on how many rows share its step (batch invariance). Measured so on
+        AVX2 for the hidden sizes of common models; another CPU or torch build may round otherwise."""
+        g = torch.Generator().manual_seed(0)
+        rows = torch.randn(2 * _FUSED_MAX_ELEMENTS // self.weight.numel() + 1, self.weight.numel(), generator=g)
+        few = torch.cat([self(rows[i : i + 3]) for i in range(0, rows.shape[0], 3)])  # torch.rms_norm
+        if not torch.equal(few, self(rows)):  # HF's form
+            raise RuntimeError("batch invariance does not hold with this machine's torch.rms_norm (it rounds "
+                               "otherwise than the norm of a prefill's rows): run without it")
+
     def divide_channels(self, s: torch.Tensor) -> None:
         """Scale output channel j by 1 / s[j] (int8 smoothing moves s into the next layer's weight)."""
         self.weight.data /= s

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 import torch
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
@@ -74,6 +75,17 @@ def test_cpu_rms_norm_is_bitwise_hf():
         assert torch.equal(ours(x), hf(x))
         out, summed = ours(x, residual)
         assert torch.equal(summed, x + residual) and torch.equal(out, hf(x + residual))
+
+
+def test_a_worker_checks_that_its_two_norm_paths_agree(monkeypatch):
+    # Batch invariance needs a row's norm to be the same bits whichever path its step's row count picks.
+    norm = RMSNorm(576, 1e-5, torch.float32)
+    norm.weight.data.uniform_(0.5, 1.5)
+    norm.check_paths_agree()  # so on this machine
+    fused = torch.rms_norm
+    monkeypatch.setattr(torch, "rms_norm", lambda x, shape, w, eps: fused(x, shape, w, eps * 1.01))
+    with pytest.raises(RuntimeError, match="torch.rms_norm"):
+        norm.check_paths_agree()
 
 
 def test_prefill_attention_takes_the_flash_kernel():
