@@ -335,6 +335,7 @@ class StreamHub:
             w, chunk, keep = o.work, o.chunk, o.search.hi
             chunk.token_ids, chunk.logprobs = w.new[:keep], w.logprobs[:keep]
             chunk.token_texts = {t: chunk.token_texts[t] for t in _named_tokens(chunk.logprobs, chunk.prompt_logprobs)}
+            chunk.token_bytes = {t: b for t, b in chunk.token_bytes.items() if t in chunk.token_texts}
             w.stream.next_offset = w.offset + keep  # its usage counts the kept tokens
             self._finish(w.stream, chunk, "stop", cancel=not w.final)
 

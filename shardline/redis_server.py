@@ -94,8 +94,9 @@ class EmbeddedRedis:
     def start(self, check: Callable[[], None] | None = None) -> Self:
         """Starts the server and waits until it answers PING.
 
-        `check` is called while waiting (every 20 ms); whatever it raises (`shardline up` raises
-        when a stop signal came) stops the server and ends the start.
+        `check` is called while waiting, between PINGs (20 ms apart, or up to 0.5 s when a PING
+        times out); whatever it raises (`shardline up` raises when a stop signal came) stops the
+        server and ends the start.
         """
         if self._process is not None:
             raise RedisServerError("embedded Redis is already running")

@@ -7,8 +7,8 @@ Two kinds of vocabulary hold bytes rather than text:
   one byte, through GPT-2's table of printable stand-ins;
 - sentencepiece with byte fallback (Llama 2, Mistral): `<0xNN>` entries are one byte each, and
   `▁` is a space.
-Added tokens (special or not) are their text. A vocabulary of another kind gives the token's
-decoded text, encoded.
+Added tokens (special or not) are their text, read as the decoder reads them. A vocabulary of
+another kind gives the token's decoded text, encoded.
 """
 
 from __future__ import annotations
@@ -51,13 +51,15 @@ class TokenBytes:
 
     def _one(self, token_id: int) -> bytes:
         added = self._added.get(token_id)
-        if added is not None:
-            return added.encode()
-        piece = self._backend.id_to_token(token_id)
+        piece = added if added is not None else self._backend.id_to_token(token_id)
         if piece is None:
             return b""
+        # An added token goes through the byte table too, as the ByteLevel decoder reads it
+        # ("<|im_end|>" stands for itself; an added "Ġx" would be " x").
         if self._byte_level is not None and all(c in self._byte_level for c in piece):
             return bytes(self._byte_level[c] for c in piece)
+        if added is not None:
+            return added.encode()
         if self._byte_fallback and _is_byte_piece(piece):
             return bytes([int(piece[3:5], 16)])
         if self._space_mark:

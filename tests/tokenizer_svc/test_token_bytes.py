@@ -39,3 +39,18 @@ def test_sentencepiece_byte_fallback_tokens_are_single_bytes(spm_tokenizer: Toke
         assert spelled.decode().removeprefix(" ") == decoded, text
     emoji_ids = spm_tokenizer.encode_batch([EMOJI], add_special_tokens=False)[0]
     assert [spm_tokenizer.token_bytes([t]) for t in emoji_ids][-4:] == [bytes([b]) for b in EMOJI.encode()]
+
+
+def test_added_tokens_are_read_as_the_decoder_reads_them() -> None:
+    # The ByteLevel decoder maps an added token's characters through the byte table too.
+    from tokenizers import AddedToken, decoders, models
+    from tokenizers import Tokenizer as BackendTokenizer
+
+    from tokenizer_svc.token_bytes import TokenBytes
+
+    backend = BackendTokenizer(models.BPE(vocab={"a": 0}, merges=[]))
+    backend.decoder = decoders.ByteLevel()
+    backend.add_tokens([AddedToken("Ġhi", special=False), AddedToken("é", special=False), AddedToken("<|x|>")])
+    token_bytes = TokenBytes(backend)
+    assert [token_bytes([i]) for i in (1, 2, 3)] == [b" hi", b"\xe9", b"<|x|>"]
+    assert [backend.decode([i]) for i in (1, 2, 3)] == [" hi", "\ufffd", "<|x|>"]
