@@ -20,7 +20,8 @@ from scheduler_svc.worker_registry import WorkerRegistry
 from scheduler_svc.worker_session import WorkerSession
 from shardline.errors import NotFound, ShardlineError
 from shardline.proto import worker_pb2
-from shardline.request_store import FinishReason, RequestStatus, RequestStore
+from shardline.request_record import FinishReason, RequestStatus
+from shardline.request_store import RequestStore
 from tracing import attributes as attr
 from tracing.grpc_context import extract_context
 from tracing.metrics import QUEUE_DEPTH, RUNNING_REQUESTS

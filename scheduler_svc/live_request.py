@@ -7,7 +7,7 @@ from google.protobuf import json_format
 from opentelemetry import trace
 
 from shardline.proto import sampling_pb2, worker_pb2
-from shardline.request_store import RequestRecord
+from shardline.request_record import RequestRecord
 
 
 @dataclass(slots=True)

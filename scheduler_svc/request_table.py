@@ -12,7 +12,8 @@ from scheduler_svc.live_request import LiveRequest
 from scheduler_svc.relay import Relay
 from scheduler_svc.worker_registry import WorkerRegistry
 from shardline.proto import common_pb2, sampling_pb2, scheduler_pb2, worker_pb2
-from shardline.request_store import FinishReason, RequestStatus, RequestStore
+from shardline.request_record import FinishReason, RequestStatus
+from shardline.request_store import RequestStore
 
 log = logging.getLogger(__name__)
 

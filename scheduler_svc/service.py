@@ -14,7 +14,8 @@ from scheduler_svc.settings import SchedulerSettings
 from shardline.errors import InvalidArgument, NotFound
 from shardline.ids import require_id
 from shardline.proto import common_pb2, sampling_pb2, scheduler_pb2, scheduler_pb2_grpc
-from shardline.request_store import RequestRecord, RequestStore
+from shardline.request_record import RequestRecord
+from shardline.request_store import RequestStore
 from tracing.grpc_context import inject_metadata
 
 def _seconds(ts: timestamp_pb2.Timestamp) -> float:

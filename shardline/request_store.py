@@ -20,71 +20,20 @@ Keys, all under `shardline:`:
 The scheduler is the only writer. Finishing a request sets a TTL on its keys.
 """
 
-import json
 import struct
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from enum import IntEnum
 from typing import Any, Self
 
 import redis.asyncio as aioredis
+
+from shardline.request_record import FinishReason, RequestRecord, RequestStatus, decode_record, encode_record
 
 PREFIX = "shardline:"
 ACTIVE_KEY = PREFIX + "active"
 RECENT_KEY = PREFIX + "recent"
 TOKEN_BYTES = 4
 DEFAULT_RETENTION_S = 24 * 3600.0
-
-
-class RequestStatus(IntEnum):
-    """Lifecycle state; values match shardline.v1.RequestStatus, terminal from FINISHED on."""
-
-    QUEUED = 1
-    RUNNING = 2
-    FINISHED = 3
-    CANCELLED = 4
-    FAILED = 5
-
-    @property
-    def is_finished(self) -> bool:
-        """True for the terminal states."""
-        return self >= RequestStatus.FINISHED
-
-
-class FinishReason(IntEnum):
-    """Why a request stopped; values match shardline.v1.FinishReason."""
-
-    STOP = 1
-    LENGTH = 2
-    ABORT = 3
-    ERROR = 4
-
-
-@dataclass(slots=True)
-class RequestRecord:
-    """One request's persisted state: the `shardline:req:<id>` hash."""
-
-    request_id: str  # unique id, from the client or the gateway
-    model: str  # model that serves it
-    params: dict[str, Any]  # resolved sampling parameters, JSON-compatible
-    gateway_id: str  # gateway whose Subscribe stream receives the output
-    priority: int = 0  # priority class; lower is served first
-    arrival_ts: float = field(default_factory=time.time)  # when the scheduler accepted it
-    status: RequestStatus = RequestStatus.QUEUED  # lifecycle state
-    worker_id: str | None = None  # worker serving it now, or last, if dispatched
-    attempt: int = 0  # 1 once dispatched, one more per worker failure (a scheduler restart adds none)
-    finish_reason: FinishReason | None = None  # set once terminal
-    error: str | None = None  # why it failed, if it did
-    dispatch_ts: float | None = None  # first dispatch to a worker (kept by a re-dispatch, like first_token_ts)
-    first_token_ts: float | None = None  # first output token persisted
-    cached_tokens: int = 0  # prompt tokens the serving worker's prefix cache served (its first delta says)
-    finish_ts: float | None = None  # reached a terminal status
-    prompt_len: int = 0  # prompt tokens; create() sets it from the prompt
-    num_output_tokens: int = 0  # tokens generated so far; read from the tokens key
-    eos_token_ids: list[int] = field(default_factory=list)  # tokens that end it, re-sent on every dispatch
-    deadline_ts: float | None = None  # abort it if unfinished by then; None means no deadline
-    traceparent: str | None = None  # W3C traceparent of its trace, so a re-dispatch joins it
 
 
 def pack_token_ids(token_ids: Sequence[int]) -> bytes:
@@ -152,55 +101,6 @@ return 1
 """
 
 
-def _encode(record: RequestRecord, prompt_len: int) -> list[str | int | float]:
-    fields: dict[str, str | int | float | None] = {
-        "model": record.model,
-        "params": json.dumps(record.params, separators=(",", ":")),
-        "status": record.status.name,
-        "gateway_id": record.gateway_id,
-        "priority": record.priority,
-        "prompt_len": prompt_len,
-        "attempt": record.attempt,
-        "arrival_ts": record.arrival_ts,
-        "worker_id": record.worker_id,
-        "dispatch_ts": record.dispatch_ts,
-        "eos_token_ids": json.dumps(record.eos_token_ids) if record.eos_token_ids else None,
-        "deadline_ts": record.deadline_ts,
-        "traceparent": record.traceparent or None,
-    }
-    return [item for name, value in fields.items() if value is not None for item in (name, value)]
-
-
-def _decode(request_id: str, raw: dict[bytes, bytes], num_output_tokens: int) -> RequestRecord:
-    h = {key.decode(): value.decode() for key, value in raw.items()}
-
-    def optional_float(name: str) -> float | None:
-        return float(h[name]) if name in h else None
-
-    return RequestRecord(
-        request_id=request_id,
-        model=h["model"],
-        params=json.loads(h["params"]),
-        gateway_id=h["gateway_id"],
-        priority=int(h["priority"]),
-        arrival_ts=float(h["arrival_ts"]),
-        status=RequestStatus[h["status"]],
-        worker_id=h.get("worker_id"),
-        attempt=int(h["attempt"]),
-        finish_reason=FinishReason[h["finish_reason"]] if "finish_reason" in h else None,
-        error=h.get("error"),
-        dispatch_ts=optional_float("dispatch_ts"),
-        first_token_ts=optional_float("first_token_ts"),
-        finish_ts=optional_float("finish_ts"),
-        cached_tokens=int(h.get("cached_tokens", 0)),
-        prompt_len=int(h["prompt_len"]),
-        num_output_tokens=num_output_tokens,
-        eos_token_ids=json.loads(h.get("eos_token_ids", "[]")),
-        deadline_ts=optional_float("deadline_ts"),
-        traceparent=h.get("traceparent"),
-    )
-
-
 def _update_args(request_id: str, retention_ms: int, fields: dict[str, Any],
                  once: dict[str, Any] | None = None) -> tuple[list[str], list[Any]]:
     """KEYS and ARGV of _UPDATE_LIVE_LUA: `fields` are set, `once` only where absent."""
@@ -254,7 +154,7 @@ class RequestStore:
         keys = [_hash_key(request_id), _prompt_key(request_id), ACTIVE_KEY, RECENT_KEY]
         trim_before = time.time() - self.retention_s
         prompt = pack_token_ids(prompt_ids)
-        args = [request_id, record.arrival_ts, trim_before, prompt, *_encode(record, len(prompt_ids))]
+        args = [request_id, record.arrival_ts, trim_before, prompt, *encode_record(record, len(prompt_ids))]
         return bool(await self._create_script(keys=keys, args=args))
 
     async def append_step(
@@ -361,7 +261,7 @@ class RequestStore:
             pipe.strlen(_tokens_key(request_id))
         results = await pipe.execute() if request_ids else []
         return [
-            _decode(request_id, raw, num_bytes // TOKEN_BYTES)
+            decode_record(request_id, raw, num_bytes // TOKEN_BYTES)
             for request_id, raw, num_bytes in zip(request_ids, results[::2], results[1::2])
             if raw  # expired, or never existed
         ]

@@ -10,7 +10,8 @@ import pytest
 
 from shardline.client import AsyncShardlineClient, ShardlineClient
 from shardline.proto import scheduler_pb2, scheduler_pb2_grpc
-from shardline.request_store import RequestStatus, RequestStore
+from shardline.request_record import RequestStatus
+from shardline.request_store import RequestStore
 
 pytestmark = pytest.mark.slow
 

@@ -11,14 +11,8 @@ import redis
 from redis.asyncio.connection import AbstractConnection
 
 from shardline.proto import sampling_pb2
-from shardline.request_store import (
-    FinishReason,
-    RequestRecord,
-    RequestStatus,
-    RequestStore,
-    pack_token_ids,
-    unpack_token_ids,
-)
+from shardline.request_record import FinishReason, RequestRecord, RequestStatus
+from shardline.request_store import RequestStore, pack_token_ids, unpack_token_ids
 
 PARAMS = {"temperature": 0.7, "seed": 1234, "max_tokens": 16, "stop": ["\n\n"]}
 
