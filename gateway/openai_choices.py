@@ -49,7 +49,8 @@ def choice_specs(parsed: OpenAIRequest, request_id: str, default_max_tokens: int
             specs.append(GenerationSpec(
                 request_id=request_id if parsed.num_choices == 1 else f"{request_id}-{index}",
                 model=parsed.model, prompt=prompt, params=params, default_max_tokens=default_max_tokens,
-                priority=parsed.priority, max_tokens_field=parsed.max_tokens_field, arrival_s=arrival_s))
+                priority=parsed.priority, max_tokens_field=parsed.max_tokens_field, arrival_s=arrival_s,
+                structured_output_field=parsed.structured_output_field or "structured_output"))
     return specs
 
 

@@ -7,6 +7,7 @@ from typing import Any
 
 from gateway.params import MAX_CHOICES, json_field, sampling_from_openai
 from gateway.request_runner import Prompt
+from gateway.structured_params import structured_output_from_openai
 from shardline.errors import InvalidArgument
 from shardline.proto import sampling_pb2
 
@@ -30,6 +31,7 @@ class OpenAIRequest:
     echo: bool = False  # completions: the prompt comes back before its completion (with its logprobs)
     echo_only: bool = False  # echo with max_tokens 0: each choice is its prompt alone (how text is scored)
     prompt_logprobs: bool = False  # vLLM's prompt_logprobs field was sent: answer it in vLLM's shape
+    structured_output_field: str = ""  # where params.structured_output came from (response_format...)
 
     @property
     def num_choices(self) -> int:
@@ -44,6 +46,9 @@ def parse_request(body: Any, chat: bool) -> OpenAIRequest:
     model = json_field(body, "model", str) or ""
     prompts = [chat_messages(body)] if chat else _prompts(body)
     params, priority, max_tokens_field, n = sampling_from_openai(body, chat)
+    structured_output, structured_output_field = structured_output_from_openai(body)
+    if structured_output is not None:
+        params.structured_output.CopyFrom(structured_output)
     if len(prompts) * n > MAX_CHOICES:
         raise InvalidArgument("n" if len(prompts) == 1 else "prompt",
                               f"a request may ask for at most {MAX_CHOICES} completions (prompts x n), "
@@ -62,7 +67,7 @@ def parse_request(body: Any, chat: bool) -> OpenAIRequest:
             raise InvalidArgument("min_tokens", "must not exceed max_tokens")
         params.max_tokens = 1
     return OpenAIRequest(chat, model, prompts, params, priority, stream, include_usage, max_tokens_field, n, echo,
-                         echo_only, body.get("prompt_logprobs") is not None)
+                         echo_only, body.get("prompt_logprobs") is not None, structured_output_field)
 
 
 def _prompts(body: dict[str, Any]) -> list[Prompt]:

@@ -196,10 +196,6 @@ def _reject_unsupported(body: dict[str, Any], chat: bool) -> None:
         raise InvalidArgument("suffix", "suffix is not supported")
     if chat and json_field(body, "tools", list):
         raise InvalidArgument("tools", "tool calling is not supported")
-    response_format = json_field(body, "response_format", dict)
-    if response_format is not None and response_format.get("type", "text") != "text":
-        # Answering free text to a client that asked for JSON would look like success and parse as garbage.
-        raise InvalidArgument("response_format", "structured output (json_object, json_schema) is not supported")
 
 
 def _stop_strings(value: Any) -> list[str]:

@@ -69,6 +69,7 @@ class GenerationSpec:
     timeout_s: float | None = None  # the client's own budget, within the gateway's
     field_prefix: str = ""  # put before parameter names in errors ("params." over gRPC)
     max_tokens_field: str = "max_tokens"  # the name the client gave max_tokens, for errors
+    structured_output_field: str = "structured_output"  # the name the client gave its constraint, for errors
     arrival_s: float = field(default_factory=time.perf_counter)  # for TTFT and duration
     arrival_time: Timestamp = field(default_factory=lambda: _now_timestamp(0.0))  # sent to the scheduler
 
@@ -217,6 +218,9 @@ class RequestRunner:
                 spec.prompt.field, f"the prompt has {len(prompt_ids)} tokens; at most {limits.max_prompt_tokens} fit")
         resolve_max_tokens(params, len(prompt_ids), limits, spec.default_max_tokens, spec.field_prefix,
                            spec.max_tokens_field)
+        if params.HasField("structured_output"):
+            field = spec.field_prefix + spec.structured_output_field
+            await self._check_structured_output(params.structured_output, field)
         span.set_attributes({
             attr.GEN_AI_REQUEST_MODEL: info.model, attr.GEN_AI_REQUEST_TEMPERATURE: params.temperature,
             attr.GEN_AI_REQUEST_TOP_P: params.top_p,
@@ -268,6 +272,14 @@ class RequestRunner:
             max_prompt_tokens=min(self.settings.max_prompt_tokens or context - 1, context - 1),
             max_tokens_limit=min(self.settings.max_tokens_limit or context, context),
         )
+
+    async def _check_structured_output(self, constraint: sampling_pb2.StructuredOutput, field: str) -> None:
+        """A constraint that does not compile is the client's error, found before anything is queued."""
+        with upstream("tokenizer"):
+            reply = await self.backends.tokenizer.CheckStructuredOutput(
+                tokenizer_pb2.CheckStructuredOutputRequest(structured_output=constraint), timeout=RPC_TIMEOUT_S)
+        if reply.error:
+            raise InvalidArgument(field, reply.error)
 
     async def _tokenize(self, prompt: Prompt, info: tokenizer_pb2.TokenizerInfo) -> list[int]:
         if prompt.token_ids is not None:

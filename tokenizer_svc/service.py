@@ -13,7 +13,8 @@ import re
 import grpc
 
 from shardline.errors import InvalidArgument
-from shardline.proto import common_pb2, tokenizer_pb2, tokenizer_pb2_grpc
+from shardline.proto import common_pb2, sampling_pb2, tokenizer_pb2, tokenizer_pb2_grpc
+from shardline.structured_output import StructuredOutputSpec
 from tokenizer_svc.chat_template import ChatTemplate, ChatTemplateError
 from tokenizer_svc.detokenizer import PREFIX_WINDOW, DetokenizeItem, detokenize_batch
 from tokenizer_svc.tokenizer import Tokenizer
@@ -108,3 +109,20 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServicer):
         self, request: tokenizer_pb2.GetTokenizerInfoRequest, context: grpc.aio.ServicerContext
     ) -> tokenizer_pb2.TokenizerInfo:
         return self._info
+
+    async def CheckStructuredOutput(
+        self, request: tokenizer_pb2.CheckStructuredOutputRequest, context: grpc.aio.ServicerContext
+    ) -> tokenizer_pb2.CheckStructuredOutputResponse:
+        # The grammar engine's first import takes seconds, and a large schema compiles for a while:
+        # off the loop, so Tokenize and Detokenize calls keep flowing meanwhile.
+        return tokenizer_pb2.CheckStructuredOutputResponse(
+            error=await asyncio.to_thread(_structured_output_error, request.structured_output))
+
+
+def _structured_output_error(message: sampling_pb2.StructuredOutput) -> str:
+    """Why a StructuredOutput does not compile, for the field the client gave it in; "" when it does."""
+    try:
+        StructuredOutputSpec.from_proto(message).grammar()
+    except ValueError as exc:
+        return str(exc).removeprefix("structured_output: ")
+    return ""

@@ -16,12 +16,14 @@ import torch
 
 from gpu_worker_svc.engine.batch_scheduler import BatchScheduler, SchedulerConfig, SchedulerOutput
 from gpu_worker_svc.engine.block_pool import BlockPool
+from gpu_worker_svc.engine.grammar import GrammarBackend
 from gpu_worker_svc.engine.model_runner import ModelRunner, PromptLogits, RunnerConfig
 from gpu_worker_svc.engine.outputs import GenerationResult, RequestOutput, StepOutput, StepStats
 from gpu_worker_svc.engine.sampler import Sampler, TokenLogprobs, select_rows
 from gpu_worker_svc.engine.sampling_params import SamplingParams
 from gpu_worker_svc.engine.sequence import Sequence
 from gpu_worker_svc.model.attention_metadata import StepBatch
+from gpu_worker_svc.model.dummy import is_dummy
 from gpu_worker_svc.model.loader import rotary_positions
 
 log = logging.getLogger(__name__)
@@ -49,6 +51,17 @@ class LLMEngine:
                                  self.runner.num_blocks * self.runner.block_size)
         self._aborted: list[RequestOutput] = []
         self._step = 0
+        self._grammar: GrammarBackend | None = None  # built by the first structured output request
+
+    def grammar_backend(self) -> GrammarBackend:
+        """Structured output's grammar compiler for this model; built on first use (about 3 s here:
+        the grammar engine's import and an index of the vocabulary), ValueError when it cannot be."""
+        if self._grammar is None:
+            if is_dummy(self.config.runner.model):
+                raise ValueError("structured_output: a dummy model has no tokenizer to constrain")
+            self._grammar = GrammarBackend.for_model(self.config.runner.model, self.model_config.vocab_size,
+                                                     list(self.model_config.eos_token_ids))
+        return self._grammar
 
     # -- requests -----------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None,
@@ -83,6 +96,8 @@ class LLMEngine:
         seq = Sequence(request_id, list(prompt_token_ids), params, priority=priority,
                        eos_token_id=self.eos_token_id if eos_token_id is None else eos_token_id,
                        output_token_ids=output_token_ids)
+        if params.structured_output is not None:
+            seq.grammar = self.grammar_backend().matcher(params.structured_output, output_token_ids)
         self.scheduler.add(seq)
 
     def abort_request(self, request_id: str, report: bool = True) -> bool:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from gpu_worker_svc.engine.grammar import mask_logits
 from gpu_worker_svc.engine.penalties import PenaltyState, param_column
 from gpu_worker_svc.engine.sequence import Sequence
 
@@ -98,6 +99,7 @@ class Sampler:
         logits = self._logit_bias.apply(logits, seqs)
         logits = self._penalties.apply(logits, seqs)
         logits = _mask_early_stops(logits, seqs)
+        logits = mask_logits(logits, seqs)  # structured output: last, so nothing re-allows a token
 
         sampled_rows = [i for i, seq in enumerate(seqs) if not seq.params.is_greedy]
         if len(sampled_rows) < len(seqs):
@@ -165,7 +167,8 @@ def _mask_early_stops(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tenso
     cols: list[int] = []
     for i, seq in enumerate(seqs):
         params = seq.params
-        if seq.num_output_tokens >= params.min_tokens:
+        # A complete structured output may only end: its grammar then allows EOS alone.
+        if seq.num_output_tokens >= params.min_tokens or seq.grammar is not None:
             continue
         stop_ids = list(params.stop_token_ids)
         if seq.eos_token_id is not None and not params.ignore_eos:

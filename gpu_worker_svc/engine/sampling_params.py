@@ -3,6 +3,8 @@
 import math
 from dataclasses import dataclass, field
 
+from shardline.structured_output import StructuredOutputSpec
+
 # At or below this temperature a request is decoded greedily: dividing logits
 # by a near-zero temperature would overflow instead of sharpening.
 GREEDY_TEMPERATURE = 1e-5
@@ -36,6 +38,9 @@ class SamplingParams:
     # prefill without the prefix cache: a cached block has no logits left to read.
     prompt_logprobs: int | None = None
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
+    # The language the output must belong to (JSON Schema, regex, ...; engine/grammar.py). Once the
+    # output is complete only EOS is allowed, and the request stops even under ignore_eos or min_tokens.
+    structured_output: StructuredOutputSpec | None = None
 
     @property
     def is_greedy(self) -> bool:
@@ -103,6 +108,8 @@ class SamplingParams:
             if token_id < 0 or abs(bias) > MAX_ABS_LOGIT_BIAS:
                 raise ValueError(f"logit_bias must map token ids >= 0 to biases in "
                                  f"[-{MAX_ABS_LOGIT_BIAS:g}, {MAX_ABS_LOGIT_BIAS:g}], got {token_id}: {bias}")
+        if self.structured_output is not None:
+            self.structured_output.check()
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None:

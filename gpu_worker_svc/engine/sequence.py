@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from gpu_worker_svc.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from gpu_worker_svc.engine.grammar import GrammarMatcher
     from gpu_worker_svc.engine.sampler import TokenLogprobs
 
 
@@ -70,6 +71,8 @@ class Sequence:
     # With params.prompt_logprobs: entry i is prompt token i + 1's, filled chunk by chunk until the
     # first output token goes out with them all.
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # With params.structured_output: the grammar's state after output_token_ids, advanced by append_token.
+    grammar: GrammarMatcher | None = None
     _all_token_ids: list[int] = field(init=False, repr=False, default_factory=list)
 
     def __post_init__(self) -> None:
@@ -108,11 +111,16 @@ class Sequence:
     def append_token(self, token_id: int) -> None:
         self.all_token_ids.append(token_id)
         self.output_token_ids.append(token_id)
+        if self.grammar is not None and not self.grammar.accept(token_id):
+            # The step's mask allowed only tokens the grammar accepts; a refusal is an engine bug.
+            raise RuntimeError(f"request {self.request_id}: token {token_id} broke its structured output")
 
     def stop_status(self) -> RequestStatus | None:
         """Whether the token just appended ends the request, and how."""
         params = self.params
         token_id = self.output_token_ids[-1]
+        if self.grammar is not None and self.grammar.is_terminated:
+            return RequestStatus.FINISHED_STOPPED  # complete: EOS was the only token left to it
         # Like the sampler's mask: EOS and stop ids count only from output
         # index min_tokens on, so min_tokens ordinary tokens always come first.
         if self.num_output_tokens > params.min_tokens:

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from gpu_worker_svc.engine.sampling_params import SamplingParams
 from shardline.proto import sampling_pb2, worker_pb2
+from shardline.structured_output import StructuredOutputSpec
 
 
 @dataclass(slots=True)
@@ -49,6 +50,8 @@ def engine_request(new: worker_pb2.NewRequest, max_model_len: int) -> EngineRequ
         logprobs=_logprobs(p),
         logit_bias=dict(p.logit_bias),
         prompt_logprobs=p.prompt_logprobs if p.HasField("prompt_logprobs") else None,
+        structured_output=(StructuredOutputSpec.from_proto(p.structured_output)
+                           if p.HasField("structured_output") else None),
     )
     params.validate()
     return EngineRequest(params, new.eos_token_ids[0] if new.eos_token_ids else None)

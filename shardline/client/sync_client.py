@@ -58,7 +58,12 @@ class ShardlineClient:
         """Generate a whole completion. `params` are sampling parameters: max_tokens, temperature, top_p,
         top_k, min_p, seed, stop, stop_token_ids, presence/frequency/repetition_penalty, ignore_eos,
         top_logprobs, logit_bias ({token id: bias in [-100, 100]}), prompt_logprobs (the prompt's
-        own tokens' logprobs, each with that many alternatives), plus model, request_id and priority."""
+        own tokens' logprobs, each with that many alternatives), plus model, request_id and priority.
+
+        Structured output takes one of: json_schema (a JSON Schema, as a dict or its JSON text),
+        json_object=True (any JSON object), regex, choice (a list of strings) or grammar (EBNF, rule
+        "root"). The text then parses when finish_reason is "stop"; a bad constraint is
+        INVALID_ARGUMENT naming params.structured_output."""
         req = build_request(prompt, messages=messages, timeout=timeout, **params)
         return self._call(lambda r, **kw: Completion.from_proto(self._stub.Generate(r, **kw)), req, timeout,
                           taken=lambda: Completion.from_chunks(list(self.resume(req.request_id, 0, timeout=timeout))))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import secrets
 from dataclasses import dataclass, field
 from typing import Any
@@ -184,9 +185,28 @@ def build_request(prompt: str | list[int] | None = None, *, messages: list[dict[
         elif name == "top_logprobs":
             req.params.logprobs = True
             req.params.top_logprobs = value
+        elif name in _STRUCTURED_OUTPUT_KINDS:
+            if req.params.HasField("structured_output"):
+                raise ValueError(f"{name}: give one structured output constraint, not several")
+            _set_structured_output(req.params.structured_output, name, value)
         else:
             setattr(req.params, name, value)  # AttributeError names an unknown parameter
     return req
+
+
+# Structured output keywords: the output is JSON that a schema accepts (a dict, or its JSON text),
+# any JSON object (json_object=True), a match of a regex, one of a list of strings, or derives from
+# an EBNF grammar's rule "root".
+_STRUCTURED_OUTPUT_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+
+
+def _set_structured_output(message: sampling_pb2.StructuredOutput, kind: str, value: Any) -> None:
+    if kind == "json_schema" and not isinstance(value, str):
+        value = json.dumps(value)
+    if kind == "choice":
+        message.choice.choices.extend(value)
+    else:
+        setattr(message, kind, value)
 
 
 def was_taken(exc: grpc.RpcError) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import grpc
@@ -150,3 +151,24 @@ def test_the_record_keeps_the_prefix_cache_hits(grpc_target):
         info = client.get_request(again.request_id)
     assert again.usage.cached_tokens > 0
     assert info.usage.cached_tokens == again.usage.cached_tokens  # GetRequest said 0 before
+
+
+def test_structured_output_through_the_sdk_and_its_record(stack, grpc_target):
+    schema = {"type": "object", "properties": {"colour": {"type": "string", "enum": ["red", "green", "blue"]}},
+              "required": ["colour"], "additionalProperties": False}
+    with ShardlineClient(grpc_target) as client:
+        picked = client.generate(messages=[{"role": "user", "content": "Name a colour."}], max_tokens=8,
+                                 temperature=0.0, choice=["red", "green", "blue"])
+        as_json = client.generate(messages=[{"role": "user", "content": "Name a colour, in JSON."}], max_tokens=40,
+                                  seed=3, json_schema=schema)
+        streamed = "".join(c.text for c in client.stream(messages=[{"role": "user", "content": "Name a colour."}],
+                                                         max_tokens=8, temperature=0.0, choice=["red", "green", "blue"]))
+    assert picked.finish_reason == "stop" and picked.text in ("red", "green", "blue") and streamed == picked.text
+    assert as_json.finish_reason == "stop" and json.loads(as_json.text)["colour"] in ("red", "green", "blue")
+
+    async def read():
+        async with RequestStore(stack.redis_url) as store:
+            return await store.get(as_json.request_id)
+
+    # The constraint is in the record, so a re-dispatch after a worker failure keeps it.
+    assert json.loads(asyncio.run(read()).params["structured_output"]["json_schema"]) == schema

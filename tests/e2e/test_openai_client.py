@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 pytestmark = pytest.mark.slow
@@ -38,3 +40,22 @@ def test_completion_with_logprobs(client):
 def test_bad_request_raises_400(client):
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model="SmolLM2-135M-Instruct", prompt="x", temperature=9)
+
+
+def test_response_format_json_schema(client):
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30},
+                                               "country": {"type": "string", "maxLength": 30}},
+              "required": ["city", "country"], "additionalProperties": False}
+    kwargs = dict(model="SmolLM2-135M-Instruct", max_tokens=60, temperature=0,
+                  messages=[{"role": "user", "content": "What is the capital of France? Answer in JSON."}],
+                  response_format={"type": "json_schema", "json_schema": {"name": "capital", "schema": schema}})
+    whole = client.chat.completions.create(**kwargs)
+    assert whole.choices[0].finish_reason == "stop"
+    assert set(json.loads(whole.choices[0].message.content)) == {"city", "country"}
+    streamed = "".join(chunk.choices[0].delta.content or ""
+                       for chunk in client.chat.completions.create(**kwargs, stream=True) if chunk.choices)
+    assert streamed == whole.choices[0].message.content
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(**{**kwargs, "response_format": {
+            "type": "json_schema", "json_schema": {"name": "bad", "schema": {"type": "objekt"}}}})
+    assert caught.value.body["param"] == "response_format.json_schema.schema"

@@ -85,7 +85,25 @@ BAD_BODIES = [
     ("chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ("chat/completions", {"n": 65}, "n"),
     ("chat/completions", {"tools": [{"type": "function"}]}, "tools"),
-    ("chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("chat/completions", {"response_format": {"type": "xml"}}, "response_format.type"),
+    ("chat/completions", {"response_format": "json"}, "response_format"),
+    ("chat/completions", {"response_format": {"type": "json_schema"}}, "response_format.json_schema.schema"),
+    ("chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": [1]}}},
+     "response_format.json_schema.schema"),
+    # Shapes are checked in the gateway; whether a constraint compiles, by the tokenizer service.
+    ("chat/completions", {"response_format": {"type": "json_schema",
+                                              "json_schema": {"name": "x", "schema": {"type": "objekt"}}}},
+     "response_format.json_schema.schema"),
+    ("completions", {"guided_regex": "(ab"}, "guided_regex"),
+    ("completions", {"guided_regex": 5}, "guided_regex"),
+    ("completions", {"guided_choice": []}, "guided_choice"),
+    ("completions", {"guided_json": "{oops"}, "guided_json"),
+    ("completions", {"guided_grammar": "root ::= nope"}, "guided_grammar"),
+    ("completions", {"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
+    ("chat/completions", {"response_format": {"type": "json_object"}, "guided_regex": "a"}, "guided_regex"),
+    ("chat/completions", {"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+    ("chat/completions", {"structured_outputs": {"grammar": "root ::= nope"}}, "structured_outputs.grammar"),
+    ("chat/completions", {"structured_outputs": {"json_object": "yes"}}, "structured_outputs.json_object"),
     ("chat/completions", {"max_completion_tokens": 0}, "max_completion_tokens"),
     ("chat/completions", {"max_completion_tokens": 8190, "max_tokens": 5}, "max_completion_tokens"),
     ("chat/completions", {"messages": [{"role": "user", "content": None}]}, "messages[0].content"),
@@ -150,6 +168,10 @@ def test_invalid_arguments_over_grpc(tokenizer_address, text_ids) -> None:
         (generation_pb2.GenerateRequest(prompt="hi", request_id="café-1"), "request_id"),
         (generation_pb2.GenerateRequest(prompt_token_ids={"ids": [49152]}), "prompt_token_ids"),
         (generation_pb2.GenerateRequest(messages={"messages": [{"role": "", "content": "x"}]}), "messages[0].role"),
+        (generation_pb2.GenerateRequest(prompt="hi", params=sampling_pb2.SamplingParameters(
+            structured_output=sampling_pb2.StructuredOutput(regex="[a-"))), "params.structured_output"),
+        (generation_pb2.GenerateRequest(prompt="hi", params=sampling_pb2.SamplingParameters(
+            structured_output=sampling_pb2.StructuredOutput())), "params.structured_output"),
     ]
 
     async def body(stack: Stack) -> None:

@@ -291,3 +291,34 @@ def test_a_refused_choice_refuses_the_request(tokenizer_address, text_ids) -> No
         assert len(stack.scheduler.submitted) == 2
 
     run_on_stack(tokenizer_address, Script(text_ids, hold_after=1), body)
+
+
+def test_structured_output_fields_reach_the_scheduler(tokenizer_address, text_ids) -> None:
+    """OpenAI's response_format, vLLM's structured_outputs and its guided_* names, as one constraint."""
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    messages = [{"role": "user", "content": PROMPT}]
+
+    async def body(stack: Stack) -> None:
+        openai_client = client(stack)
+        await openai_client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=4,
+            response_format={"type": "json_schema", "json_schema": {"name": "place", "schema": schema, "strict": True}})
+        await openai_client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4,
+                                                    response_format={"type": "json_object"})
+        await openai_client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4,
+                                                    response_format={"type": "text"})
+        await openai_client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4,
+                                               extra_body={"guided_choice": ["yes", "no"]})
+        await openai_client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4,
+                                               extra_body={"guided_json": json.dumps(schema)})
+        await openai_client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4,
+                                                    extra_body={"structured_outputs": {"regex": "[0-9]+"}})
+        constraints = [s.params.structured_output if s.params.HasField("structured_output") else None
+                       for s in stack.scheduler.submitted]
+        assert json.loads(constraints[0].json_schema) == schema
+        assert constraints[1].json_object and constraints[2] is None
+        assert list(constraints[3].choice.choices) == ["yes", "no"]
+        assert json.loads(constraints[4].json_schema) == schema
+        assert constraints[5].regex == "[0-9]+"
+
+    run_on_stack(tokenizer_address, Script(text_ids), body)

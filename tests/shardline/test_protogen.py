@@ -146,6 +146,7 @@ def test_services_expose_the_contracted_rpcs(tmp_path: Path) -> None:
     }
     assert services["Tokenizer"] == {
         "Tokenize": unary, "ApplyChatTemplate": unary, "Detokenize": unary, "GetInfo": unary,
+        "CheckStructuredOutput": unary,
     }
     assert services["Scheduler"] == {
         "Submit": unary, "Cancel": unary, "Subscribe": server_stream, "RegisterWorker": unary,

@@ -189,6 +189,28 @@ def test_out_of_vocabulary_ids_are_invalid_argument(service) -> None:
     with_stub(service, body)
 
 
+def test_check_structured_output_says_why_a_constraint_does_not_compile(service) -> None:
+    so = sampling_pb2.StructuredOutput
+
+    async def body(stub: Stub) -> None:
+        async def check(constraint: sampling_pb2.StructuredOutput) -> str:
+            request = tokenizer_pb2.CheckStructuredOutputRequest(structured_output=constraint)
+            return (await stub.CheckStructuredOutput(request)).error
+
+        good = [so(json_schema='{"type": "object", "properties": {"a": {"type": "integer"}}}'), so(json_object=True),
+                so(regex=r"\d+"), so(choice=sampling_pb2.Choices(choices=["a", 'say "b"'])), so(grammar='root ::= "x"+')]
+        assert [await check(c) for c in good] == [""] * len(good)
+        assert (await check(so(json_schema='{"type": "objekt"}'))).startswith("the json schema does not compile: ")
+        assert "objekt" in await check(so(json_schema='{"type": "objekt"}'))
+        assert (await check(so(regex="(ab"))).startswith("the regex does not compile: ")
+        assert "not defined" in await check(so(grammar="root ::= missing"))
+        assert (await check(so(json_schema="{oops"))).startswith("json_schema is not valid JSON")
+        assert await check(so()) == "set one of json_schema, json_object, regex, choice, grammar"
+        assert await check(so(json_object=False)) == "json_object must be true when set"
+
+    with_stub(service, body)
+
+
 def test_health_and_reflection_answer(service) -> None:
     async def run() -> None:
         async with serving(service) as channel:

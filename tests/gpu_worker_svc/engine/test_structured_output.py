@@ -1,0 +1,131 @@
+"""Structured output with the real default model: the text parses, and the determinism the cluster's
+failover relies on holds for constrained requests too (alone, batched, resumed)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+
+import pytest
+
+from gpu_worker_svc.engine.batch_scheduler import SchedulerConfig
+from gpu_worker_svc.engine.llm_engine import EngineConfig, LLMEngine
+from gpu_worker_svc.engine.model_runner import RunnerConfig
+from gpu_worker_svc.engine.sampling_params import SamplingParams
+from shardline.model_path import default_model_path
+from shardline.structured_output import StructuredOutputSpec
+from tokenizer_svc.chat_template import ChatTemplate
+from tokenizer_svc.tokenizer import Tokenizer
+
+pytestmark = pytest.mark.slow
+
+ANSWER_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "answer": {"type": "string", "enum": ["yes", "no"]},
+        "confidence": {"type": "integer", "minimum": 0, "maximum": 100},
+        "reason": {"type": "string", "maxLength": 40},
+    },
+    "required": ["answer", "confidence", "reason"],
+    "additionalProperties": False,
+}
+SEEDED = SamplingParams(max_tokens=80, temperature=0.9, top_p=0.95, seed=99)
+GREEDY = SamplingParams(max_tokens=80, temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Tokenizer:
+    return Tokenizer.from_model_path(default_model_path())
+
+
+@pytest.fixture(scope="module")
+def chat(tokenizer):
+    template = ChatTemplate(tokenizer.chat_template, tokenizer.bos_token, tokenizer.eos_token)
+
+    def render(text: str) -> list[int]:
+        prompt = template.render([{"role": "user", "content": text}], add_generation_prompt=True)
+        return tokenizer.encode_batch([prompt], add_special_tokens=False)[0]
+
+    return render
+
+
+@pytest.fixture(scope="module")
+def engine():
+    e = LLMEngine(EngineConfig(runner=RunnerConfig(cpu_kv_bytes=64 << 20, max_model_len=512),
+                               scheduler=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=512)))
+    yield e
+    e.shutdown()
+
+
+def _with(base: SamplingParams, kind: str, value: str | tuple[str, ...] = "", **changes) -> SamplingParams:
+    return dataclasses.replace(base, structured_output=StructuredOutputSpec(kind, value), **changes)
+
+
+@pytest.mark.parametrize("base", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_json_schema_output_parses_and_fits_the_schema(engine, tokenizer, chat, base):
+    [result] = engine.generate([chat("Is the sky blue? Answer in JSON.")],
+                               _with(base, "json_schema", json.dumps(ANSWER_SCHEMA)))
+    assert result.finish_reason == "stop"
+    value = json.loads(tokenizer.decode(result.token_ids))
+    assert set(value) == {"answer", "confidence", "reason"}
+    assert value["answer"] in ("yes", "no") and 0 <= value["confidence"] <= 100
+    assert isinstance(value["reason"], str) and len(value["reason"]) <= 40
+
+
+def test_json_object_regex_choice_and_grammar(engine, tokenizer, chat):
+    specs = [("json_object", ""), ("regex", r"[A-Z][a-z]+, [0-9]{5}"), ("choice", ("red", "green", "blue")),
+             ("grammar", 'root ::= "The answer is " [0-9]+ "."')]
+    prompts = [chat("What is the capital of France? Answer as JSON."), chat("Give a city and a postcode."),
+               chat("Name a colour."), chat("What is 2+2?")]
+    results = engine.generate(prompts, [_with(GREEDY, kind, value) for kind, value in specs])
+    texts = [tokenizer.decode(r.token_ids) for r in results]
+    assert [r.finish_reason for r in results] == ["stop"] * 4, texts
+    assert isinstance(json.loads(texts[0]), dict)
+    assert re.fullmatch(r"[A-Z][a-z]+, [0-9]{5}", texts[1])
+    assert texts[2] in ("red", "green", "blue")
+    assert re.fullmatch(r"The answer is [0-9]+\.", texts[3])
+
+
+def test_a_constrained_request_is_the_same_alone_batched_and_resumed(engine, chat):
+    prompt = chat("Is water wet? Answer in JSON.")
+    params = _with(SEEDED, "json_schema", json.dumps(ANSWER_SCHEMA))
+    [alone] = engine.generate([prompt], params)
+    others = [chat(f"Tell me about the number {i}.") for i in range(5)]
+    batched = engine.generate([*others[:2], prompt, *others[2:]],
+                              [SEEDED, _with(SEEDED, "regex", "[a-z ]+"), params, SEEDED, GREEDY, SEEDED])
+    assert batched[2].token_ids == alone.token_ids
+    cut = len(alone.token_ids) // 2
+    engine.add_request("resumed", prompt, params, output_token_ids=alone.token_ids[:cut])
+    rest: list[int] = []
+    while engine.has_unfinished:
+        for o in engine.step().outputs:
+            rest += o.new_token_ids
+    assert alone.token_ids[:cut] + rest == alone.token_ids
+
+
+def test_a_complete_output_ends_the_request_despite_ignore_eos_and_min_tokens(engine, tokenizer, chat):
+    [result] = engine.generate([chat("Yes or no?")], _with(GREEDY, "choice", ("yes", "no"), ignore_eos=True,
+                                                            min_tokens=10, max_tokens=30))
+    assert result.finish_reason == "stop"
+    assert tokenizer.decode(result.token_ids) in ("yes", "no")
+    assert result.token_ids[-1] in tokenizer.eos_token_ids  # the grammar's end is EOS, nothing else
+
+
+def test_max_tokens_still_cuts_a_structured_output(engine, chat):
+    [result] = engine.generate([chat("Describe a cat in JSON.")], _with(GREEDY, "json_object", max_tokens=5))
+    assert result.finish_reason == "length" and len(result.token_ids) == 5
+
+
+def test_bad_constraints_and_resumes_are_refused(engine, tokenizer, chat):
+    with pytest.raises(ValueError, match=r"^structured_output: the regex does not compile"):
+        engine.add_request("bad-regex", [1, 2, 3], _with(GREEDY, "regex", "(ab"))
+    with pytest.raises(ValueError, match=r"^structured_output: the json schema does not compile"):
+        engine.add_request("bad-schema", [1, 2, 3], _with(GREEDY, "json_schema", '{"type": "objekt"}'))
+    with pytest.raises(ValueError, match=r"^structured_output: choice"):
+        engine.add_request("no-choice", [1, 2, 3], _with(GREEDY, "choice", ()))
+    stray = tokenizer.encode_batch(["maybe"], add_special_tokens=False)[0]
+    with pytest.raises(ValueError, match=r"^output_token_ids: token \d+ at index 0"):
+        engine.add_request("stray", chat("Yes or no?"), _with(GREEDY, "choice", ("yes", "no")),
+                           output_token_ids=stray)
+    assert not engine.has_unfinished
