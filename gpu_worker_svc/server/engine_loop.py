@@ -22,8 +22,9 @@ from dataclasses import dataclass
 
 from gpu_worker_svc.engine.llm_engine import LLMEngine
 from gpu_worker_svc.engine.model_runner import EngineDeadError
+from gpu_worker_svc.server.grammar_gate import GrammarGate
 from gpu_worker_svc.server.request_params import engine_request
-from gpu_worker_svc.server.step_message import error_delta, request_delta, step_stats
+from gpu_worker_svc.server.step_message import abort_delta, error_delta, request_delta, step_stats
 from gpu_worker_svc.server.telemetry import StepTelemetry
 from shardline.proto import common_pb2, worker_pb2
 
@@ -82,6 +83,10 @@ class _Commands:
 
 class _Stop:
     pass
+
+
+class _GrammarLoaded:
+    """The grammar engine's load is over: hand the held structured output requests to the engine."""
 
 
 class Inbox:
@@ -145,6 +150,7 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._session: SessionLink | None = None
         self._requests: set[str] = set()  # ids in the engine, all owned by the live session
+        self._grammar_gate = GrammarGate(engine, lambda: self._inbox.put(_GrammarLoaded()))
         self._errors: list[common_pb2.RequestDelta] = []  # refused requests, sent with the next step
         self._step = 0
         self.load = WorkerLoad()
@@ -227,11 +233,19 @@ class EngineLoop:
                 for new in command.add:
                     self._add(new)
                 for request_id in command.abort:
+                    held = self._grammar_gate.remove(request_id)
+                    if held is not None:
+                        self._errors.append(abort_delta(held))
                     self._engine.abort_request(request_id)  # its final delta comes with the next step
+            case _GrammarLoaded():
+                for new in self._grammar_gate.release():
+                    self._add(new)
 
     def _add(self, new: worker_pb2.NewRequest) -> None:
-        if new.request_id in self._requests:
+        if new.request_id in self._requests or new.request_id in self._grammar_gate:
             log.warning("request %s is already running: duplicate add ignored", new.request_id)
+            return
+        if self._grammar_gate.holds(new):
             return
         try:
             req = engine_request(new, self._max_model_len)
@@ -254,6 +268,7 @@ class EngineLoop:
             self._engine.abort_request(request_id, report=False)
             self._telemetry.request_dropped(request_id, now_ns)
         self._requests.clear()
+        self._grammar_gate.clear()
         self._errors.clear()
         self._refresh_load()
 

@@ -36,9 +36,18 @@ def _token_logprob(lp: TokenLogprobs) -> sampling_pb2.TokenLogprob:
 
 def error_delta(new: worker_pb2.NewRequest, message: str) -> common_pb2.RequestDelta:
     """The final delta of a request the engine refused."""
+    return _final_delta(new, sampling_pb2.FINISH_REASON_ERROR, message)
+
+
+def abort_delta(new: worker_pb2.NewRequest) -> common_pb2.RequestDelta:
+    """The final delta of a request aborted before it reached the engine."""
+    return _final_delta(new, sampling_pb2.FINISH_REASON_ABORT, "")
+
+
+def _final_delta(new: worker_pb2.NewRequest, reason: int, message: str) -> common_pb2.RequestDelta:
     prompt, done = len(new.prompt_token_ids), len(new.output_token_ids)
     return common_pb2.RequestDelta(
-        request_id=new.request_id, offset=done, finish_reason=sampling_pb2.FINISH_REASON_ERROR, error=message,
+        request_id=new.request_id, offset=done, finish_reason=reason, error=message,
         usage=sampling_pb2.Usage(prompt_tokens=prompt, completion_tokens=done, total_tokens=prompt + done))
 
 

@@ -189,3 +189,33 @@ def test_a_burst_reaching_an_idle_worker_shares_its_first_step(worker):
         session.close()
     assert first.stats.batch_size == 3 and first.stats.num_prefill_tokens == 60
     assert {d.request_id for d in first.deltas} == {"burst0", "burst1", "burst2"}
+
+
+def test_structured_output_requests_wait_for_the_grammar_engine_while_others_step(worker):
+    """The first constrained request loads the grammar engine (seconds on a CPU) off the engine
+    thread: running requests keep stepping meanwhile. (No other test here uses structured output,
+    so this worker loads it now.)"""
+    choice = {"structured_output": {"choice": {"choices": ["yes", "no"]}}, "ignore_eos": False}
+    session = SessionClient(worker[1].address)
+    try:
+        session.send(add=[new_request("free", list(range(1, 40)), 400)])
+        while not any(d.token_ids for d in session.next().deltas):
+            pass
+        session.send(add=[new_request("picked", [1, 2, 3], 8, **choice), new_request("gone", [4, 5], 8, **choice),
+                          new_request("bad", [6], 8, structured_output={"regex": "(ab"})])
+        session.send(abort=["gone"])
+        steps = session.until_finished({"picked", "gone", "bad"})
+        session.send(abort=["free"])
+        session.until_finished({"free"})
+    finally:
+        session.close()
+    first_picked = next(i for i, s in enumerate(steps) if any(d.request_id == "picked" for d in s.deltas))
+    free_steps = sum(1 for s in steps[:first_picked] if any(d.request_id == "free" and d.token_ids for d in s.deltas))
+    assert free_steps >= 5, free_steps  # ~2.5 s of load: dozens of steps at batch 1
+    finals = final_deltas(steps)
+    assert finals["picked"].finish_reason == sampling_pb2.FINISH_REASON_STOP
+    picked = tokens_by_request(steps)["picked"]
+    assert len(picked) >= 2 and picked[-1] == 2  # "yes" or "no", then EOS
+    assert finals["gone"].finish_reason == sampling_pb2.FINISH_REASON_ABORT and not finals["gone"].token_ids
+    assert finals["bad"].finish_reason == sampling_pb2.FINISH_REASON_ERROR
+    assert finals["bad"].error.startswith("structured_output: the regex does not compile")
