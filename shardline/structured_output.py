@@ -102,9 +102,13 @@ class StructuredOutputSpec:
                 return xgr.Grammar.from_ebnf(f"root ::= {alternatives}")
             return xgr.Grammar.from_ebnf(self.value)
         except RuntimeError as exc:
-            reason = _LOG_PREFIX.sub("", str(exc).strip())
-            what = self.kind.replace("_", " ")
-            raise ValueError(f"structured_output: the {what} does not compile: {reason}") from None
+            raise compile_error(self.kind, exc) from None
+
+
+def compile_error(kind: str, exc: Exception) -> ValueError:
+    """The client's error for the grammar engine's refusal of a constraint of `kind`."""
+    reason = _LOG_PREFIX.sub("", str(exc).strip())
+    return ValueError(f"structured_output: the {kind.replace('_', ' ')} does not compile: {reason}")
 
 
 def load_xgrammar() -> ModuleType:

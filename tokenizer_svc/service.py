@@ -13,10 +13,10 @@ import re
 import grpc
 
 from shardline.errors import InvalidArgument
-from shardline.proto import common_pb2, sampling_pb2, tokenizer_pb2, tokenizer_pb2_grpc
-from shardline.structured_output import StructuredOutputSpec
+from shardline.proto import common_pb2, tokenizer_pb2, tokenizer_pb2_grpc
 from tokenizer_svc.chat_template import ChatTemplate, ChatTemplateError
 from tokenizer_svc.detokenizer import PREFIX_WINDOW, DetokenizeItem, detokenize_batch
+from tokenizer_svc.structured_output_check import StructuredOutputChecker
 from tokenizer_svc.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -50,6 +50,7 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServicer):
             self._template_problem = str(exc)
             logger.warning("%s: chat completions are unavailable (%s)", model_name, exc)
         self._info.has_chat_template = self._template is not None
+        self._structured_output = StructuredOutputChecker()
 
     async def Tokenize(
         self, request: tokenizer_pb2.TokenizeRequest, context: grpc.aio.ServicerContext
@@ -113,16 +114,5 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServicer):
     async def CheckStructuredOutput(
         self, request: tokenizer_pb2.CheckStructuredOutputRequest, context: grpc.aio.ServicerContext
     ) -> tokenizer_pb2.CheckStructuredOutputResponse:
-        # The grammar engine's first import takes seconds, and a large schema compiles for a while:
-        # off the loop, so Tokenize and Detokenize calls keep flowing meanwhile.
         return tokenizer_pb2.CheckStructuredOutputResponse(
-            error=await asyncio.to_thread(_structured_output_error, request.structured_output))
-
-
-def _structured_output_error(message: sampling_pb2.StructuredOutput) -> str:
-    """Why a StructuredOutput does not compile, for the field the client gave it in; "" when it does."""
-    try:
-        StructuredOutputSpec.from_proto(message).grammar()
-    except ValueError as exc:
-        return str(exc).removeprefix("structured_output: ")
-    return ""
+            error=await self._structured_output.error(request.structured_output))

@@ -12,6 +12,7 @@ import functools
 import logging
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Sequence as Seq
 from typing import TYPE_CHECKING, Any
 
@@ -19,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from shardline.model_path import resolve_model_path
-from shardline.structured_output import StructuredOutputSpec, load_xgrammar
+from shardline.structured_output import StructuredOutputSpec, compile_error, load_xgrammar
 
 if TYPE_CHECKING:
     from gpu_worker_svc.engine.sequence import Sequence
@@ -45,20 +46,30 @@ class GrammarMatcher:
         return self._matcher.is_terminated()
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
-        """Write the tokens allowed next into row `row` of an int32 bitmask."""
-        self._matcher.fill_next_token_bitmask(bitmask, row)
+        """Write the tokens allowed next into row `row` of an int32 bitmask (none after the end)."""
+        if self._matcher.is_terminated():  # xgrammar raises here; the request is ending anyway
+            bitmask[row] = 0
+        else:
+            self._matcher.fill_next_token_bitmask(bitmask, row)
 
 
 class GrammarBackend:
-    """Compiles constraints against one model's vocabulary (compiled grammars are cached by spec)."""
+    """Compiles constraints against one model's vocabulary.
+
+    The last CACHE_SIZE specs' compiled grammars (or compile errors) are kept, most recently used
+    first: a served schema is mostly the same few schemas again, and a grammar can take megabytes.
+    """
+
+    CACHE_SIZE = 64
 
     def __init__(self, vocab: list[bytes], logits_width: int, stop_token_ids: list[int]) -> None:
         xgr = load_xgrammar()
         self._xgr = xgr
         info = xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=logits_width, stop_token_ids=stop_token_ids)
-        self._compiler = xgr.GrammarCompiler(info, max_threads=1)
-        self._compiled: dict[StructuredOutputSpec, Any] = {}
-        self._lock = threading.Lock()
+        # xgrammar's own cache has no bound by default; this class keeps a bounded one instead.
+        self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        self._compiled: OrderedDict[StructuredOutputSpec, Any] = OrderedDict()  # grammar, or ValueError
+        self._lock = threading.Lock()  # compile() runs in the worker's grammar thread, matcher() in the engine's
 
     @classmethod
     def for_model(cls, model: str | None, logits_width: int, stop_token_ids: list[int]) -> GrammarBackend:
@@ -78,17 +89,42 @@ class GrammarBackend:
         log.info("structured output ready: %d tokens indexed in %.2f s", len(vocab), time.perf_counter() - start)
         return backend
 
+    def is_compiled(self, spec: StructuredOutputSpec) -> bool:
+        """matcher(spec) would not compile: the spec's grammar, or its error, is in the cache."""
+        with self._lock:
+            return spec in self._compiled
+
+    def compile(self, spec: StructuredOutputSpec) -> Any:
+        """The spec's compiled grammar, from the cache or compiled now (seconds, for a large schema);
+        ValueError naming structured_output when it does not compile, remembered like a grammar."""
+        with self._lock:
+            compiled = self._compiled.get(spec)
+            if compiled is not None:
+                self._compiled.move_to_end(spec)
+        if compiled is None:
+            try:
+                compiled = self._compiler.compile_grammar(spec.grammar())
+            except ValueError as exc:
+                compiled = exc
+            except Exception as exc:  # the compiler's own refusal (xgrammar raises RuntimeError)
+                compiled = compile_error(spec.kind, exc)
+            with self._lock:
+                self._compiled[spec] = compiled
+                while len(self._compiled) > self.CACHE_SIZE:
+                    self._compiled.popitem(last=False)
+        if isinstance(compiled, ValueError):
+            raise ValueError(str(compiled))
+        return compiled
+
     def matcher(self, spec: StructuredOutputSpec, output_token_ids: Seq[int] = ()) -> GrammarMatcher:
         """A matcher at the start of `spec`, advanced over `output_token_ids` (a resumed request's
         output); ValueError naming the field when the spec does not compile or the output strays."""
-        with self._lock:
-            compiled = self._compiled.get(spec)
-            if compiled is None:
-                compiled = self._compiled[spec] = self._compiler.compile_grammar(spec.grammar())
-        matcher = GrammarMatcher(self._xgr.GrammarMatcher(compiled))
+        matcher = GrammarMatcher(self._xgr.GrammarMatcher(self.compile(spec)))
         for i, token_id in enumerate(output_token_ids):
             if matcher.is_terminated or not matcher.accept(token_id):
                 raise ValueError(f"output_token_ids: token {token_id} at index {i} is not allowed by structured_output")
+        if matcher.is_terminated:
+            raise ValueError("output_token_ids: the structured output is already complete (it ends in EOS)")
         return matcher
 
 

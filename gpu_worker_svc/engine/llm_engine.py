@@ -217,6 +217,8 @@ class LLMEngine:
                                    [lp] if lp is not None else None,
                                    seq.finish_reason if seq.is_finished else None,
                                    seq.num_prompt_tokens, seq.num_cached_prompt_tokens or 0)
+            if seq.error is not None:  # its token was refused: it is no output
+                output.new_token_ids, output.logprobs, output.error = [], None, seq.error
             if seq.params.prompt_logprobs is not None and seq.num_output_tokens == 1:
                 # The first token of a fresh run carries its prompt's logprobs (a resumed run has none).
                 output.prompt_logprobs, seq.prompt_logprobs = seq.prompt_logprobs, []

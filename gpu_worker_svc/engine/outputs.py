@@ -13,12 +13,13 @@ class RequestOutput:
     new_token_ids: list[int]  # tokens sampled this step (empty for an abort)
     offset: int  # output index of the first new token
     logprobs: list[TokenLogprobs] | None  # one per new token, when the request asked for them
-    finish_reason: str | None  # "stop", "length", "abort", or None while running
+    finish_reason: str | None  # "stop", "length", "abort", "error", or None while running
     num_prompt_tokens: int  # prompt length, for usage
     num_cached_tokens: int  # prompt tokens served from the prefix cache
     # On a fresh request's first token, when it asked for prompt logprobs: entry i is prompt token
     # i + 1's (the first prompt token has none).
     prompt_logprobs: list[TokenLogprobs] | None = None
+    error: str | None = None  # with finish_reason "error": why, for the client
 
 
 @dataclass(slots=True)

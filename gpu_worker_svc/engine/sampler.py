@@ -98,8 +98,8 @@ class Sampler:
 
         logits = self._logit_bias.apply(logits, seqs)
         logits = self._penalties.apply(logits, seqs)
+        logits = mask_logits(logits, seqs)  # structured output: after the biases, so none re-allows a token
         logits = _mask_early_stops(logits, seqs)
-        logits = mask_logits(logits, seqs)  # structured output: last, so nothing re-allows a token
 
         sampled_rows = [i for i, seq in enumerate(seqs) if not seq.params.is_greedy]
         if len(sampled_rows) < len(seqs):
@@ -167,14 +167,15 @@ def _mask_early_stops(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tenso
     cols: list[int] = []
     for i, seq in enumerate(seqs):
         params = seq.params
-        # A complete structured output may only end: its grammar then allows EOS alone.
-        if seq.num_output_tokens >= params.min_tokens or seq.grammar is not None:
+        if seq.num_output_tokens >= params.min_tokens:
             continue
         stop_ids = list(params.stop_token_ids)
         if seq.eos_token_id is not None and not params.ignore_eos:
             stop_ids.append(seq.eos_token_id)
         # An id past the vocabulary can never be sampled, so needs no mask.
         stop_ids = [t for t in stop_ids if t < vocab]
+        if seq.grammar is not None and not _allows_other_tokens(logits[i], stop_ids):
+            continue  # a complete structured output may only end: its grammar allows EOS alone
         rows.extend([i] * len(stop_ids))
         cols.extend(stop_ids)
     if not rows:
@@ -182,6 +183,13 @@ def _mask_early_stops(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tenso
     logits = logits.clone()
     logits[_index(rows, logits), _index(cols, logits)] = float("-inf")
     return logits
+
+
+def _allows_other_tokens(row: torch.Tensor, stop_ids: list[int]) -> bool:
+    """Some token outside `stop_ids` has a finite logit in `row`."""
+    allowed = torch.isfinite(row)
+    allowed[stop_ids] = False
+    return bool(allowed.any())
 
 
 def _sample(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
@@ -207,7 +215,10 @@ def _sample(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         min_p = param_column([p.min_p for p in params], logits)
         kept &= probs >= min_p * probs.amax(dim=-1, keepdim=True)
     score = probs / race_noise(seqs, probs.shape[1], probs.device)
-    return score.masked_fill_(~kept, -1.0).argmax(dim=-1)
+    # A token of probability 0 (masked, or underflowed) scores 0; so does a likely one whose noise
+    # is infinite (a uniform draw of exactly 0). Left in, the first zero-probability token could
+    # then win the argmax: a token the request's grammar forbids.
+    return score.masked_fill_(~kept | (probs == 0), -1.0).argmax(dim=-1)
 
 
 def _keep_top(kept: torch.Tensor, probs: torch.Tensor, top_k: list[int]) -> None:

@@ -23,6 +23,7 @@ class RequestStatus(IntEnum):
     FINISHED_STOPPED = 3
     FINISHED_LENGTH = 4
     FINISHED_ABORTED = 5
+    FINISHED_ERROR = 6  # its structured output's grammar allowed no token: see Sequence.error
 
     @property
     def is_finished(self) -> bool:
@@ -34,6 +35,7 @@ FINISH_REASONS: dict[RequestStatus, str] = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
 }
 
 
@@ -73,6 +75,7 @@ class Sequence:
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
     # With params.structured_output: the grammar's state after output_token_ids, advanced by append_token.
     grammar: GrammarMatcher | None = None
+    error: str | None = None  # why it failed (FINISHED_ERROR), for the client
     _all_token_ids: list[int] = field(init=False, repr=False, default_factory=list)
 
     def __post_init__(self) -> None:
@@ -111,14 +114,19 @@ class Sequence:
     def append_token(self, token_id: int) -> None:
         self.all_token_ids.append(token_id)
         self.output_token_ids.append(token_id)
-        if self.grammar is not None and not self.grammar.accept(token_id):
-            # The step's mask allowed only tokens the grammar accepts; a refusal is an engine bug.
-            raise RuntimeError(f"request {self.request_id}: token {token_id} broke its structured output")
+        if self.grammar is not None and self.error is None and not self.grammar.accept(token_id):
+            # The mask let only the grammar's tokens through, so a refusal means it allowed none: a
+            # grammar with no way on from here ("a[^\s\S]", a rule that never ends). This request
+            # fails; the batch runs on.
+            self.error = (f"structured_output: its grammar allows no token after {self.num_output_tokens - 1} "
+                          f"output tokens (it has no valid completion from there)")
 
     def stop_status(self) -> RequestStatus | None:
         """Whether the token just appended ends the request, and how."""
         params = self.params
         token_id = self.output_token_ids[-1]
+        if self.error is not None:
+            return RequestStatus.FINISHED_ERROR
         if self.grammar is not None and self.grammar.is_terminated:
             return RequestStatus.FINISHED_STOPPED  # complete: EOS was the only token left to it
         # Like the sampler's mask: EOS and stop ids count only from output

@@ -12,12 +12,13 @@ FINISH_REASONS = {
     "stop": sampling_pb2.FINISH_REASON_STOP,
     "length": sampling_pb2.FINISH_REASON_LENGTH,
     "abort": sampling_pb2.FINISH_REASON_ABORT,
+    "error": sampling_pb2.FINISH_REASON_ERROR,
 }
 
 
 def request_delta(out: RequestOutput) -> common_pb2.RequestDelta:
     delta = common_pb2.RequestDelta(request_id=out.request_id, token_ids=out.new_token_ids, offset=out.offset,
-                                    finish_reason=FINISH_REASONS[out.finish_reason])
+                                    finish_reason=FINISH_REASONS[out.finish_reason], error=out.error or "")
     delta.logprobs.extend(map(_token_logprob, out.logprobs or ()))
     delta.prompt_logprobs.extend(map(_token_logprob, out.prompt_logprobs or ()))
     if out.finish_reason is not None or out.offset == 0:

@@ -73,3 +73,22 @@ def test_a_resume_replays_the_output_and_refuses_a_stray_token(backend):
     assert matcher.accept(ids[b"l"]) and not matcher.accept(ids[b"x"])
     with pytest.raises(ValueError, match=r"^output_token_ids: token \d+ at index 1 is not allowed"):
         backend.matcher(spec, [ids[b"t"], ids[b"x"]])
+
+
+def test_the_sampler_never_picks_a_forbidden_token_even_when_the_allowed_ones_noise_is_infinite(backend, monkeypatch):
+    """A uniform draw of exactly 0 gives infinite noise: the allowed token then scores 0, as the
+    forbidden (probability 0) ones do, and must still win."""
+    from gpu_worker_svc.engine import sampler as sampler_module
+    from gpu_worker_svc.engine.sampler import Sampler
+
+    ids = {token: i for i, token in enumerate(VOCAB)}
+    seq = _seq("forced", StructuredOutputSpec("choice", ("true",)), backend, [ids[b"t"]])
+    seq.params.temperature, seq.params.seed = 1.0, 5
+
+    def infinite_for_allowed(seqs, vocab, device):
+        noise = torch.ones(len(seqs), vocab)
+        noise[:, ids[b"r"]] = float("inf")
+        return noise
+
+    monkeypatch.setattr(sampler_module, "race_noise", infinite_for_allowed)
+    assert Sampler()(torch.randn(1, WIDTH), [seq]).token_ids == [ids[b"r"]]

@@ -124,8 +124,36 @@ def test_bad_constraints_and_resumes_are_refused(engine, tokenizer, chat):
         engine.add_request("bad-schema", [1, 2, 3], _with(GREEDY, "json_schema", '{"type": "objekt"}'))
     with pytest.raises(ValueError, match=r"^structured_output: choice"):
         engine.add_request("no-choice", [1, 2, 3], _with(GREEDY, "choice", ()))
+    [done] = engine.generate([chat("Yes or no?")], _with(GREEDY, "choice", ("yes", "no")))
+    with pytest.raises(ValueError, match=r"^output_token_ids: the structured output is already complete"):
+        engine.add_request("complete", chat("Yes or no?"), _with(GREEDY, "choice", ("yes", "no")),
+                           output_token_ids=done.token_ids)
     stray = tokenizer.encode_batch(["maybe"], add_special_tokens=False)[0]
     with pytest.raises(ValueError, match=r"^output_token_ids: token \d+ at index 0"):
         engine.add_request("stray", chat("Yes or no?"), _with(GREEDY, "choice", ("yes", "no")),
                            output_token_ids=stray)
     assert not engine.has_unfinished
+
+
+def test_a_grammar_with_no_way_on_fails_its_own_request_and_no_other(engine, tokenizer, chat):
+    """An empty language, or a rule that never ends, compiles; the step then allows no token at all."""
+    prompts = [chat("Say a."), chat("Say b."), chat("Count to three."), chat("Count to four.")]
+    params = [_with(GREEDY, "regex", r"a[^\s\S]"), _with(SEEDED, "grammar", 'root ::= "b" r\nr ::= r'),
+              _with(SEEDED, "regex", r"[^\s\S]"), dataclasses.replace(GREEDY, max_tokens=8)]
+    results = engine.generate(prompts, params)
+    assert [r.finish_reason for r in results] == ["error", "error", "error", "length"]
+    assert [tokenizer.decode(r.token_ids) for r in results[:3]] == ["a", "b", ""]  # the refused token is not output
+    assert len(results[3].token_ids) == 8
+    engine.add_request("dead-end", prompts[0], params[0])
+    errors = [o.error for _ in range(4) for o in engine.step().outputs if o.finish_reason == "error"]
+    assert errors == ["structured_output: its grammar allows no token after 1 output tokens "
+                      "(it has no valid completion from there)"]
+
+
+def test_min_tokens_holds_a_structured_output_open_until_its_grammar_must_end(engine, tokenizer, chat):
+    prompt, spec = chat("Yes or no?"), ("regex", "(yes|no)[0-9]{0,6}")
+    [free] = engine.generate([prompt], _with(GREEDY, *spec, max_tokens=20))
+    assert tokenizer.decode(free.token_ids) in ("yes", "no")  # EOS as soon as the grammar allows it
+    [held] = engine.generate([prompt], _with(GREEDY, *spec, max_tokens=20, min_tokens=4))
+    assert held.finish_reason == "stop" and held.token_ids[-1] == tokenizer.eos_token_ids[0]
+    assert len(held.token_ids) > 4 and re.fullmatch("(yes|no)[0-9]+", tokenizer.decode(held.token_ids))

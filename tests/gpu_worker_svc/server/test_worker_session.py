@@ -211,7 +211,9 @@ def test_structured_output_requests_wait_for_the_grammar_engine_while_others_ste
         session.close()
     first_picked = next(i for i, s in enumerate(steps) if any(d.request_id == "picked" for d in s.deltas))
     free_steps = sum(1 for s in steps[:first_picked] if any(d.request_id == "free" and d.token_ids for d in s.deltas))
-    assert free_steps >= 5, free_steps  # ~2.5 s of load: dozens of steps at batch 1
+    # The load takes seconds: several steps of "free" here, 4 to 20 in test runs. Loaded on the
+    # engine thread, it allowed at most the one step already under way.
+    assert free_steps >= 2, free_steps
     finals = final_deltas(steps)
     assert finals["picked"].finish_reason == sampling_pb2.FINISH_REASON_STOP
     picked = tokens_by_request(steps)["picked"]
