@@ -22,6 +22,10 @@ _GUIDED = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice
            "guided_grammar": "grammar"}
 _STRUCTURED_OUTPUTS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar",
                        "json_object": "json_object"}
+# structured_outputs' other keys that mean something here (disable_fallback: there is one backend).
+_OPTIONS = ("disable_any_whitespace", "disable_fallback")
+# vLLM's names for the one backend there is.
+_BACKENDS = ("auto", "xgrammar")
 
 
 def structured_output_from_openai(body: dict[str, Any]) -> tuple[sampling_pb2.StructuredOutput | None, str]:
@@ -34,14 +38,25 @@ def structured_output_from_openai(body: dict[str, Any]) -> tuple[sampling_pb2.St
             found.append(constraint)
     options = json_field(body, "structured_outputs", dict)
     if options is not None:
-        given = [key for key in _STRUCTURED_OUTPUTS if options.get(key) not in (None, False)]
+        unknown = [key for key in options if key not in _STRUCTURED_OUTPUTS and key not in _OPTIONS]
+        if unknown:
+            raise InvalidArgument(f"structured_outputs.{unknown[0]}", "is not supported")
+        # json_object: false is vLLM's way of leaving it out.
+        given = [key for key in _STRUCTURED_OUTPUTS if options.get(key) is not None and options[key] is not False]
         if len(given) != 1:
             raise InvalidArgument("structured_outputs", "give exactly one of " + ", ".join(_STRUCTURED_OUTPUTS))
         field = f"structured_outputs.{given[0]}"
-        found.append((_constraint(_STRUCTURED_OUTPUTS[given[0]], options[given[0]], field), field))
+        constraint = _constraint(_STRUCTURED_OUTPUTS[given[0]], options[given[0]], field)
+        constraint.disable_any_whitespace = bool(json_field(options, "disable_any_whitespace", bool))
+        found.append((constraint, field))
     for name, kind in _GUIDED.items():
         if body.get(name) is not None:
             found.append((_constraint(kind, body[name], name), name))
+    if body.get("guided_whitespace_pattern") is not None:
+        raise InvalidArgument("guided_whitespace_pattern", "is not supported")
+    backend = json_field(body, "guided_decoding_backend", str)
+    if backend is not None and backend not in _BACKENDS:
+        raise InvalidArgument("guided_decoding_backend", "the only backend is xgrammar")
     if len(found) > 1:
         raise InvalidArgument(found[1][1], f"only one structured output constraint is allowed; {found[0][1]} "
                                            f"is given too")
@@ -56,7 +71,9 @@ def _response_format(value: dict[str, Any]) -> tuple[sampling_pb2.StructuredOutp
         return sampling_pb2.StructuredOutput(json_object=True), "response_format"
     if kind != "json_schema":
         raise InvalidArgument("response_format.type", "must be text, json_object or json_schema")
-    spec = json_field(value, "json_schema", dict)
+    spec = value.get("json_schema")
+    if spec is not None and not isinstance(spec, dict):
+        raise InvalidArgument("response_format.json_schema", "must be an object")
     field = "response_format.json_schema.schema"
     if spec is None or spec.get("schema") is None:
         raise InvalidArgument(field, "is required when type is json_schema")

@@ -20,7 +20,8 @@ from typing import Any
 from shardline.proto import sampling_pb2
 
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
-# Bounds on what a client may send: a constraint is compiled on the worker's step thread.
+# Bounds on what a client may send. They do not bound compile time (a schema of 64k characters,
+# each property with a pattern, took 40 s here), which is why workers compile off their step thread.
 MAX_SPEC_CHARS = 64 * 1024
 MAX_CHOICES = 256
 # xgrammar's errors start with a log prefix: "[23:05:18] /project/cpp/regex_converter.cc:94: ".
@@ -34,6 +35,7 @@ class StructuredOutputSpec:
 
     kind: str
     value: str | tuple[str, ...] = ""
+    any_whitespace: bool = True  # JSON kinds: free whitespace between tokens; False: '{"a": 1, "b": 2}'
 
     @classmethod
     def from_proto(cls, message: sampling_pb2.StructuredOutput) -> StructuredOutputSpec:
@@ -41,16 +43,17 @@ class StructuredOutputSpec:
         kind = message.WhichOneof("kind")
         if kind is None:
             raise ValueError("structured_output: set one of " + ", ".join(KINDS))
+        any_whitespace = not message.disable_any_whitespace
         if kind == "json_object":
             if not message.json_object:
                 raise ValueError("structured_output: json_object must be true when set")
-            return cls(kind)
+            return cls(kind, "", any_whitespace)
         if kind == "choice":
-            return cls(kind, tuple(message.choice.choices))
-        return cls(kind, getattr(message, kind))
+            return cls(kind, tuple(message.choice.choices), any_whitespace)
+        return cls(kind, getattr(message, kind), any_whitespace)
 
     def to_proto(self) -> sampling_pb2.StructuredOutput:
-        message = sampling_pb2.StructuredOutput()
+        message = sampling_pb2.StructuredOutput(disable_any_whitespace=not self.any_whitespace)
         if self.kind == "json_object":
             message.json_object = True
         elif self.kind == "choice":
@@ -63,6 +66,8 @@ class StructuredOutputSpec:
         """Shape checks that need no grammar engine; ValueError starting with "structured_output"."""
         if self.kind not in KINDS:
             raise ValueError(f"structured_output: unknown kind {self.kind!r}; one of {', '.join(KINDS)}")
+        if not self.any_whitespace and self.kind not in ("json_schema", "json_object"):
+            raise ValueError("structured_output: disable_any_whitespace applies to json_schema and json_object only")
         if self.kind == "choice":
             if not self.value or len(self.value) > MAX_CHOICES:
                 raise ValueError(f"structured_output: choice needs 1 to {MAX_CHOICES} strings")
@@ -82,7 +87,7 @@ class StructuredOutputSpec:
                 schema = json.loads(self.value)
             except json.JSONDecodeError as exc:
                 raise ValueError(f"structured_output: json_schema is not valid JSON ({exc})") from None
-            if not isinstance(schema, dict | bool):
+            if not isinstance(schema, dict):
                 raise ValueError("structured_output: json_schema must be a JSON object")
 
     def grammar(self) -> Any:
@@ -91,9 +96,9 @@ class StructuredOutputSpec:
         xgr = load_xgrammar()
         try:
             if self.kind == "json_schema":
-                return xgr.Grammar.from_json_schema(self.value)
+                return xgr.Grammar.from_json_schema(self.value, any_whitespace=self.any_whitespace)
             if self.kind == "json_object":
-                return xgr.Grammar.from_json_schema('{"type": "object"}')
+                return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=self.any_whitespace)
             if self.kind == "regex":
                 return xgr.Grammar.from_regex(self.value)
             if self.kind == "choice":

@@ -62,8 +62,9 @@ class ShardlineClient:
 
         Structured output takes one of: json_schema (a JSON Schema, as a dict or its JSON text),
         json_object=True (any JSON object), regex, choice (a list of strings) or grammar (EBNF, rule
-        "root"). The text then parses when finish_reason is "stop"; a bad constraint is
-        INVALID_ARGUMENT naming params.structured_output."""
+        "root"); disable_any_whitespace=True makes JSON compact. A complete output ends with
+        finish_reason "stop" (see StructuredOutput in protos/shardline/v1/sampling.proto); a bad
+        constraint is INVALID_ARGUMENT naming params.structured_output."""
         req = build_request(prompt, messages=messages, timeout=timeout, **params)
         return self._call(lambda r, **kw: Completion.from_proto(self._stub.Generate(r, **kw)), req, timeout,
                           taken=lambda: Completion.from_chunks(list(self.resume(req.request_id, 0, timeout=timeout))))

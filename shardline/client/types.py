@@ -186,9 +186,11 @@ def build_request(prompt: str | list[int] | None = None, *, messages: list[dict[
             req.params.logprobs = True
             req.params.top_logprobs = value
         elif name in _STRUCTURED_OUTPUT_KINDS:
-            if req.params.HasField("structured_output"):
+            if req.params.structured_output.WhichOneof("kind") is not None:
                 raise ValueError(f"{name}: give one structured output constraint, not several")
             _set_structured_output(req.params.structured_output, name, value)
+        elif name == "disable_any_whitespace":  # with json_schema or json_object: compact JSON
+            req.params.structured_output.disable_any_whitespace = value
         else:
             setattr(req.params, name, value)  # AttributeError names an unknown parameter
     return req
@@ -196,7 +198,7 @@ def build_request(prompt: str | list[int] | None = None, *, messages: list[dict[
 
 # Structured output keywords: the output is JSON that a schema accepts (a dict, or its JSON text),
 # any JSON object (json_object=True), a match of a regex, one of a list of strings, or derives from
-# an EBNF grammar's rule "root".
+# an EBNF grammar's rule "root". disable_any_whitespace=True makes the JSON kinds' output compact.
 _STRUCTURED_OUTPUT_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 
 
@@ -204,6 +206,8 @@ def _set_structured_output(message: sampling_pb2.StructuredOutput, kind: str, va
     if kind == "json_schema" and not isinstance(value, str):
         value = json.dumps(value)
     if kind == "choice":
+        if isinstance(value, str):  # a string is a sequence too: "yes" would be "y", "e", "s"
+            raise ValueError("choice must be a list of strings")
         message.choice.choices.extend(value)
     else:
         setattr(message, kind, value)

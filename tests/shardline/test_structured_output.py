@@ -16,6 +16,7 @@ from shardline.structured_output import MAX_CHOICES, MAX_SPEC_CHARS, StructuredO
     sampling_pb2.StructuredOutput(regex="[a-z]+"),
     sampling_pb2.StructuredOutput(choice=sampling_pb2.Choices(choices=["a", "b"])),
     sampling_pb2.StructuredOutput(grammar='root ::= "x"'),
+    sampling_pb2.StructuredOutput(json_object=True, disable_any_whitespace=True),
 ])
 def test_round_trips_through_the_proto(message):
     spec = StructuredOutputSpec.from_proto(message)
@@ -31,6 +32,8 @@ def test_round_trips_through_the_proto(message):
     (StructuredOutputSpec("choice", ("a", "")), "every choice must be a non-empty string"),
     (StructuredOutputSpec("json_schema", "[1, 2]"), "json_schema must be a JSON object"),
     (StructuredOutputSpec("json_schema", "{"), "json_schema is not valid JSON"),
+    (StructuredOutputSpec("json_schema", "true"), "json_schema must be a JSON object"),
+    (StructuredOutputSpec("regex", "a+", any_whitespace=False), "disable_any_whitespace applies to json_schema"),
     (StructuredOutputSpec("grammar", "x" * (MAX_SPEC_CHARS + 1)), "grammar is 65537 characters"),
 ])
 def test_shape_errors_name_the_field(spec, error):
@@ -53,3 +56,16 @@ def test_choices_are_matched_literally():
     for choice in choices:
         assert xgrammar.testing._is_grammar_accept_string(grammar, choice), choice
     assert not xgrammar.testing._is_grammar_accept_string(grammar, "say hi")
+
+
+def test_the_sdk_takes_one_constraint_and_refuses_a_bare_string_of_choices():
+    from shardline.client.types import build_request
+
+    req = build_request("hi", json_schema={"type": "object"}, disable_any_whitespace=True)
+    assert json.loads(req.params.structured_output.json_schema) == {"type": "object"}
+    assert req.params.structured_output.disable_any_whitespace
+    assert list(build_request("hi", choice=["yes", "no"]).params.structured_output.choice.choices) == ["yes", "no"]
+    with pytest.raises(ValueError, match="choice must be a list of strings"):
+        build_request("hi", choice="yes")
+    with pytest.raises(ValueError, match="give one structured output constraint"):
+        build_request("hi", regex="a+", grammar='root ::= "a"')

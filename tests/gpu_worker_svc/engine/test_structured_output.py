@@ -73,6 +73,14 @@ def test_json_schema_output_parses_and_fits_the_schema(engine, tokenizer, chat, 
     assert isinstance(value["reason"], str) and len(value["reason"]) <= 40
 
 
+def test_compact_json_has_no_free_whitespace(engine, tokenizer, chat):
+    spec = StructuredOutputSpec("json_schema", json.dumps(ANSWER_SCHEMA), any_whitespace=False)
+    [result] = engine.generate([chat("Is the sky blue? Answer in JSON.")],
+                               dataclasses.replace(GREEDY, structured_output=spec))
+    text = tokenizer.decode(result.token_ids)
+    assert result.finish_reason == "stop" and text == json.dumps(json.loads(text))  # '{"a": 1, "b": 2}'
+
+
 def test_json_object_regex_choice_and_grammar(engine, tokenizer, chat):
     specs = [("json_object", ""), ("regex", r"[A-Z][a-z]+, [0-9]{5}"), ("choice", ("red", "green", "blue")),
              ("grammar", 'root ::= "The answer is " [0-9]+ "."')]
