@@ -221,6 +221,7 @@ class RequestRunner:
         if params.HasField("structured_output"):
             field = spec.field_prefix + spec.structured_output_field
             await self._check_structured_output(params.structured_output, field)
+            span.set_attribute(attr.STRUCTURED_OUTPUT, params.structured_output.WhichOneof("kind"))
         span.set_attributes({
             attr.GEN_AI_REQUEST_MODEL: info.model, attr.GEN_AI_REQUEST_TEMPERATURE: params.temperature,
             attr.GEN_AI_REQUEST_TOP_P: params.top_p,

@@ -28,6 +28,7 @@ CHOICES = "shardline.choices"
 RANK = "shardline.rank"
 STEP = "shardline.step"
 NUM_TOKENS = "shardline.num_tokens"
+STRUCTURED_OUTPUT = "shardline.structured_output"  # the constraint's kind: json_schema, regex...
 PREFIX_CACHE_HITS = "shardline.prefix_cache_hits"
 
 # Shardline gauges sampled on step and queue spans; each becomes a Perfetto counter track.

@@ -143,7 +143,7 @@ def mask_logits(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     for k, i in enumerate(rows):
         seqs[i].grammar.fill(bitmask, k)
     # Little-endian words: byte j of a row holds tokens 8j .. 8j + 7, token 8j + b at bit b.
-    codes = bitmask.view(torch.uint8).to(logits.device, torch.long)
+    codes = bitmask.view(torch.uint8).to(logits.device).long()  # widened on the device: 8x fewer bytes copied
     add = F.embedding(codes, _byte_masks(logits.device, logits.dtype)).view(len(rows), -1)[:, :vocab]
     if len(rows) == logits.shape[0]:
         return logits + add

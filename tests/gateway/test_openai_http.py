@@ -320,5 +320,8 @@ def test_structured_output_fields_reach_the_scheduler(tokenizer_address, text_id
         assert list(constraints[3].choice.choices) == ["yes", "no"]
         assert json.loads(constraints[4].json_schema) == schema
         assert constraints[5].regex == "[0-9]+"
+        kinds = [span.attributes.get(attr.STRUCTURED_OUTPUT) for span in stack.spans.get_finished_spans()
+                 if span.name == "gateway.request"]
+        assert kinds == ["json_schema", "json_object", None, "choice", "json_schema", "regex"]
 
     run_on_stack(tokenizer_address, Script(text_ids), body)
