@@ -24,8 +24,9 @@ _STRUCTURED_OUTPUTS = {"json": "json_schema", "regex": "regex", "choice": "choic
                        "json_object": "json_object"}
 # structured_outputs' other keys that mean something here (disable_fallback: there is one backend).
 _OPTIONS = ("disable_any_whitespace", "disable_fallback")
-# vLLM's names for the one backend there is.
+# vLLM's names for the one backend there is, and the option its older spelling could carry.
 _BACKENDS = ("auto", "xgrammar")
+_BACKEND_OPTIONS = ("disable-any-whitespace",)
 
 
 def structured_output_from_openai(body: dict[str, Any]) -> tuple[sampling_pb2.StructuredOutput | None, str]:
@@ -42,12 +43,16 @@ def structured_output_from_openai(body: dict[str, Any]) -> tuple[sampling_pb2.St
         if unknown:
             raise InvalidArgument(f"structured_outputs.{unknown[0]}", "is not supported")
         # json_object: false is vLLM's way of leaving it out.
-        given = [key for key in _STRUCTURED_OUTPUTS if options.get(key) is not None and options[key] is not False]
+        given = [key for key in _STRUCTURED_OUTPUTS
+                 if options.get(key) is not None and not (key == "json_object" and options[key] is False)]
         if len(given) != 1:
             raise InvalidArgument("structured_outputs", "give exactly one of " + ", ".join(_STRUCTURED_OUTPUTS))
         field = f"structured_outputs.{given[0]}"
         constraint = _constraint(_STRUCTURED_OUTPUTS[given[0]], options[given[0]], field)
-        constraint.disable_any_whitespace = bool(json_field(options, "disable_any_whitespace", bool))
+        compact = options.get("disable_any_whitespace", False)
+        if not isinstance(compact, bool):
+            raise InvalidArgument("structured_outputs.disable_any_whitespace", "must be a boolean")
+        _compact(constraint, compact)
         found.append((constraint, field))
     for name, kind in _GUIDED.items():
         if body.get(name) is not None:
@@ -55,12 +60,24 @@ def structured_output_from_openai(body: dict[str, Any]) -> tuple[sampling_pb2.St
     if body.get("guided_whitespace_pattern") is not None:
         raise InvalidArgument("guided_whitespace_pattern", "is not supported")
     backend = json_field(body, "guided_decoding_backend", str)
-    if backend is not None and backend not in _BACKENDS:
-        raise InvalidArgument("guided_decoding_backend", "the only backend is xgrammar")
+    if backend is not None:
+        name, _, extra = backend.partition(":")
+        flags = [flag for flag in extra.split(",") if flag]
+        if name not in _BACKENDS or any(flag not in _BACKEND_OPTIONS for flag in flags):
+            raise InvalidArgument("guided_decoding_backend", "the only backend is xgrammar "
+                                                             "(with the option disable-any-whitespace)")
+        for constraint, _ in found:
+            _compact(constraint, "disable-any-whitespace" in flags)
     if len(found) > 1:
         raise InvalidArgument(found[1][1], f"only one structured output constraint is allowed; {found[0][1]} "
                                            f"is given too")
     return found[0] if found else (None, "")
+
+
+def _compact(constraint: sampling_pb2.StructuredOutput, compact: bool) -> None:
+    """vLLM's disable_any_whitespace: for the JSON kinds; the others have no free whitespace to drop."""
+    if compact and constraint.WhichOneof("kind") in ("json_schema", "json_object"):
+        constraint.disable_any_whitespace = True
 
 
 def _response_format(value: dict[str, Any]) -> tuple[sampling_pb2.StructuredOutput, str] | None:

@@ -1,14 +1,17 @@
 """CheckStructuredOutput's verdicts: each distinct constraint is compiled once, off the event loop.
 
 A client may send the same schema with every request, or ask for n choices of one request (each
-is checked): the verdicts of the last CACHE_SIZE constraints are kept, and concurrent checks of one
-constraint share a single compile. Compiles run one at a time in a thread of their own, so that a
-large schema (seconds) never takes the threads that Tokenize and Detokenize run in.
+is checked): the verdicts of the last CACHE_SIZE constraints are kept (by digest: a constraint can
+be megabytes), and concurrent checks of one constraint share a single compile. Compiles run in a
+few threads of their own, so that a large schema (seconds) never takes the threads that Tokenize
+and Detokenize run in, nor holds up every other constraint.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import logging
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 
@@ -16,17 +19,20 @@ from shardline.proto import sampling_pb2
 from shardline.structured_output import StructuredOutputSpec
 
 CACHE_SIZE = 256
+CHECK_THREADS = 4
+
+log = logging.getLogger(__name__)
 
 
 class StructuredOutputChecker:
     def __init__(self) -> None:
         self._verdicts: OrderedDict[bytes, str] = OrderedDict()
         self._pending: dict[bytes, asyncio.Future[str]] = {}
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="structured-output-check")
+        self._executor = ThreadPoolExecutor(CHECK_THREADS, thread_name_prefix="structured-output-check")
 
     async def error(self, constraint: sampling_pb2.StructuredOutput) -> str:
         """Why the constraint does not compile, for the field the client gave it in; "" when it does."""
-        key = constraint.SerializeToString(deterministic=True)
+        key = hashlib.sha256(constraint.SerializeToString(deterministic=True)).digest()
         verdict = self._verdicts.get(key)
         if verdict is not None:
             self._verdicts.move_to_end(key)
@@ -53,4 +59,7 @@ def _error(constraint: sampling_pb2.StructuredOutput) -> str:
         StructuredOutputSpec.from_proto(constraint).grammar()
     except ValueError as exc:
         return str(exc).removeprefix("structured_output: ")
+    except Exception as exc:  # the grammar engine's own failure: the client hears of it, the service goes on
+        log.exception("checking a structured output constraint failed")
+        return f"the grammar engine failed on it ({exc})"
     return ""

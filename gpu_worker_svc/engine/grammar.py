@@ -56,8 +56,9 @@ class GrammarMatcher:
 class GrammarBackend:
     """Compiles constraints against one model's vocabulary.
 
-    The last CACHE_SIZE specs' compiled grammars (or compile errors) are kept, most recently used
-    first: a served schema is mostly the same few schemas again, and a grammar can take megabytes.
+    The last CACHE_SIZE specs' compiled grammars (or compile errors, as their message) are kept,
+    least recently used evicted first: a served schema is mostly the same few schemas again, and a
+    grammar can take megabytes.
     """
 
     CACHE_SIZE = 64
@@ -68,8 +69,8 @@ class GrammarBackend:
         info = xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=logits_width, stop_token_ids=stop_token_ids)
         # xgrammar's own cache has no bound by default; this class keeps a bounded one instead.
         self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
-        self._compiled: OrderedDict[StructuredOutputSpec, Any] = OrderedDict()  # grammar, or ValueError
-        self._lock = threading.Lock()  # compile() runs in the worker's grammar thread, matcher() in the engine's
+        self._compiled: OrderedDict[StructuredOutputSpec, Any] = OrderedDict()  # grammar, or error message
+        self._lock = threading.Lock()  # compile() runs in the worker's grammar threads, matcher() in the engine's
 
     @classmethod
     def for_model(cls, model: str | None, logits_width: int, stop_token_ids: list[int]) -> GrammarBackend:
@@ -95,31 +96,34 @@ class GrammarBackend:
             return spec in self._compiled
 
     def compile(self, spec: StructuredOutputSpec) -> Any:
-        """The spec's compiled grammar, from the cache or compiled now (seconds, for a large schema);
-        ValueError naming structured_output when it does not compile, remembered like a grammar."""
+        """The spec's compiled grammar, from the cache or compiled now (seconds, for a large schema),
+        or the message of the ValueError (naming structured_output) that says why it does not compile."""
         with self._lock:
             compiled = self._compiled.get(spec)
             if compiled is not None:
                 self._compiled.move_to_end(spec)
-        if compiled is None:
-            try:
-                compiled = self._compiler.compile_grammar(spec.grammar())
-            except ValueError as exc:
-                compiled = exc
-            except Exception as exc:  # the compiler's own refusal (xgrammar raises RuntimeError)
-                compiled = compile_error(spec.kind, exc)
-            with self._lock:
-                self._compiled[spec] = compiled
-                while len(self._compiled) > self.CACHE_SIZE:
-                    self._compiled.popitem(last=False)
-        if isinstance(compiled, ValueError):
-            raise ValueError(str(compiled))
+                return compiled
+        try:
+            compiled = self._compiler.compile_grammar(spec.grammar())
+        except ValueError as exc:
+            compiled = str(exc)
+        except Exception as exc:  # the compiler's own refusal (xgrammar raises RuntimeError)
+            compiled = str(compile_error(spec.kind, exc))
+        with self._lock:
+            self._compiled[spec] = compiled
+            while len(self._compiled) > self.CACHE_SIZE:
+                self._compiled.popitem(last=False)
         return compiled
 
-    def matcher(self, spec: StructuredOutputSpec, output_token_ids: Seq[int] = ()) -> GrammarMatcher:
+    def matcher(self, spec: StructuredOutputSpec, output_token_ids: Seq[int] = (), compiled: Any = None
+                ) -> GrammarMatcher:
         """A matcher at the start of `spec`, advanced over `output_token_ids` (a resumed request's
-        output); ValueError naming the field when the spec does not compile or the output strays."""
-        matcher = GrammarMatcher(self._xgr.GrammarMatcher(self.compile(spec)))
+        output); ValueError naming the field when the spec does not compile or the output strays.
+        `compiled`: compile(spec)'s result, taken earlier (the cache may have let it go since)."""
+        grammar = self.compile(spec) if compiled is None else compiled
+        if isinstance(grammar, str):
+            raise ValueError(grammar)
+        matcher = GrammarMatcher(self._xgr.GrammarMatcher(grammar))
         for i, token_id in enumerate(output_token_ids):
             if matcher.is_terminated or not matcher.accept(token_id):
                 raise ValueError(f"output_token_ids: token {token_id} at index {i} is not allowed by structured_output")

@@ -11,6 +11,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -55,6 +56,11 @@ class LLMEngine:
         self._grammar_error: str | None = None  # why it could not be built: said once, then repeated
 
     @property
+    def grammar_error(self) -> str | None:
+        """Why structured output cannot work here, once a build of its backend failed."""
+        return self._grammar_error
+
+    @property
     def grammar_loaded(self) -> bool:
         """grammar_backend() answers at once: the backend is built, or known not to build."""
         return self._grammar is not None or self._grammar_error is not None
@@ -83,8 +89,10 @@ class LLMEngine:
     # -- requests -----------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None,
                     priority: int = 0, output_token_ids: list[int] | None = None,
-                    eos_token_id: int | None = None) -> None:
+                    eos_token_id: int | None = None, compiled_grammar: Any = None) -> None:
         """Queue a request. `output_token_ids` resumes it after tokens it already generated.
+        `compiled_grammar`: grammar_backend().compile(params.structured_output), done beforehand
+        (a worker compiles off its step thread); None compiles here, or takes it from the cache.
 
         ValueError, naming the argument, when it cannot run here: nothing else in the batch is hurt.
         With `eos_token_id` None the model's EOS ends it, and its other EOS ids (Llama 3's
@@ -114,7 +122,8 @@ class LLMEngine:
                        eos_token_id=self.eos_token_id if eos_token_id is None else eos_token_id,
                        output_token_ids=output_token_ids)
         if params.structured_output is not None:
-            seq.grammar = self.grammar_backend().matcher(params.structured_output, output_token_ids)
+            seq.grammar = self.grammar_backend().matcher(params.structured_output, output_token_ids,
+                                                         compiled=compiled_grammar)
         self.scheduler.add(seq)
 
     def abort_request(self, request_id: str, report: bool = True) -> bool:
@@ -253,6 +262,7 @@ class LLMEngine:
         logprobs: dict[str, list[TokenLogprobs]] = {i: [] for i in ids}
         prompt_logprobs: dict[str, list[TokenLogprobs] | None] = {i: None for i in ids}
         finish: dict[str, str] = {}
+        errors: dict[str, str | None] = {}
         for rid, prompt, p in zip(ids, prompts, per_prompt):
             self.add_request(rid, prompt, p)
         while len(finish) < len(ids):
@@ -263,8 +273,9 @@ class LLMEngine:
                 if o.prompt_logprobs is not None:
                     prompt_logprobs[o.request_id] = o.prompt_logprobs
                 if o.finish_reason:
-                    finish[o.request_id] = o.finish_reason
-        return [GenerationResult(rid, prompt, tokens[rid], finish[rid], logprobs[rid] or None, prompt_logprobs[rid])
+                    finish[o.request_id], errors[o.request_id] = o.finish_reason, o.error
+        return [GenerationResult(rid, prompt, tokens[rid], finish[rid], logprobs[rid] or None, prompt_logprobs[rid],
+                                 errors[rid])
                 for rid, prompt in zip(ids, prompts)]
 
     def shutdown(self) -> None:

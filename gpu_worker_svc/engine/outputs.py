@@ -57,3 +57,4 @@ class GenerationResult:
     finish_reason: str
     logprobs: list[TokenLogprobs] | None = None
     prompt_logprobs: list[TokenLogprobs] | None = None  # entry i is prompt token i + 1's, when asked for
+    error: str | None = None  # with finish_reason "error": why

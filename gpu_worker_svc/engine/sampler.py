@@ -170,7 +170,8 @@ def _mask_early_stops(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tenso
         if seq.num_output_tokens >= params.min_tokens:
             continue
         stop_ids = list(params.stop_token_ids)
-        if seq.eos_token_id is not None and not params.ignore_eos:
+        # A grammar's EOS ends its request even under ignore_eos, so it is held back all the same.
+        if seq.eos_token_id is not None and (not params.ignore_eos or seq.grammar is not None):
             stop_ids.append(seq.eos_token_id)
         # An id past the vocabulary can never be sampled, so needs no mask.
         stop_ids = [t for t in stop_ids if t < vocab]

@@ -66,7 +66,7 @@ class Sequence:
     # Prompt tokens its first admission found in the prefix cache: what usage reports (a re-admission
     # after preemption or a resume also hits its own output, which is no prompt token).
     num_cached_prompt_tokens: int | None = None
-    finish_reason: str | None = None  # "stop", "length" or "abort" once finished
+    finish_reason: str | None = None  # "stop", "length", "abort" or "error" once finished
     # Hash chain of the sequence's full, computed blocks, so each new full
     # block is hashed once from its parent instead of rehashing the prefix.
     block_hashes: list[int] = field(default_factory=list)

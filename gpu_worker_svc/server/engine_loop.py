@@ -85,8 +85,8 @@ class _Stop:
     pass
 
 
-class _GrammarLoaded:
-    """The grammar engine's load is over: hand the held structured output requests to the engine."""
+class _GrammarsCompiled:
+    """A compile thread is done: hand the structured output requests it was holding to the engine."""
 
 
 class Inbox:
@@ -150,7 +150,7 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._session: SessionLink | None = None
         self._requests: set[str] = set()  # ids in the engine, all owned by the live session
-        self._grammar_gate = GrammarGate(engine, lambda: self._inbox.put(_GrammarLoaded()))
+        self._grammar_gate = GrammarGate(engine, lambda: self._inbox.put(_GrammarsCompiled()))
         self._errors: list[common_pb2.RequestDelta] = []  # refused requests, sent with the next step
         self._step = 0
         self.load = WorkerLoad()
@@ -237,20 +237,22 @@ class EngineLoop:
                     if held is not None:
                         self._errors.append(abort_delta(held))
                     self._engine.abort_request(request_id)  # its final delta comes with the next step
-            case _GrammarLoaded():
-                for new in self._grammar_gate.release():
-                    self._add(new)
+            case _GrammarsCompiled():
+                for new, compiled in self._grammar_gate.release():
+                    self._add(new, compiled)
 
-    def _add(self, new: worker_pb2.NewRequest) -> None:
-        if new.request_id in self._requests or new.request_id in self._grammar_gate:
-            log.warning("request %s is already running: duplicate add ignored", new.request_id)
-            return
-        if self._grammar_gate.holds(new):
-            return
+    def _add(self, new: worker_pb2.NewRequest, compiled_grammar: object = None) -> None:
+        if compiled_grammar is None:  # a released request was checked on its way in
+            if new.request_id in self._requests or new.request_id in self._grammar_gate:
+                log.warning("request %s is already running: duplicate add ignored", new.request_id)
+                return
+            if self._grammar_gate.holds(new):
+                return
         try:
             req = engine_request(new, self._max_model_len)
             self._engine.add_request(new.request_id, list(new.prompt_token_ids), req.params, priority=new.priority,
-                                     output_token_ids=list(new.output_token_ids), eos_token_id=req.eos_token_id)
+                                     output_token_ids=list(new.output_token_ids), eos_token_id=req.eos_token_id,
+                                     compiled_grammar=compiled_grammar)
         except ValueError as exc:
             log.warning("request %s refused: %s", new.request_id, exc)
             self._errors.append(error_delta(new, str(exc)))
@@ -279,6 +281,7 @@ class EngineLoop:
 
     def _refresh_load(self) -> None:
         engine = self._engine
-        self.load = WorkerLoad(engine.scheduler.num_running, engine.scheduler.num_waiting,
+        # Requests held for their grammar wait too: the scheduler's routing counts them.
+        self.load = WorkerLoad(engine.scheduler.num_running, engine.scheduler.num_waiting + len(self._grammar_gate),
                                engine.block_pool.num_used_blocks)
         self._telemetry.occupancy(self.load.running, self.load.kv_blocks_used, engine.block_pool.num_blocks)

@@ -3,36 +3,40 @@
 Compiling is slow next to a step: the first constrained request needs the grammar engine imported
 and the vocabulary indexed (about 2.5 s on a CPU), and a large JSON Schema can take seconds of its
 own. Done on the engine thread, that would stall every running request. Instead the gate holds a
-constrained request whose grammar is not compiled yet, compiles it in a thread of its own (the
-compiler releases the GIL), and hands it back to the engine thread through `wake` once the
-compiled grammar, or its error, is in the backend's cache. A request whose constraint does not
-compile is then refused by the engine with the compiler's reason.
+constrained request whose grammar is not compiled yet, compiles it in a small pool of threads of
+its own (the compiler releases the GIL; a few threads, so that one slow schema does not hold up
+every other), and hands it back to the engine thread through `wake`, with the compiled grammar or
+the compiler's error in hand: the backend's cache may have let it go by then.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
-import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
-from gpu_worker_svc.engine.grammar import GrammarBackend
 from gpu_worker_svc.engine.llm_engine import LLMEngine
 from shardline.proto import worker_pb2
 from shardline.structured_output import StructuredOutputSpec
 
 log = logging.getLogger(__name__)
 
+COMPILE_THREADS = 4
+
 
 class GrammarGate:
-    """Used from the engine thread only; the compile thread only compiles and calls `wake`."""
+    """Used from the engine thread, but for the compile threads' `_compile`."""
 
     def __init__(self, engine: LLMEngine, wake: Callable[[], None]) -> None:
         self._engine = engine
         self._wake = wake
         self._held: dict[str, tuple[worker_pb2.NewRequest, StructuredOutputSpec]] = {}
-        self._jobs: queue.SimpleQueue[StructuredOutputSpec] = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
+        # compile(spec)'s results: a grammar, or an error message. Written by the compile threads
+        # (one key each, under the GIL), read and emptied by the engine thread.
+        self._results: dict[StructuredOutputSpec, Any] = {}
+        self._compiling: set[StructuredOutputSpec] = set()
+        self._pool: ThreadPoolExecutor | None = None
 
     def holds(self, new: worker_pb2.NewRequest) -> bool:
         """Keep `new` back if its grammar is still to compile (then compile it meanwhile)."""
@@ -42,58 +46,59 @@ class GrammarGate:
             spec = StructuredOutputSpec.from_proto(new.params.structured_output)
         except ValueError:
             return False  # the engine refuses it, naming the field
-        backend = self._backend()
-        if backend is None or backend.is_compiled(spec):
-            return False
+        if self._engine.grammar_loaded:
+            try:
+                if self._engine.grammar_backend().is_compiled(spec):
+                    return False
+            except ValueError:
+                return False  # the backend does not build: the engine refuses it with the reason
         self._held[new.request_id] = (new, spec)
-        self._jobs.put(spec)
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._compile_forever, name="grammar-compile", daemon=True)
-            self._thread.start()
+        if spec not in self._compiling and spec not in self._results:
+            self._compiling.add(spec)
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="grammar-compile")
+            self._pool.submit(self._compile, spec)
         return True
 
-    def release(self) -> list[worker_pb2.NewRequest]:
-        """The held requests whose grammar is now compiled (or refused), in arrival order."""
-        backend = self._backend()
-        ready = [rid for rid, (_, spec) in self._held.items() if backend is None or backend.is_compiled(spec)]
-        return [self._held.pop(rid)[0] for rid in ready]
+    def release(self) -> list[tuple[worker_pb2.NewRequest, Any]]:
+        """Each held request whose grammar is compiled (or refused), with compile()'s result, in
+        arrival order; an unusable backend releases them all, with None (the engine then refuses)."""
+        loaded_but_broken = self._engine.grammar_loaded and self._engine.grammar_error is not None
+        ready = [rid for rid, (_, spec) in self._held.items() if loaded_but_broken or spec in self._results]
+        released = [(new, self._results.get(spec)) for new, spec in (self._held.pop(rid) for rid in ready)]
+        self._forget_unneeded()
+        return released
 
     def remove(self, request_id: str) -> worker_pb2.NewRequest | None:
         """Stop holding a request (it was aborted); None if it is not held."""
         held = self._held.pop(request_id, None)
+        self._forget_unneeded()
         return None if held is None else held[0]
 
     def clear(self) -> None:
         self._held.clear()
+        self._forget_unneeded()
+
+    def __len__(self) -> int:
+        return len(self._held)
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._held
 
-    def _backend(self) -> GrammarBackend | _NotLoaded | None:
-        """The engine's backend; None once it is known not to build (the engine then refuses)."""
-        if not self._engine.grammar_loaded:
-            return _NOT_LOADED
+    def _forget_unneeded(self) -> None:
+        needed = {spec for _, spec in self._held.values()}
+        for spec in [s for s in self._results if s not in needed]:
+            del self._results[spec]
+
+    def _compile(self, spec: StructuredOutputSpec) -> None:
         try:
-            return self._engine.grammar_backend()
-        except ValueError:
-            return None
-
-    def _compile_forever(self) -> None:
-        while True:
-            spec = self._jobs.get()
-            try:
-                self._engine.grammar_backend().compile(spec)  # raises only ValueError
-            except ValueError as exc:  # kept by the backend; the engine thread refuses the request with it
-                log.info("structured output refused: %s", exc)
+            if spec in {s for _, s in list(self._held.values())}:  # else every request for it has gone
+                self._results[spec] = self._engine.grammar_backend().compile(spec)
+        except ValueError as exc:  # the backend does not build; release() sees it in the engine
+            log.warning("structured output is unavailable: %s", exc)
+        except Exception:  # a bug: log it, and still wake the engine thread, so no request waits forever
+            log.exception("structured output failed to compile")
+            self._results[spec] = "structured_output: the grammar engine failed on this constraint"
+        finally:
+            self._compiling.discard(spec)
             self._wake()
-
-
-class _NotLoaded:
-    """Stands for the backend before its first build: nothing is compiled yet."""
-
-    @staticmethod
-    def is_compiled(spec: StructuredOutputSpec) -> bool:
-        return False
-
-
-_NOT_LOADED = _NotLoaded()

@@ -190,7 +190,8 @@ def build_request(prompt: str | list[int] | None = None, *, messages: list[dict[
                 raise ValueError(f"{name}: give one structured output constraint, not several")
             _set_structured_output(req.params.structured_output, name, value)
         elif name == "disable_any_whitespace":  # with json_schema or json_object: compact JSON
-            req.params.structured_output.disable_any_whitespace = value
+            if value:  # False is the default: setting it would create an empty constraint
+                req.params.structured_output.disable_any_whitespace = True
         else:
             setattr(req.params, name, value)  # AttributeError names an unknown parameter
     return req

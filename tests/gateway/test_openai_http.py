@@ -313,6 +313,15 @@ def test_structured_output_fields_reach_the_scheduler(tokenizer_address, text_id
                                                extra_body={"guided_json": json.dumps(schema)})
         await openai_client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4,
                                                     extra_body={"structured_outputs": {"regex": "[0-9]+"}})
+        await openai_client.chat.completions.create(  # vLLM ignores disable_any_whitespace where no JSON is
+            model=MODEL, messages=messages, max_tokens=4,
+            extra_body={"structured_outputs": {"regex": "[0-9]+", "disable_any_whitespace": True}})
+        await openai_client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=4,
+            extra_body={"structured_outputs": {"json": schema, "disable_any_whitespace": True}})
+        await openai_client.completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=4,
+            extra_body={"guided_json": schema, "guided_decoding_backend": "xgrammar:disable-any-whitespace"})
         constraints = [s.params.structured_output if s.params.HasField("structured_output") else None
                        for s in stack.scheduler.submitted]
         assert json.loads(constraints[0].json_schema) == schema
@@ -320,8 +329,11 @@ def test_structured_output_fields_reach_the_scheduler(tokenizer_address, text_id
         assert list(constraints[3].choice.choices) == ["yes", "no"]
         assert json.loads(constraints[4].json_schema) == schema
         assert constraints[5].regex == "[0-9]+"
+        assert [c.disable_any_whitespace for c in constraints if c is not None] == [False] * 6 + [True, True]
+        assert constraints[6].regex == "[0-9]+" and json.loads(constraints[7].json_schema) == schema
         kinds = [span.attributes.get(attr.STRUCTURED_OUTPUT) for span in stack.spans.get_finished_spans()
                  if span.name == "gateway.request"]
-        assert kinds == ["json_schema", "json_object", None, "choice", "json_schema", "regex"]
+        assert kinds == ["json_schema", "json_object", None, "choice", "json_schema", "regex", "regex",
+                         "json_schema", "json_schema"]
 
     run_on_stack(tokenizer_address, Script(text_ids), body)

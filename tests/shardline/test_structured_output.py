@@ -65,6 +65,7 @@ def test_the_sdk_takes_one_constraint_and_refuses_a_bare_string_of_choices():
     assert json.loads(req.params.structured_output.json_schema) == {"type": "object"}
     assert req.params.structured_output.disable_any_whitespace
     assert list(build_request("hi", choice=["yes", "no"]).params.structured_output.choice.choices) == ["yes", "no"]
+    assert not build_request("hi", disable_any_whitespace=False).params.HasField("structured_output")
     with pytest.raises(ValueError, match="choice must be a list of strings"):
         build_request("hi", choice="yes")
     with pytest.raises(ValueError, match="give one structured output constraint"):

@@ -150,6 +150,7 @@ def test_a_grammar_with_no_way_on_fails_its_own_request_and_no_other(engine, tok
               _with(SEEDED, "regex", r"[^\s\S]"), dataclasses.replace(GREEDY, max_tokens=8)]
     results = engine.generate(prompts, params)
     assert [r.finish_reason for r in results] == ["error", "error", "error", "length"]
+    assert all(r.error.startswith("structured_output: its grammar allows no token") for r in results[:3])
     assert [tokenizer.decode(r.token_ids) for r in results[:3]] == ["a", "b", ""]  # the refused token is not output
     assert len(results[3].token_ids) == 8
     engine.add_request("dead-end", prompts[0], params[0])
@@ -165,3 +166,6 @@ def test_min_tokens_holds_a_structured_output_open_until_its_grammar_must_end(en
     [held] = engine.generate([prompt], _with(GREEDY, *spec, max_tokens=20, min_tokens=4))
     assert held.finish_reason == "stop" and held.token_ids[-1] == tokenizer.eos_token_ids[0]
     assert len(held.token_ids) > 4 and re.fullmatch("(yes|no)[0-9]+", tokenizer.decode(held.token_ids))
+    # ignore_eos does not let the grammar's EOS through early either: it would still end the request.
+    [ignoring] = engine.generate([prompt], _with(GREEDY, *spec, max_tokens=20, min_tokens=4, ignore_eos=True))
+    assert ignoring.token_ids == held.token_ids and ignoring.finish_reason == "stop"
