@@ -20,6 +20,9 @@ from typing import Any
 from shardline.proto import sampling_pb2
 
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+# How a worker's error starts when a request's grammar left it no token: the client's constraint
+# is at fault (an empty language, a rule that never ends), so the gateway answers 400.
+DEAD_END = "structured_output: its grammar allows no token"
 # Bounds on what a client may send. They do not bound compile time (a schema of 64k characters,
 # each property with a pattern, took 40 s here), which is why workers compile off their step thread.
 MAX_SPEC_CHARS = 64 * 1024

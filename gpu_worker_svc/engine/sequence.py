@@ -8,6 +8,7 @@ from enum import IntEnum
 from typing import TYPE_CHECKING
 
 from gpu_worker_svc.engine.sampling_params import SamplingParams
+from shardline.structured_output import DEAD_END
 
 if TYPE_CHECKING:
     from gpu_worker_svc.engine.grammar import GrammarMatcher
@@ -118,8 +119,8 @@ class Sequence:
             # The mask let only the grammar's tokens through, so a refusal means it allowed none: a
             # grammar with no way on from here ("a[^\s\S]", a rule that never ends). This request
             # fails; the batch runs on.
-            self.error = (f"structured_output: its grammar allows no token after {self.num_output_tokens - 1} "
-                          f"output tokens (it has no valid completion from there)")
+            self.error = (f"{DEAD_END} after {self.num_output_tokens - 1} output tokens "
+                          f"(it has no valid completion from there)")
 
     def stop_status(self) -> RequestStatus | None:
         """Whether the token just appended ends the request, and how."""

@@ -59,3 +59,10 @@ def test_response_format_json_schema(client):
         client.chat.completions.create(**{**kwargs, "response_format": {
             "type": "json_schema", "json_schema": {"name": "bad", "schema": {"type": "objekt"}}}})
     assert caught.value.body["param"] == "response_format.json_schema.schema"
+    # A regex that compiles but matches nothing past "a": the worker fails that request alone, and
+    # since the client's constraint is at fault, the answer is a 400.
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(**{**kwargs, "response_format": None}, extra_body={"guided_regex": r"a[^\s\S]"})
+    assert caught.value.body["param"] == "structured_output"
+    assert caught.value.body["message"].startswith("structured_output: its grammar allows no token after 1 output")
+    assert client.chat.completions.create(**kwargs).choices[0].message.content == whole.choices[0].message.content
