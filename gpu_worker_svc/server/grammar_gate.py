@@ -53,11 +53,7 @@ class GrammarGate:
             except ValueError:
                 return False  # the backend does not build: the engine refuses it with the reason
         self._held[new.request_id] = (new, spec)
-        if spec not in self._compiling and spec not in self._results:
-            self._compiling.add(spec)
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="grammar-compile")
-            self._pool.submit(self._compile, spec)
+        self._submit(spec)
         return True
 
     def release(self) -> list[tuple[worker_pb2.NewRequest, Any]]:
@@ -67,6 +63,11 @@ class GrammarGate:
         ready = [rid for rid, (_, spec) in self._held.items() if loaded_but_broken or spec in self._results]
         released = [(new, self._results.get(spec)) for new, spec in (self._held.pop(rid) for rid in ready)]
         self._forget_unneeded()
+        if not loaded_but_broken:
+            # A compile thread skips a spec that no request wanted when it started; one held just
+            # after that check would wait for nothing. Its thread has woken us since: compile again.
+            for _, spec in self._held.values():
+                self._submit(spec)
         return released
 
     def remove(self, request_id: str) -> worker_pb2.NewRequest | None:
@@ -84,6 +85,15 @@ class GrammarGate:
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._held
+
+    def _submit(self, spec: StructuredOutputSpec) -> None:
+        """Compile `spec` in the pool, unless that is under way or done."""
+        if spec in self._compiling or spec in self._results:
+            return
+        self._compiling.add(spec)
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="grammar-compile")
+        self._pool.submit(self._compile, spec)
 
     def _forget_unneeded(self) -> None:
         needed = {spec for _, spec in self._held.values()}

@@ -99,3 +99,16 @@ def test_a_backend_that_does_not_build_releases_everything_for_the_engine_to_ref
     engine.backend.gate.set()
     assert _released(gate, wakes, 2) == [("a", None), ("b", None)]
     assert not gate.holds(_request("c", "c+"))  # the engine refuses it at once, with the reason
+
+
+def test_a_request_held_as_a_skipping_compile_ends_is_compiled_for_again():
+    """A compile thread finds no request for its spec and skips it; a request for that spec is held
+    just before the thread's end. The wake that follows must not leave it waiting for nothing."""
+    engine, wakes = FakeEngine(), threading.Semaphore(0)
+    gate = GrammarGate(engine, wakes.release)
+    spec = StructuredOutputSpec("regex", "z+")
+    gate._compiling.add(spec)  # that thread, past its check
+    assert gate.holds(_request("late", "z+"))
+    gate._compiling.discard(spec)  # ...and its end: nothing compiled, one wake
+    assert gate.release() == []
+    assert _released(gate, wakes, 1) == [("late", ("grammar", "z+"))]
