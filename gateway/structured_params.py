@@ -26,7 +26,7 @@ _STRUCTURED_OUTPUTS = {"json": "json_schema", "regex": "regex", "choice": "choic
 _OPTIONS = ("disable_any_whitespace", "disable_fallback")
 # vLLM's names for the one backend there is, and the option its older spelling could carry.
 _BACKENDS = ("auto", "xgrammar")
-_BACKEND_OPTIONS = ("disable-any-whitespace",)
+_BACKEND_OPTIONS = ("disable-any-whitespace", "no-fallback")  # no-fallback: there is none to fall back to
 
 
 def structured_output_from_openai(body: dict[str, Any]) -> tuple[sampling_pb2.StructuredOutput | None, str]:
@@ -65,7 +65,7 @@ def structured_output_from_openai(body: dict[str, Any]) -> tuple[sampling_pb2.St
         flags = [flag for flag in extra.split(",") if flag]
         if name not in _BACKENDS or any(flag not in _BACKEND_OPTIONS for flag in flags):
             raise InvalidArgument("guided_decoding_backend", "the only backend is xgrammar "
-                                                             "(with the option disable-any-whitespace)")
+                                                             "(with the options disable-any-whitespace, no-fallback)")
         for constraint, _ in found:
             _compact(constraint, "disable-any-whitespace" in flags)
     if len(found) > 1:

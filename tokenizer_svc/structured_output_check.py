@@ -45,21 +45,23 @@ class StructuredOutputChecker:
 
     async def _check(self, key: bytes, constraint: sampling_pb2.StructuredOutput) -> str:
         try:
-            verdict = await asyncio.get_running_loop().run_in_executor(self._executor, _error, constraint)
+            verdict, lasting = await asyncio.get_running_loop().run_in_executor(self._executor, _error, constraint)
         finally:
             del self._pending[key]
-        self._verdicts[key] = verdict
-        if len(self._verdicts) > CACHE_SIZE:
-            self._verdicts.popitem(last=False)
+        if lasting:
+            self._verdicts[key] = verdict
+            if len(self._verdicts) > CACHE_SIZE:
+                self._verdicts.popitem(last=False)
         return verdict
 
 
-def _error(constraint: sampling_pb2.StructuredOutput) -> str:
+def _error(constraint: sampling_pb2.StructuredOutput) -> tuple[str, bool]:
+    """(the verdict, whether it lasts): a failure of the engine itself (memory...) is not kept."""
     try:
         StructuredOutputSpec.from_proto(constraint).grammar()
     except ValueError as exc:
-        return str(exc).removeprefix("structured_output: ")
+        return str(exc).removeprefix("structured_output: "), True
     except Exception as exc:  # the grammar engine's own failure: the client hears of it, the service goes on
         log.exception("checking a structured output constraint failed")
-        return f"the grammar engine failed on it ({exc})"
-    return ""
+        return f"the grammar engine failed on it ({exc})", False
+    return "", True

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -54,6 +55,7 @@ class LLMEngine:
         self._step = 0
         self._grammar: GrammarBackend | None = None  # built by the first structured output request
         self._grammar_error: str | None = None  # why it could not be built: said once, then repeated
+        self._grammar_lock = threading.Lock()  # a worker's compile threads may ask for it all at once
 
     @property
     def grammar_error(self) -> str | None:
@@ -68,7 +70,13 @@ class LLMEngine:
     def grammar_backend(self) -> GrammarBackend:
         """Structured output's grammar compiler for this model; built on first use (about 2.5 s here:
         the grammar engine's import and an index of the vocabulary), ValueError when it cannot be.
-        Safe to call from another thread than step()'s: nothing else touches the backend until it is set."""
+        Safe to call from any thread: one builds it, the others wait for that build."""
+        if self._grammar is not None:
+            return self._grammar
+        with self._grammar_lock:
+            return self._build_grammar_backend()
+
+    def _build_grammar_backend(self) -> GrammarBackend:
         if self._grammar_error is not None:
             raise ValueError(self._grammar_error)
         if self._grammar is None:

@@ -247,6 +247,7 @@ class EngineLoop:
                 log.warning("request %s is already running: duplicate add ignored", new.request_id)
                 return
             if self._grammar_gate.holds(new):
+                self._refresh_load()  # an idle engine may not step for seconds: show it waiting now
                 return
         try:
             req = engine_request(new, self._max_model_len)

@@ -12,8 +12,9 @@ the compiler's error in hand: the backend's cache may have let it go by then.
 from __future__ import annotations
 
 import logging
+import queue
+import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from gpu_worker_svc.engine.llm_engine import LLMEngine
@@ -26,17 +27,18 @@ COMPILE_THREADS = 4
 
 
 class GrammarGate:
-    """Used from the engine thread, but for the compile threads' `_compile`."""
+    """Used from the engine thread; the compile threads run `_compile_forever`. One lock guards
+    the three containers the two sides share."""
 
     def __init__(self, engine: LLMEngine, wake: Callable[[], None]) -> None:
         self._engine = engine
         self._wake = wake
+        self._lock = threading.Lock()
         self._held: dict[str, tuple[worker_pb2.NewRequest, StructuredOutputSpec]] = {}
-        # compile(spec)'s results: a grammar, or an error message. Written by the compile threads
-        # (one key each, under the GIL), read and emptied by the engine thread.
-        self._results: dict[StructuredOutputSpec, Any] = {}
+        self._results: dict[StructuredOutputSpec, Any] = {}  # compile(spec)'s: a grammar, or an error message
         self._compiling: set[StructuredOutputSpec] = set()
-        self._pool: ThreadPoolExecutor | None = None
+        self._jobs: queue.SimpleQueue[StructuredOutputSpec] = queue.SimpleQueue()
+        self._threads: list[threading.Thread] = []
 
     def holds(self, new: worker_pb2.NewRequest) -> bool:
         """Keep `new` back if its grammar is still to compile (then compile it meanwhile)."""
@@ -52,33 +54,37 @@ class GrammarGate:
                     return False
             except ValueError:
                 return False  # the backend does not build: the engine refuses it with the reason
-        self._held[new.request_id] = (new, spec)
-        self._submit(spec)
+        with self._lock:
+            self._held[new.request_id] = (new, spec)
+            self._submit(spec)
         return True
 
     def release(self) -> list[tuple[worker_pb2.NewRequest, Any]]:
         """Each held request whose grammar is compiled (or refused), with compile()'s result, in
         arrival order; an unusable backend releases them all, with None (the engine then refuses)."""
-        loaded_but_broken = self._engine.grammar_loaded and self._engine.grammar_error is not None
-        ready = [rid for rid, (_, spec) in self._held.items() if loaded_but_broken or spec in self._results]
-        released = [(new, self._results.get(spec)) for new, spec in (self._held.pop(rid) for rid in ready)]
-        self._forget_unneeded()
-        if not loaded_but_broken:
-            # A compile thread skips a spec that no request wanted when it started; one held just
-            # after that check would wait for nothing. Its thread has woken us since: compile again.
-            for _, spec in self._held.values():
-                self._submit(spec)
+        broken = self._engine.grammar_loaded and self._engine.grammar_error is not None
+        with self._lock:
+            ready = [rid for rid, (_, spec) in self._held.items() if broken or spec in self._results]
+            released = [(new, self._results.get(spec)) for new, spec in (self._held.pop(rid) for rid in ready)]
+            self._forget_unneeded()
+            if not broken:
+                # A compile thread skips a spec that no request wanted when it started; one held just
+                # after that check would wait for nothing. Its thread has woken us since: compile again.
+                for _, spec in self._held.values():
+                    self._submit(spec)
         return released
 
     def remove(self, request_id: str) -> worker_pb2.NewRequest | None:
         """Stop holding a request (it was aborted); None if it is not held."""
-        held = self._held.pop(request_id, None)
-        self._forget_unneeded()
+        with self._lock:
+            held = self._held.pop(request_id, None)
+            self._forget_unneeded()
         return None if held is None else held[0]
 
     def clear(self) -> None:
-        self._held.clear()
-        self._forget_unneeded()
+        with self._lock:
+            self._held.clear()
+            self._forget_unneeded()
 
     def __len__(self) -> int:
         return len(self._held)
@@ -87,28 +93,42 @@ class GrammarGate:
         return request_id in self._held
 
     def _submit(self, spec: StructuredOutputSpec) -> None:
-        """Compile `spec` in the pool, unless that is under way or done."""
+        """Compile `spec` in a compile thread, unless that is under way or done. Holding the lock."""
         if spec in self._compiling or spec in self._results:
             return
         self._compiling.add(spec)
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="grammar-compile")
-        self._pool.submit(self._compile, spec)
+        self._jobs.put(spec)
+        if len(self._threads) < COMPILE_THREADS:
+            # Daemons: a process that exits does not wait for a schema's compile (it can take minutes).
+            thread = threading.Thread(target=self._compile_forever, name="grammar-compile", daemon=True)
+            self._threads.append(thread)
+            thread.start()
 
     def _forget_unneeded(self) -> None:
+        """Drop results no held request needs. Holding the lock."""
         needed = {spec for _, spec in self._held.values()}
         for spec in [s for s in self._results if s not in needed]:
             del self._results[spec]
 
+    def _compile_forever(self) -> None:
+        while True:
+            self._compile(self._jobs.get())
+
     def _compile(self, spec: StructuredOutputSpec) -> None:
+        result: Any = None
         try:
-            if spec in {s for _, s in list(self._held.values())}:  # else every request for it has gone
-                self._results[spec] = self._engine.grammar_backend().compile(spec)
+            with self._lock:
+                wanted = any(s == spec for _, s in self._held.values())  # else every request for it has gone
+            if wanted:
+                result = self._engine.grammar_backend().compile(spec)
         except ValueError as exc:  # the backend does not build; release() sees it in the engine
             log.warning("structured output is unavailable: %s", exc)
         except Exception:  # a bug: log it, and still wake the engine thread, so no request waits forever
             log.exception("structured output failed to compile")
-            self._results[spec] = "structured_output: the grammar engine failed on this constraint"
+            result = "structured_output: the grammar engine failed on this constraint"
         finally:
-            self._compiling.discard(spec)
+            with self._lock:
+                if result is not None:
+                    self._results[spec] = result
+                self._compiling.discard(spec)
             self._wake()

@@ -37,7 +37,7 @@ def test_concurrent_and_repeated_checks_compile_once(monkeypatch):
 
 def test_a_caller_that_leaves_does_not_cancel_the_others(monkeypatch):
     release = threading.Event()
-    monkeypatch.setattr(structured_output_check, "_error", lambda constraint: release.wait(5) and "")
+    monkeypatch.setattr(structured_output_check, "_error", lambda constraint: (release.wait(5) and "", True))
 
     async def run() -> str:
         checker = StructuredOutputChecker()
@@ -55,7 +55,7 @@ def test_a_caller_that_leaves_does_not_cancel_the_others(monkeypatch):
 def test_checks_do_not_take_the_default_executors_threads(monkeypatch):
     """Tokenize and Detokenize run in asyncio.to_thread: a slow check must not queue them."""
     release = threading.Event()
-    monkeypatch.setattr(structured_output_check, "_error", lambda constraint: release.wait(5) and "")
+    monkeypatch.setattr(structured_output_check, "_error", lambda constraint: (release.wait(5) and "", True))
 
     async def run() -> float:
         checker = StructuredOutputChecker()
@@ -69,3 +69,24 @@ def test_checks_do_not_take_the_default_executors_threads(monkeypatch):
         return took
 
     assert asyncio.run(run()) < 1.0
+
+
+def test_a_failure_of_the_grammar_engine_itself_is_not_kept(monkeypatch):
+    calls: list[int] = []
+
+    def flaky(constraint):
+        calls.append(1)
+        if len(calls) == 1:
+            raise MemoryError("for a moment")
+        return "", True
+
+    monkeypatch.setattr(structured_output_check.StructuredOutputSpec, "grammar", lambda self: flaky(None))
+
+    async def run() -> list[str]:
+        checker = StructuredOutputChecker()
+        constraint = sampling_pb2.StructuredOutput(regex="x+")
+        return [await checker.error(constraint) for _ in range(3)]
+
+    first, second, third = asyncio.run(run())
+    assert first.startswith("the grammar engine failed on it") and second == third == ""
+    assert len(calls) == 2  # the failure was tried again; the good verdict was kept
