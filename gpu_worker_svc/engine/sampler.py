@@ -205,9 +205,11 @@ def _sample(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
             raise ValueError(f"request {seq.request_id!r} has no seed to sample with")
     params = [seq.params for seq in seqs]
     probs = torch.softmax(logits / param_column([p.temperature for p in params], logits), dim=-1)
-    # Rows without a filter keep the whole vocabulary whatever other rows ask,
-    # so a row's kept set never depends on the rest of the batch.
-    kept = torch.ones_like(probs, dtype=torch.bool)
+    # Rows without a filter keep every token of nonzero probability whatever other rows ask, so a
+    # row's kept set never depends on the rest of the batch. A token of probability 0 (masked, or
+    # underflowed) scores 0 in the race, as does a likely one whose noise is infinite (a uniform
+    # draw of exactly 0): kept, the first of them could win the argmax, a token the grammar forbids.
+    kept = probs > 0
     if any(p.top_k > 0 for p in params):
         _keep_top(kept, probs, [p.top_k for p in params])
     if any(p.top_p < 1.0 for p in params):
@@ -216,10 +218,7 @@ def _sample(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         min_p = param_column([p.min_p for p in params], logits)
         kept &= probs >= min_p * probs.amax(dim=-1, keepdim=True)
     score = probs / race_noise(seqs, probs.shape[1], probs.device)
-    # A token of probability 0 (masked, or underflowed) scores 0; so does a likely one whose noise
-    # is infinite (a uniform draw of exactly 0). Left in, the first zero-probability token could
-    # then win the argmax: a token the request's grammar forbids.
-    return score.masked_fill_(~kept | (probs == 0), -1.0).argmax(dim=-1)
+    return score.masked_fill_(~kept, -1.0).argmax(dim=-1)
 
 
 def _keep_top(kept: torch.Tensor, probs: torch.Tensor, top_k: list[int]) -> None:

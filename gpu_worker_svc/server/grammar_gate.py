@@ -78,8 +78,10 @@ class GrammarGate:
         """Stop holding a request (it was aborted); None if it is not held."""
         with self._lock:
             held = self._held.pop(request_id, None)
+            if held is None:
+                return None
             self._forget_unneeded()
-        return None if held is None else held[0]
+        return held[0]
 
     def clear(self) -> None:
         with self._lock:

@@ -10,6 +10,8 @@ from typing import Any
 import grpc
 
 from shardline.proto import common_pb2, generation_pb2, sampling_pb2
+from shardline.structured_output import KINDS as STRUCTURED_OUTPUT_KINDS
+from shardline.structured_output import StructuredOutputSpec
 
 _FINISH = {
     sampling_pb2.FINISH_REASON_STOP: "stop",
@@ -185,10 +187,15 @@ def build_request(prompt: str | list[int] | None = None, *, messages: list[dict[
         elif name == "top_logprobs":
             req.params.logprobs = True
             req.params.top_logprobs = value
-        elif name in _STRUCTURED_OUTPUT_KINDS:
+        elif name == "json_object" and not value:
+            continue  # json_object=False asks for nothing, as in vLLM
+        elif name in STRUCTURED_OUTPUT_KINDS:
             if req.params.structured_output.WhichOneof("kind") is not None:
                 raise ValueError(f"{name}: give one structured output constraint, not several")
-            _set_structured_output(req.params.structured_output, name, value)
+            if name == "choice" and isinstance(value, str):  # a string is a sequence too: "y", "e", "s"
+                raise ValueError("choice must be a list of strings")
+            # Merged: a disable_any_whitespace given before it stays.
+            req.params.structured_output.MergeFrom(StructuredOutputSpec(name, _spec_value(name, value)).to_proto())
         elif name == "disable_any_whitespace":  # with json_schema or json_object: compact JSON
             if value:  # False is the default: setting it would create an empty constraint
                 req.params.structured_output.disable_any_whitespace = True
@@ -197,21 +204,15 @@ def build_request(prompt: str | list[int] | None = None, *, messages: list[dict[
     return req
 
 
-# Structured output keywords: the output is JSON that a schema accepts (a dict, or its JSON text),
-# any JSON object (json_object=True), a match of a regex, one of a list of strings, or derives from
-# an EBNF grammar's rule "root". disable_any_whitespace=True makes the JSON kinds' output compact.
-_STRUCTURED_OUTPUT_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
-
-
-def _set_structured_output(message: sampling_pb2.StructuredOutput, kind: str, value: Any) -> None:
-    if kind == "json_schema" and not isinstance(value, str):
-        value = json.dumps(value)
+def _spec_value(kind: str, value: Any) -> str | tuple[str, ...]:
+    """A structured output keyword's value as StructuredOutputSpec holds it: a JSON Schema (a dict,
+    or its JSON text) as text, choices as a tuple; json_object=True holds nothing. The others, a
+    regex and an EBNF grammar (rule "root"), are text already."""
+    if kind == "json_schema":
+        return value if isinstance(value, str) else json.dumps(value)
     if kind == "choice":
-        if isinstance(value, str):  # a string is a sequence too: "yes" would be "y", "e", "s"
-            raise ValueError("choice must be a list of strings")
-        message.choice.choices.extend(value)
-    else:
-        setattr(message, kind, value)
+        return tuple(value)
+    return "" if kind == "json_object" else value
 
 
 def was_taken(exc: grpc.RpcError) -> bool:
