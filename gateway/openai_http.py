@@ -25,6 +25,7 @@ from gateway.openai_response import ResponseFormatter, error_body
 from gateway.params import OPENAI_COMPLETIONS_DEFAULT_MAX_TOKENS
 from gateway.request_runner import ModelNotFound, RequestRunner
 from gateway.tokenize_http import TokenizeApi
+from gateway.tool_params import resolve_parser
 from shardline.errors import InvalidArgument, ShardlineError
 from shardline.proto import generation_pb2, sampling_pb2
 from tracing import attributes as attr
@@ -114,6 +115,9 @@ class OpenAIHttpApi:
     async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
         arrival_s = time.perf_counter()
         parsed = parse_request(await _json_body(request), chat)
+        if parsed.tools is not None:
+            template_format = (await self._runner.backends.tokenizer_info()).tool_call_format
+            resolve_parser(parsed.tools, self._runner.settings.tool_call_parser, template_format)
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(16)}"
         default_max_tokens = self._runner.settings.default_max_tokens if chat else OPENAI_COMPLETIONS_DEFAULT_MAX_TOKENS
         specs = choice_specs(parsed, request_id, default_max_tokens, arrival_s)
@@ -128,7 +132,8 @@ class OpenAIHttpApi:
                 echoes = (await echoed_prompts(self._runner, [c.live for c in choices], parsed.echo_only)
                           if parsed.echo else None)
                 formatters = [ResponseFormatter(request_id, choice.live.model, chat, parsed.include_usage, choice.index,
-                                                created, echoes[i] if echoes else None, parsed.prompt_logprobs)
+                                                created, echoes[i] if echoes else None, parsed.prompt_logprobs,
+                                                parsed.tools)
                               for i, choice in enumerate(choices)]
                 if parsed.stream:
                     return await self._stream(request, request_id, choices, formatters, parsed)

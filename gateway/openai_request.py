@@ -8,6 +8,7 @@ from typing import Any
 from gateway.params import MAX_CHOICES, json_field, sampling_from_openai
 from gateway.request_runner import Prompt
 from gateway.structured_params import structured_output_from_openai
+from gateway.tool_params import ToolRequest, tool_calls_from_message, tools_from_openai
 from shardline.errors import InvalidArgument
 from shardline.proto import sampling_pb2
 
@@ -32,6 +33,7 @@ class OpenAIRequest:
     echo_only: bool = False  # echo with max_tokens 0: each choice is its prompt alone (how text is scored)
     prompt_logprobs: bool = False  # vLLM's prompt_logprobs field was sent: answer it in vLLM's shape
     structured_output_field: str = ""  # where params.structured_output came from (response_format...)
+    tools: ToolRequest | None = None  # chat: the functions the model may call, and how
 
     @property
     def num_choices(self) -> int:
@@ -47,6 +49,14 @@ def parse_request(body: Any, chat: bool) -> OpenAIRequest:
     prompts = [chat_messages(body)] if chat else _prompts(body)
     params, priority, max_tokens_field, n = sampling_from_openai(body, chat)
     structured_output, structured_output_field = structured_output_from_openai(body)
+    tools = tools_from_openai(body) if chat else None
+    if tools is not None:
+        prompts[0].tools_json = tools.tools_json
+        if (calls := tools.constraint()) is not None:
+            if structured_output is not None:
+                mode = "naming a function" if tools.choice == "named" else f'"{tools.choice}"'
+                raise InvalidArgument(structured_output_field, f"cannot be combined with tool_choice {mode}")
+            structured_output, structured_output_field = calls, "tools"
     if structured_output is not None:
         params.structured_output.CopyFrom(structured_output)
     if len(prompts) * n > MAX_CHOICES:
@@ -67,7 +77,7 @@ def parse_request(body: Any, chat: bool) -> OpenAIRequest:
             raise InvalidArgument("min_tokens", "must not exceed max_tokens")
         params.max_tokens = 1
     return OpenAIRequest(chat, model, prompts, params, priority, stream, include_usage, max_tokens_field, n, echo,
-                         echo_only, body.get("prompt_logprobs") is not None, structured_output_field)
+                         echo_only, body.get("prompt_logprobs") is not None, structured_output_field, tools)
 
 
 def _prompts(body: dict[str, Any]) -> list[Prompt]:
@@ -103,8 +113,20 @@ def chat_messages(body: dict[str, Any]) -> Prompt:
         content = message.get("content")
         if content is None and role == "assistant":
             content = ""  # an assistant turn that only called tools, as replayed transcripts carry it
-        turns.append(sampling_pb2.ChatMessage(role=_ROLES[role], content=_content(content, field)))
+        turn = sampling_pb2.ChatMessage(role=_ROLES[role], content=_content(content, field))
+        if role == "assistant":
+            turn.tool_calls.extend(tool_calls_from_message(message, field))
+        turn.tool_call_id = _optional_text(message, "tool_call_id", field)
+        turn.name = _optional_text(message, "name", field)
+        turns.append(turn)
     return Prompt(messages=turns, field="messages")
+
+
+def _optional_text(message: dict[str, Any], key: str, field: str) -> str:
+    value = message.get(key)
+    if value is not None and not isinstance(value, str):
+        raise InvalidArgument(f"{field}.{key}", "must be a string")
+    return value or ""
 
 
 def _content(content: Any, field: str) -> str:

@@ -8,6 +8,8 @@ from typing import Any
 from gateway.openai_echo import EchoedPrompt, vllm_prompt_logprobs
 from gateway.request_runner import Completion
 from gateway.request_stream import StreamChunk
+from gateway.tool_calls import ToolCallOutput
+from gateway.tool_params import ToolRequest
 from shardline.proto import sampling_pb2
 
 # HTTP status -> OpenAI error `type` and default `code`.
@@ -51,7 +53,8 @@ class ResponseFormatter:
     """
 
     def __init__(self, request_id: str, model: str, chat: bool, include_usage: bool = False, index: int = 0,
-                 created: int | None = None, echo: EchoedPrompt | None = None, prompt_logprobs: bool = False) -> None:
+                 created: int | None = None, echo: EchoedPrompt | None = None, prompt_logprobs: bool = False,
+                 tools: ToolRequest | None = None) -> None:
         self.request_id = request_id
         self.model = model
         self.chat = chat
@@ -63,6 +66,8 @@ class ResponseFormatter:
         self._text_offset = 0  # characters of the token texts so far, for completions' logprobs.text_offset
         self._sent_role = False
         self._echoed = False
+        # Chat with tools: the output read as text and calls (one reader per choice, as it keeps state).
+        self._tools = ToolCallOutput(tools) if tools is not None else None
 
     def whole(self, completion: Completion) -> dict[str, Any]:
         """The non-streamed response of a single-choice request."""
@@ -73,8 +78,11 @@ class ResponseFormatter:
         prefix, echoed = self._echo(completion.prompt_logprobs, completion.logprobs, completion.token_texts)
         logprobs = _joined(echoed, self._logprobs(completion.logprobs, completion.token_texts, completion.token_bytes))
         if self.chat:
-            return {"index": self.index, "message": {"role": "assistant", "content": completion.text},
-                    "logprobs": logprobs, "finish_reason": completion.finish_reason}
+            message: dict[str, Any] = {"role": "assistant", "content": completion.text}
+            finish_reason = completion.finish_reason
+            if self._tools is not None:
+                message, finish_reason = self._tools.message(completion.text, finish_reason)
+            return {"index": self.index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
         if self.echo is not None and self.echo.only:  # max_tokens 0: no completion, the limit ended it
             choice = {"index": self.index, "text": prefix, "logprobs": echoed, "finish_reason": "length"}
         else:
@@ -117,11 +125,26 @@ class ResponseFormatter:
             if chunk.finish_reason:
                 events.append(self._chunk("", None, "length"))
             return events
+        if self._tools is not None:
+            return events + self._tool_events(chunk)
         if chunk.text or chunk.logprobs or chunk.finish_reason:
             logprobs = self._logprobs(chunk.logprobs, chunk.token_texts, chunk.token_bytes)
             body = {"content": chunk.text} if chunk.text else {}
             events.append(self._chunk(body if self.chat else chunk.text, logprobs, chunk.finish_reason))
         return events
+
+    def _tool_events(self, chunk: StreamChunk) -> list[dict[str, Any]]:
+        """A chat chunk's event when the output may hold tool calls: its text and call pieces, as
+        far as they can be told apart yet."""
+        assert self._tools is not None
+        content, pieces = self._tools.feed(chunk.text, final=chunk.finish_reason is not None)
+        delta: dict[str, Any] = {"content": content} if content else {}
+        if pieces:
+            delta["tool_calls"] = [piece.body() for piece in pieces]
+        if not (delta or chunk.logprobs or chunk.finish_reason):
+            return []
+        logprobs = self._logprobs(chunk.logprobs, chunk.token_texts, chunk.token_bytes)
+        return [self._chunk(delta, logprobs, self._tools.finish_reason(chunk.finish_reason))]
 
     def usage_event(self, usage: sampling_pb2.Usage | None) -> dict[str, Any]:
         """The stream's last event under stream_options.include_usage: no choices, the request's usage."""

@@ -194,8 +194,6 @@ def _reject_unsupported(body: dict[str, Any], chat: bool) -> None:
                                                  "/v1/completions' echo with logprobs streams them")
     if not chat and json_field(body, "suffix", str):
         raise InvalidArgument("suffix", "suffix is not supported")
-    if chat and json_field(body, "tools", list):
-        raise InvalidArgument("tools", "tool calling is not supported")
 
 
 def _stop_strings(value: Any) -> list[str]:

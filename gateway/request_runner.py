@@ -54,6 +54,7 @@ class Prompt:
     messages: list[sampling_pb2.ChatMessage] | None = None  # a conversation, rendered by the chat template
     token_ids: list[int] | None = None  # an already tokenized prompt
     field: str = "prompt"  # the request field it came from, named in errors
+    tools_json: str = ""  # with messages: the tool definitions (a JSON array) the template may show the model
 
 
 @dataclass(slots=True)
@@ -290,7 +291,8 @@ class RequestRunner:
             return prompt.token_ids
         with upstream("tokenizer"):
             if prompt.messages is not None:
-                request = tokenizer_pb2.ApplyChatTemplateRequest(messages=prompt.messages, add_generation_prompt=True)
+                request = tokenizer_pb2.ApplyChatTemplateRequest(
+                    messages=prompt.messages, add_generation_prompt=True, tools_json=prompt.tools_json)
                 reply = await self.backends.tokenizer.ApplyChatTemplate(request, timeout=RPC_TIMEOUT_S)
                 return list(reply.prompt_token_ids)
             tokens = await self.backends.tokenizer.Tokenize(

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import secrets
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -43,6 +43,9 @@ class GatewaySettings(BaseSettings):
     resume_grace_s: float = Field(5.0, ge=0)
     # Largest HTTP request body; beyond it the gateway answers 413.
     max_body_bytes: int = Field(4 << 20, ge=1024)
+    # How tool_choice "auto" output is read for calls: "hermes" (<tool_call> tags), or "none" to refuse
+    # "auto"; empty (the default) follows the chat template, which the tokenizer service reports.
+    tool_call_parser: Literal["", "none", "hermes"] = ""
     # Export spans over OTLP (SHARDLINE_TRACING=0 turns it off); trace context is propagated either way.
     tracing: bool = True
 

@@ -15,6 +15,7 @@ from gateway.backends import RPC_TIMEOUT_S, upstream
 from gateway.openai_request import chat_messages
 from gateway.params import json_field
 from gateway.request_runner import ModelNotFound, RequestRunner
+from gateway.tool_params import tools_from_openai
 from shardline.errors import InvalidArgument
 from shardline.proto import tokenizer_pb2
 
@@ -32,7 +33,7 @@ class TokenizeApi:
         if json_field(body, "return_token_strs", bool):
             raise InvalidArgument("return_token_strs", "token strings are not supported; /detokenize decodes ids")
         # vLLM's chat options this gateway cannot render: refused, not silently left out of the count.
-        for name in ("continue_final_message", "tools", "chat_template", "chat_template_kwargs", "documents"):
+        for name in ("continue_final_message", "chat_template", "chat_template_kwargs", "documents"):
             if body.get(name):  # absent, false or empty: nothing to render
                 raise InvalidArgument(name, "is not supported")
         if "messages" in body and "prompt" in body:
@@ -42,9 +43,11 @@ class TokenizeApi:
                 if json_field(body, "add_special_tokens", bool):
                     raise InvalidArgument("add_special_tokens", "a chat's special tokens come from its template")
                 generation_prompt = json_field(body, "add_generation_prompt", bool)
+                tools = tools_from_openai(body)  # rendered as the chat endpoint renders them
                 reply = await tokenizer.ApplyChatTemplate(tokenizer_pb2.ApplyChatTemplateRequest(
                     messages=chat_messages(body).messages,
-                    add_generation_prompt=True if generation_prompt is None else generation_prompt),
+                    add_generation_prompt=True if generation_prompt is None else generation_prompt,
+                    tools_json=tools.tools_json if tools is not None else ""),
                     timeout=RPC_TIMEOUT_S)
                 tokens = list(reply.prompt_token_ids)
             else:

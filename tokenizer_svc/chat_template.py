@@ -69,6 +69,7 @@ class ChatTemplate:
         self.source = template
         self.bos_token = bos_token
         self.eos_token = eos_token
+        self.tool_call_format = tool_call_format(template)
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any) -> str:
         """The prompt text for `messages`; extra keyword arguments (tools, documents, ...) go to the template."""
@@ -85,6 +86,12 @@ class ChatTemplate:
         except jinja2.TemplateError as exc:
             # raise_exception(...) in a template reports messages it rejects, e.g. roles that do not alternate.
             raise ChatTemplateError(f"the chat template rejected the messages: {exc}") from exc
+
+
+def tool_call_format(template: str) -> str:
+    """How the template tells the model to write a tool call: "hermes" for <tool_call> tags (Qwen 2.5
+    and 3, Hermes 2 Pro and 3, SmolLM3), "" for a template that writes none (or a format not parsed here)."""
+    return "hermes" if "<tool_call>" in template and "tools" in template else ""
 
 
 def _check_messages(messages: Any) -> None:

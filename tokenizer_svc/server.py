@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+from pathlib import Path
 
 from opentelemetry import trace
 
@@ -31,10 +32,23 @@ def max_context_length(tokenizer: Tokenizer) -> int:
     return length
 
 
-def build_service(model: str | None) -> TokenizerService:
-    """The servicer for `model` (None: the default model); loading takes about a second."""
+def read_chat_template(value: str) -> str:
+    """A template given as a file's path, or as its text (anything with Jinja markup in it)."""
+    if "{{" in value or "{%" in value:
+        return value
+    try:
+        return Path(value).read_text()
+    except OSError as exc:
+        raise TokenizerError(f"chat template {value}: {exc.strerror}") from None
+
+
+def build_service(model: str | None, chat_template: str | None = None) -> TokenizerService:
+    """The servicer for `model` (None: the default model); loading takes about a second. `chat_template`
+    (a file, or the template's text) replaces the model's own."""
     path = resolve_model_path(model)
     tokenizer = Tokenizer.from_model_path(path)
+    if chat_template is not None:
+        tokenizer.chat_template = read_chat_template(chat_template)
     return TokenizerService(tokenizer, model_name(path), max_context_length(tokenizer))
 
 
@@ -49,7 +63,7 @@ async def start_tokenizer_server(
 
 async def serve(settings: TokenizerSettings) -> None:
     """Run until SIGTERM/SIGINT."""
-    service = await asyncio.to_thread(build_service, settings.model)
+    service = await asyncio.to_thread(build_service, settings.model, settings.chat_template)
     instance_id = settings.instance_id or f"tokenizer-{socket.gethostname()}:{settings.port}"
     tracing = setup_tracing("tokenizer", instance_id, enabled=settings.tracing)
     server = await start_tokenizer_server(service, settings.port, tracing.tracer, settings.host)

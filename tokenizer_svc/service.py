@@ -9,11 +9,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+from typing import Any
 
 import grpc
 
 from shardline.errors import InvalidArgument
 from shardline.proto import common_pb2, tokenizer_pb2, tokenizer_pb2_grpc
+from tokenizer_svc.chat_messages import template_messages, template_tools
 from tokenizer_svc.chat_template import ChatTemplate, ChatTemplateError
 from tokenizer_svc.detokenizer import PREFIX_WINDOW, DetokenizeItem, detokenize_batch
 from tokenizer_svc.structured_output_check import StructuredOutputChecker
@@ -50,6 +52,8 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServicer):
             self._template_problem = str(exc)
             logger.warning("%s: chat completions are unavailable (%s)", model_name, exc)
         self._info.has_chat_template = self._template is not None
+        if self._template is not None:
+            self._info.tool_call_format = self._template.tool_call_format
         self._structured_output = StructuredOutputChecker()
 
     async def Tokenize(
@@ -64,14 +68,16 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServicer):
     ) -> tokenizer_pb2.ApplyChatTemplateResponse:
         if self._template is None:
             raise InvalidArgument("messages", self._template_problem)
-        messages = [{"role": m.role, "content": m.content} for m in request.messages]
-        prompt, ids = await asyncio.to_thread(self._render, messages, request.add_generation_prompt)
+        messages = template_messages(list(request.messages))
+        tools = template_tools(request.tools_json)
+        prompt, ids = await asyncio.to_thread(self._render, messages, request.add_generation_prompt, tools)
         return tokenizer_pb2.ApplyChatTemplateResponse(prompt=prompt, prompt_token_ids=ids)
 
-    def _render(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> tuple[str, list[int]]:
+    def _render(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                tools: list[dict[str, Any]] | None) -> tuple[str, list[int]]:
         assert self._template is not None
         try:
-            prompt = self._template.render(messages, add_generation_prompt=add_generation_prompt)
+            prompt = self._template.render(messages, add_generation_prompt=add_generation_prompt, tools=tools)
         except ChatTemplateError as exc:
             found = _MESSAGE_FIELD.search(str(exc))
             raise InvalidArgument(found.group(0) if found else "messages", str(exc)) from exc

@@ -15,6 +15,9 @@ class TokenizerSettings(BaseSettings):
     port: int = Field(50052, ge=0, le=65535)
     # A Hugging Face folder or a .gguf file; None serves the default model (SmolLM2-135M-Instruct).
     model: str | None = None
+    # The chat template to use instead of the model's own: a Jinja file, or the template itself
+    # (vLLM's --chat-template). None keeps the model's.
+    chat_template: str | None = None
     # Export spans over OTLP (SHARDLINE_TRACING=0 turns it off).
     tracing: bool = True
     # Names this process in traces; None: tokenizer-<hostname>:<port>.

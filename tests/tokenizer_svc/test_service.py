@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -18,9 +19,10 @@ from shardline.proto import sampling_pb2, tokenizer_pb2, tokenizer_pb2_grpc
 from tokenizer_svc.chat_template import ChatTemplate
 from tokenizer_svc.detokenizer import PREFIX_WINDOW, next_prefix
 from tokenizer_svc.main import main, parse_settings
-from tokenizer_svc.server import SERVICE_NAME, max_context_length, start_tokenizer_server
+from tokenizer_svc.server import (SERVICE_NAME, build_service, max_context_length, read_chat_template,
+                                  start_tokenizer_server)
 from tokenizer_svc.service import TokenizerService
-from tokenizer_svc.tokenizer import Tokenizer
+from tokenizer_svc.tokenizer import Tokenizer, TokenizerError
 
 Stub = tokenizer_pb2_grpc.TokenizerStub
 
@@ -235,3 +237,57 @@ def test_flags_override_the_environment(monkeypatch: pytest.MonkeyPatch) -> None
 
 def test_main_fails_cleanly_on_a_missing_model(tmp_path: Path) -> None:
     assert main(["--port", "0", "--model", str(tmp_path / "missing.gguf")]) == 1
+
+
+HERMES_TEMPLATE = Path(__file__).with_name("hermes_tool_template.jinja")
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+
+
+def test_tools_and_tool_calls_render_as_transformers_renders_them(hf_tokenizer) -> None:
+    service = build_service(None, str(HERMES_TEMPLATE))
+    messages = [
+        sampling_pb2.ChatMessage(role="user", content="Weather in Oslo?"),
+        sampling_pb2.ChatMessage(role="assistant", tool_calls=[
+            sampling_pb2.ToolCall(id="call_1", name="get_weather", arguments='{"city": "Oslo"}')]),
+        sampling_pb2.ChatMessage(role="tool", content="Sunny", tool_call_id="call_1", name="get_weather")]
+    # What transformers is given by vLLM: the arguments as a mapping.
+    hf_messages = [{"role": "user", "content": "Weather in Oslo?"},
+                   {"role": "assistant", "content": "", "tool_calls": [{"id": "call_1", "type": "function", "function": {
+                       "name": "get_weather", "arguments": {"city": "Oslo"}}}]},
+                   {"role": "tool", "content": "Sunny", "tool_call_id": "call_1", "name": "get_weather"}]
+    expected = hf_tokenizer.apply_chat_template(hf_messages, tools=TOOLS, chat_template=HERMES_TEMPLATE.read_text(),
+                                                tokenize=False, add_generation_prompt=True)
+    assert '"name": "get_weather", "arguments": {"city": "Oslo"}}' in expected and "<tools>" in expected
+
+    async def body(stub: Stub) -> None:
+        info = await stub.GetInfo(tokenizer_pb2.GetTokenizerInfoRequest())
+        assert info.tool_call_format == "hermes"
+        reply = await stub.ApplyChatTemplate(tokenizer_pb2.ApplyChatTemplateRequest(
+            messages=messages, add_generation_prompt=True, tools_json=json.dumps(TOOLS)))
+        assert reply.prompt == expected
+        without = await stub.ApplyChatTemplate(tokenizer_pb2.ApplyChatTemplateRequest(
+            messages=messages[:1], add_generation_prompt=True))
+        assert "<tools>" not in without.prompt
+        await expect_invalid(stub.ApplyChatTemplate(tokenizer_pb2.ApplyChatTemplateRequest(
+            messages=messages, tools_json='{"not": "a list"}')), "tools")
+        bad_call = sampling_pb2.ChatMessage(role="assistant", tool_calls=[sampling_pb2.ToolCall(name="f", arguments="[")])
+        await expect_invalid(stub.ApplyChatTemplate(tokenizer_pb2.ApplyChatTemplateRequest(
+            messages=[messages[0], bad_call])), "messages[1].tool_calls[0].function.arguments")
+
+    with_stub(service, body)
+
+
+def test_default_template_writes_no_tool_calls(service) -> None:
+    async def body(stub: Stub) -> None:
+        assert (await stub.GetInfo(tokenizer_pb2.GetTokenizerInfoRequest())).tool_call_format == ""
+
+    with_stub(service, body)
+
+
+def test_chat_template_from_a_file_or_its_text(tmp_path: Path) -> None:
+    assert read_chat_template("{{ messages[0].content }}") == "{{ messages[0].content }}"
+    assert read_chat_template(str(HERMES_TEMPLATE)) == HERMES_TEMPLATE.read_text()
+    with pytest.raises(TokenizerError):
+        read_chat_template(str(tmp_path / "missing.jinja"))
+    assert parse_settings(["--chat-template", "/models/t.jinja"]).chat_template == "/models/t.jinja"

@@ -1,0 +1,255 @@
+"""A chat output taken apart into text and tool calls, piece by piece as it streams.
+
+Each tool_choice has its reader (see gateway/tool_params.py for what the model writes under each);
+a reader is fed the output text as it arrives and says what it holds: text for `content`, and
+pieces of calls (a call's id and name first, then its arguments in fragments). A whole response
+feeds the whole text to the same reader, so a streamed answer adds up to the unstreamed one.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+from dataclasses import dataclass
+from typing import Any
+
+from gateway.tool_params import ToolRequest
+
+
+@dataclass(slots=True)
+class CallPiece:
+    """Part of one tool call: its header (id and name) when it starts, then arguments text."""
+
+    index: int  # which call of the turn
+    arguments: str = ""
+    id: str | None = None  # on the call's first piece only
+    name: str | None = None  # on the call's first piece only
+
+    def body(self) -> dict[str, Any]:
+        """The piece as an entry of a streamed delta's `tool_calls`."""
+        if self.id is None:
+            return {"index": self.index, "function": {"arguments": self.arguments}}
+        return {"index": self.index, "id": self.id, "type": "function",
+                "function": {"name": self.name, "arguments": self.arguments}}
+
+
+def _call_id() -> str:
+    return f"call_{secrets.token_hex(12)}"  # OpenAI's ids are call_ and 24 characters
+
+
+class _NamedReader:
+    """tool_choice names a function: the whole output is its arguments."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._started = False
+
+    def feed(self, text: str) -> tuple[str, list[CallPiece]]:
+        if not self._started:
+            self._started = True
+            return "", [CallPiece(0, text, _call_id(), self._name)]
+        return "", [CallPiece(0, text)] if text else []
+
+    def finish(self) -> tuple[str, list[CallPiece]]:
+        return self.feed("")  # a call, even with empty arguments, when no text came at all
+
+
+# The start of one call in "required" output, up to its parameters: {"name": "f", "parameters":
+_CALL_HEAD = re.compile(r'\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"parameters"\s*:\s*$')
+
+
+class _RequiredReader:
+    """tool_choice "required": the output is a JSON array [{"name": ..., "parameters": {...}}, ...],
+    its keys in that order (the constraint's schema puts them so). The arguments are the raw text of
+    each "parameters" value, so they stream as the model writes them."""
+
+    def __init__(self) -> None:
+        self._mode = "between"  # between calls, in a call's head, in its arguments, or after them
+        self._head = ""
+        self._index = -1
+        self._depth = 0  # brackets open inside the arguments
+        self._in_string = False
+        self._escaped = False
+        self._started = False  # the arguments value has begun
+        self._text = ""  # everything read, for an output cut short before its first call
+
+    def feed(self, text: str) -> tuple[str, list[CallPiece]]:
+        self._text += text
+        pieces: list[CallPiece] = []
+        arguments: list[str] = []
+        for char in text:
+            if self._mode == "between":
+                if char == "{":
+                    self._mode, self._head = "head", char
+            elif self._mode == "head":
+                self._head += char
+                if char == ":" and (match := _CALL_HEAD.match(self._head)):
+                    self._index += 1
+                    pieces.append(CallPiece(self._index, "", _call_id(), json.loads(match.group(1))))
+                    self._mode, self._depth, self._in_string, self._started = "arguments", 0, False, False
+            elif self._mode == "arguments":
+                if self._argument_char(char):
+                    arguments.append(char)
+                if self._mode != "arguments" and arguments:
+                    pieces.append(CallPiece(self._index, "".join(arguments)))
+                    arguments = []
+            elif char == "}":  # "after": the call's object closes
+                self._mode = "between"
+        if arguments:
+            pieces.append(CallPiece(self._index, "".join(arguments)))
+        return "", pieces
+
+    def _argument_char(self, char: str) -> bool:
+        """Whether `char` belongs to the arguments; moves to "after" where they end."""
+        if self._in_string:
+            if self._escaped:
+                self._escaped = False
+            elif char == "\\":
+                self._escaped = True
+            elif char == '"':
+                self._in_string = False
+                if self._depth == 0:
+                    self._mode = "after"
+            return True
+        if self._depth == 0 and (char in ",}" and self._started):
+            self._mode = "after" if char == "," else "between"  # a bare scalar ended (a schema of {})
+            return False
+        if char.isspace() and not self._started:
+            return False
+        self._started = True
+        if char == '"':
+            self._in_string = True
+        elif char in "{[":
+            self._depth += 1
+        elif char in "}]":
+            self._depth -= 1
+            if self._depth == 0:
+                self._mode = "after"
+        return True
+
+    def finish(self) -> tuple[str, list[CallPiece]]:
+        # Cut short (max_tokens) before any call began: the client sees what the model wrote.
+        return (self._text if self._index < 0 else ""), []
+
+
+_OPEN, _CLOSE = "<tool_call>", "</tool_call>"
+
+
+class _HermesReader:
+    """tool_choice "auto" with Hermes-style templates: text, and calls written as
+    <tool_call>{"name": ..., "arguments": {...}}</tool_call>. A call is passed on once its closing tag
+    arrives; a block that is not a call's JSON is passed on as text, as written."""
+
+    def __init__(self) -> None:
+        self._buffer = ""
+        self._in_call = False
+        self._index = -1
+
+    def feed(self, text: str) -> tuple[str, list[CallPiece]]:
+        self._buffer += text
+        content: list[str] = []
+        pieces: list[CallPiece] = []
+        while True:
+            if self._in_call:
+                end = self._buffer.find(_CLOSE)
+                if end < 0:
+                    break
+                block, self._buffer = self._buffer[:end], self._buffer[end + len(_CLOSE):]
+                self._in_call = False
+                call = _hermes_call(block)
+                if call is None:
+                    content.append(self._content(_OPEN + block + _CLOSE))
+                else:
+                    self._index += 1
+                    pieces.append(CallPiece(self._index, call[1], _call_id(), call[0]))
+                continue
+            start = self._buffer.find(_OPEN)
+            if start < 0:
+                # Hold back an end that may be the start of a tag still arriving.
+                keep = _partial_tag(self._buffer)
+                content.append(self._content(self._buffer[:len(self._buffer) - keep]))
+                self._buffer = self._buffer[len(self._buffer) - keep:]
+                break
+            content.append(self._content(self._buffer[:start]))
+            self._buffer, self._in_call = self._buffer[start + len(_OPEN):], True
+        return "".join(content), pieces
+
+    def _content(self, text: str) -> str:
+        # Whitespace between and after calls is the template's layout, not something the model said.
+        return text if self._index < 0 or text.strip() else ""
+
+    def finish(self) -> tuple[str, list[CallPiece]]:
+        rest = (_OPEN if self._in_call else "") + self._buffer  # an unclosed call is text, as written
+        self._buffer, self._in_call = "", False
+        return self._content(rest), []
+
+
+def _partial_tag(text: str) -> int:
+    """The length of the longest end of `text` that begins the opening tag."""
+    for length in range(min(len(text), len(_OPEN) - 1), 0, -1):
+        if _OPEN.startswith(text[-length:]):
+            return length
+    return 0
+
+
+def _hermes_call(block: str) -> tuple[str, str] | None:
+    """(name, arguments as JSON text) of one <tool_call> block, or None when it is no call."""
+    try:
+        call = json.loads(block)
+    except ValueError:
+        return None
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+        return None
+    arguments = call.get("arguments", call.get("parameters", {}))
+    if not isinstance(arguments, dict):
+        return None
+    return call["name"], json.dumps(arguments, ensure_ascii=False)
+
+
+class ToolCallOutput:
+    """One choice's output read as text and tool calls, according to its tool_choice."""
+
+    def __init__(self, request: ToolRequest) -> None:
+        self.request = request
+        if request.choice == "named":
+            self._reader: _NamedReader | _RequiredReader | _HermesReader | None = _NamedReader(request.name)
+        elif request.choice == "required":
+            self._reader = _RequiredReader()
+        elif request.choice == "auto":
+            self._reader = _HermesReader()
+        else:
+            self._reader = None
+        self.called = False  # some call has started
+
+    def feed(self, text: str, final: bool) -> tuple[str, list[CallPiece]]:
+        """The text for `content` and the call pieces in the next `text`; `final` flushes."""
+        if self._reader is None:
+            return text, []
+        content, pieces = self._reader.feed(text)
+        if final:
+            more_content, more_pieces = self._reader.finish()
+            content, pieces = content + more_content, pieces + more_pieces
+        self.called = self.called or bool(pieces)
+        return content, pieces
+
+    def finish_reason(self, reason: str | None) -> str | None:
+        """OpenAI's "tool_calls" when the model chose to call (not under a named tool_choice, which is
+        the caller's choice: OpenAI answers "stop" there)."""
+        if reason == "stop" and self.called and self.request.choice in ("required", "auto"):
+            return "tool_calls"
+        return reason
+
+    def message(self, text: str, finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
+        """The whole response's assistant message for `text`, and the finish reason."""
+        content, pieces = self.feed(text, final=True)
+        calls: list[dict[str, Any]] = []
+        for piece in pieces:
+            if piece.id is not None:
+                calls.append(piece.body())
+            else:
+                calls[piece.index]["function"]["arguments"] += piece.arguments
+        message: dict[str, Any] = {"role": "assistant", "content": content or (None if calls else content)}
+        if calls:
+            message["tool_calls"] = calls
+        return message, self.finish_reason(finish_reason)

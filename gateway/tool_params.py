@@ -1,0 +1,169 @@
+"""Tool calling in chat bodies: `tools`, `tool_choice` and `parallel_tool_calls`, as OpenAI defines them.
+
+How each tool_choice is served (the way vLLM serves them):
+- "none": the tools reach the chat template, the model answers in text, nothing is parsed;
+- a named function ({"type": "function", "function": {"name": ...}}): the output is constrained to
+  that function's `parameters` schema and returned as its one call's arguments;
+- "required": the output is constrained to a JSON array of {"name", "parameters"} calls, at least
+  one (exactly one without parallel_tool_calls), each naming a tool and fitting its schema;
+- "auto" (the default when tools are given): the model writes text or calls in its chat template's
+  own format, which a parser takes apart afterwards (`tool_call_parser`: "hermes"). A model whose
+  template writes no tool calls cannot do "auto": the request is refused, not answered as if no tool fit.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from gateway.params import json_field
+from shardline.errors import InvalidArgument
+from shardline.proto import sampling_pb2
+
+ToolChoice = Literal["none", "auto", "required", "named"]
+# The parsers of "auto" output: the chat template formats they read.
+TOOL_CALL_PARSERS = ("hermes",)
+# OpenAI's rule for function names.
+_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+# A call without parameters still has an arguments object.
+_NO_PARAMETERS = {"type": "object", "properties": {}}
+
+
+@dataclass(slots=True)
+class ToolRequest:
+    """The tools of a chat request and how the model may call them."""
+
+    tools: list[dict[str, Any]]  # the OpenAI tool definitions, as sent (checked)
+    choice: ToolChoice
+    name: str = ""  # the function tool_choice names
+    parallel: bool = True  # parallel_tool_calls: more than one call per turn
+    parser: str = ""  # "auto": the format the model writes calls in (set once the model is known)
+    schemas: dict[str, dict[str, Any]] = field(default_factory=dict)  # each function's parameters schema
+
+    @property
+    def tools_json(self) -> str:
+        """The definitions for the chat template (under "none" too, as vLLM does: the model still knows them)."""
+        return json.dumps(self.tools)
+
+    def constraint(self) -> sampling_pb2.StructuredOutput | None:
+        """The structured output that "required" and a named function put on the output. Arguments are
+        written compactly, as OpenAI's are: fewer tokens, and small models loop on free whitespace."""
+        if self.choice == "named":
+            return sampling_pb2.StructuredOutput(json_schema=json.dumps(self.schemas[self.name]),
+                                                 disable_any_whitespace=True)
+        if self.choice == "required":
+            return sampling_pb2.StructuredOutput(json_schema=json.dumps(self._calls_schema()),
+                                                 disable_any_whitespace=True)
+        return None
+
+    def _calls_schema(self) -> dict[str, Any]:
+        """vLLM's schema for "required": an array of calls, each one of the tools with its parameters.
+        Each tool's `$defs` move to the top, where their `#/$defs/...` references still point."""
+        defs: dict[str, Any] = {}
+        calls = []
+        for name, schema in self.schemas.items():
+            schema = dict(schema)
+            for key, definition in (schema.pop("$defs", None) or {}).items():
+                if key in defs and defs[key] != definition:
+                    raise InvalidArgument("tools", f"two tools define $defs.{key} differently; rename one")
+                defs[key] = definition
+            calls.append({"type": "object", "properties": {"name": {"type": "string", "enum": [name]},
+                                                           "parameters": schema},
+                          "required": ["name", "parameters"], "additionalProperties": False})
+        array: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+        if not self.parallel:
+            array["maxItems"] = 1
+        if defs:
+            array["$defs"] = defs
+        return array
+
+
+def tools_from_openai(body: dict[str, Any]) -> ToolRequest | None:
+    """The body's tool request; None without tools (or with tool_choice "none" and no tools)."""
+    tools = json_field(body, "tools", list)
+    choice = body.get("tool_choice")
+    parallel = json_field(body, "parallel_tool_calls", bool)
+    if not tools:
+        if choice not in (None, "none"):
+            raise InvalidArgument("tool_choice", "needs tools")
+        return None
+    schemas = {}
+    for index, tool in enumerate(tools):
+        name, schema = _tool(tool, f"tools[{index}]")
+        if name in schemas:
+            raise InvalidArgument(f"tools[{index}].function.name", f"{name!r} is defined twice")
+        schemas[name] = schema
+    request = ToolRequest(tools, "auto", parallel=True if parallel is None else parallel, schemas=schemas)
+    if choice is None or choice in ("none", "auto", "required"):
+        request.choice = choice or "auto"
+    elif isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict):
+        name = choice["function"].get("name")
+        if name not in schemas:
+            raise InvalidArgument("tool_choice.function.name", f"names no tool in tools: {str(name)[:64]!r}")
+        request.choice, request.name = "named", name
+    else:
+        raise InvalidArgument("tool_choice", 'must be "none", "auto", "required" or '
+                                             '{"type": "function", "function": {"name": ...}}')
+    return request
+
+
+def _tool(tool: Any, field: str) -> tuple[str, dict[str, Any]]:
+    """A tool definition's function name and parameters schema, checked."""
+    if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("function"), dict):
+        raise InvalidArgument(field, 'must be {"type": "function", "function": {"name", "parameters", ...}}')
+    function = tool["function"]
+    name = function.get("name")
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise InvalidArgument(f"{field}.function.name", "must be 1 to 64 letters, digits, '_' or '-'")
+    parameters = function.get("parameters")
+    if parameters is None:
+        return name, dict(_NO_PARAMETERS)
+    if not isinstance(parameters, dict):
+        raise InvalidArgument(f"{field}.function.parameters", "must be a JSON Schema object")
+    return name, parameters
+
+
+def resolve_parser(request: ToolRequest, configured: str, template_format: str) -> None:
+    """Picks the parser of "auto" output: the gateway's setting, else what the chat template writes."""
+    if request.choice != "auto":
+        return
+    parser = configured or template_format
+    if parser == "none" or parser not in TOOL_CALL_PARSERS:
+        raise InvalidArgument("tool_choice", '"auto" needs a model whose chat template writes tool calls, and this '
+                                             "one's writes none; use \"required\" or a named function, which "
+                                             "constrain the output to a call (or set SHARDLINE_TOOL_CALL_PARSER)")
+    request.parser = parser
+
+
+def tool_calls_from_message(message: dict[str, Any], field: str) -> list[sampling_pb2.ToolCall]:
+    """An assistant turn's earlier calls, replayed in the conversation."""
+    calls = message.get("tool_calls")
+    if calls is None:
+        return []
+    if not isinstance(calls, list):
+        raise InvalidArgument(f"{field}.tool_calls", "must be an array of tool calls")
+    result = []
+    for index, call in enumerate(calls):
+        where = f"{field}.tool_calls[{index}]"
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise InvalidArgument(where, 'must be {"id", "type": "function", "function": {"name", "arguments"}}')
+        arguments = function.get("arguments", "{}")
+        if isinstance(arguments, dict):  # some clients send the object itself
+            arguments = json.dumps(arguments)
+        if not isinstance(arguments, str) or not _is_object(arguments):
+            raise InvalidArgument(f"{where}.function.arguments", "must be a JSON object, as text")
+        call_id = call.get("id") or ""
+        if not isinstance(call_id, str):
+            raise InvalidArgument(f"{where}.id", "must be a string")
+        result.append(sampling_pb2.ToolCall(id=call_id, name=function["name"], arguments=arguments))
+    return result
+
+
+def _is_object(text: str) -> bool:
+    try:
+        return isinstance(json.loads(text), dict)
+    except ValueError:
+        return False

@@ -1,0 +1,134 @@
+"""Tool calling through the gateway, with the official openai client: the real tokenizer service,
+and a scripted scheduler that plays the tokens of a model's answer."""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+
+from tests.gateway.harness import Stack, run_on_stack
+from tests.gateway.scripted_scheduler import MODEL, Script
+from tests.gateway.test_openai_http import client
+from tokenizer_svc.chat_template import ChatTemplate
+from tokenizer_svc.tokenizer import Tokenizer
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"tz": {"type": "string"}}}}}
+MESSAGES = [{"role": "user", "content": "Weather and time in Oslo?"}]
+
+
+def ids(tokenizer: Tokenizer, text: str) -> list[int]:
+    return tokenizer.encode_batch([text], add_special_tokens=False)[0]
+
+
+async def both_ways(stack: Stack, **kwargs) -> tuple[openai.types.chat.ChatCompletion, str | None, dict[int, dict]]:
+    """The whole response, and the streamed one added up: (finish reason, calls by index)."""
+    openai_client = client(stack)
+    whole = await openai_client.chat.completions.create(model=MODEL, messages=MESSAGES, **kwargs)
+    calls: dict[int, dict] = {}
+    content, finish = "", None
+    async for chunk in await openai_client.chat.completions.create(model=MODEL, messages=MESSAGES, stream=True,
+                                                                    **kwargs):
+        choice = chunk.choices[0]
+        content += choice.delta.content or ""
+        finish = choice.finish_reason or finish
+        for delta in choice.delta.tool_calls or []:
+            if delta.id is not None:
+                assert delta.index not in calls and delta.type == "function"
+                calls[delta.index] = {"id": delta.id, "name": delta.function.name, "arguments": ""}
+            calls[delta.index]["arguments"] += delta.function.arguments or ""
+    assert content == (whole.choices[0].message.content or "")
+    return whole, finish, calls
+
+
+def same_calls(whole: openai.types.chat.ChatCompletion, streamed: dict[int, dict]) -> list[tuple[str, dict]]:
+    calls = whole.choices[0].message.tool_calls or []
+    assert [(c.function.name, c.function.arguments) for c in calls] == \
+        [(streamed[i]["name"], streamed[i]["arguments"]) for i in range(len(streamed))]
+    return [(c.function.name, json.loads(c.function.arguments)) for c in calls]
+
+
+def test_required_calls(tokenizer_address, tokenizer: Tokenizer) -> None:
+    answer = '[{"name": "get_weather", "parameters": {"city": "Oslo"}}, {"name": "get_time", "parameters": {}}]'
+
+    async def body(stack: Stack) -> None:
+        whole, finish, streamed = await both_ways(stack, tools=[WEATHER, TIME], tool_choice="required")
+        assert whole.choices[0].finish_reason == finish == "tool_calls"
+        assert whole.choices[0].message.content is None
+        assert same_calls(whole, streamed) == [("get_weather", {"city": "Oslo"}), ("get_time", {})]
+        constraint = stack.scheduler.submitted[0].params.structured_output
+        schema = json.loads(constraint.json_schema)
+        assert schema["type"] == "array" and constraint.disable_any_whitespace
+        assert [c["properties"]["name"]["enum"][0] for c in schema["items"]["anyOf"]] == ["get_weather", "get_time"]
+
+    run_on_stack(tokenizer_address, Script(ids(tokenizer, answer), tokens_per_step=3), body)
+
+
+def test_named_call(tokenizer_address, tokenizer: Tokenizer) -> None:
+    async def body(stack: Stack) -> None:
+        whole, finish, streamed = await both_ways(
+            stack, tools=[WEATHER, TIME], tool_choice={"type": "function", "function": {"name": "get_weather"}})
+        assert whole.choices[0].finish_reason == finish == "stop"
+        assert same_calls(whole, streamed) == [("get_weather", {"city": "Oslo"})]
+        constraint = stack.scheduler.submitted[0].params.structured_output
+        assert json.loads(constraint.json_schema) == WEATHER["function"]["parameters"]
+
+    run_on_stack(tokenizer_address, Script(ids(tokenizer, '{"city": "Oslo"}')), body)
+
+
+def test_auto_reads_hermes_calls(tokenizer_address, tokenizer: Tokenizer) -> None:
+    answer = 'Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+
+    async def body(stack: Stack) -> None:
+        whole, finish, streamed = await both_ways(stack, tools=[WEATHER, TIME])
+        assert whole.choices[0].finish_reason == finish == "tool_calls"
+        assert whole.choices[0].message.content == "Checking.\n"
+        assert same_calls(whole, streamed) == [("get_weather", {"city": "Oslo"})]
+        assert not stack.scheduler.submitted[0].params.HasField("structured_output")
+
+    run_on_stack(tokenizer_address, Script(ids(tokenizer, answer), tokens_per_step=2), body,
+                 tool_call_parser="hermes")
+
+
+def test_auto_is_refused_for_a_template_without_tool_calls(tokenizer_address, text_ids) -> None:
+    async def body(stack: Stack) -> None:
+        with pytest.raises(openai.BadRequestError) as caught:
+            await client(stack).chat.completions.create(model=MODEL, messages=MESSAGES, tools=[WEATHER])
+        assert caught.value.body["param"] == "tool_choice"
+        with pytest.raises(openai.BadRequestError) as caught:  # two constraints at once
+            await client(stack).chat.completions.create(model=MODEL, messages=MESSAGES, tools=[WEATHER],
+                                                        tool_choice="required", response_format={"type": "json_object"})
+        assert caught.value.body["param"] == "response_format"
+        # "none": the model answers in text, which nothing parses.
+        reply = await client(stack).chat.completions.create(model=MODEL, messages=MESSAGES, tools=[WEATHER],
+                                                            tool_choice="none")
+        assert reply.choices[0].message.tool_calls is None and reply.choices[0].finish_reason == "stop"
+        assert stack.scheduler.submitted  # only "none" got through
+
+    run_on_stack(tokenizer_address, Script(text_ids), body)
+
+
+def test_a_conversation_with_calls_and_results(tokenizer_address, text_ids, tokenizer: Tokenizer) -> None:
+    sent = MESSAGES + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "Sunny, 18 C"}]
+
+    async def body(stack: Stack) -> None:
+        await client(stack).chat.completions.create(model=MODEL, messages=sent, tools=[WEATHER], tool_choice="none",
+                                                    max_tokens=2)
+        # The default model's template writes contents only; its prompt is the turns' text.
+        template = ChatTemplate(tokenizer.chat_template, tokenizer.bos_token, tokenizer.eos_token)
+        meant = MESSAGES + [{"role": "assistant", "content": ""}, {"role": "tool", "content": "Sunny, 18 C"}]
+        expected = tokenizer.encode_batch([template.render(meant)], add_special_tokens=False)[0]
+        assert list(stack.scheduler.submitted[0].prompt_token_ids) == expected
+        with pytest.raises(openai.BadRequestError) as caught:
+            bad = [*sent[:1], {**sent[1], "tool_calls": [{"function": {"name": "f", "arguments": "{"}}]}]
+            await client(stack).chat.completions.create(model=MODEL, messages=bad, max_tokens=2)
+        assert caught.value.body["param"] == "messages[1].tool_calls[0].function.arguments"
+
+    run_on_stack(tokenizer_address, Script(text_ids), body)
