@@ -43,9 +43,10 @@ class GatewaySettings(BaseSettings):
     resume_grace_s: float = Field(5.0, ge=0)
     # Largest HTTP request body; beyond it the gateway answers 413.
     max_body_bytes: int = Field(4 << 20, ge=1024)
-    # How tool_choice "auto" output is read for calls: "hermes" (<tool_call> tags), or "none" to refuse
-    # "auto"; empty (the default) follows the chat template, which the tokenizer service reports.
-    tool_call_parser: Literal["", "none", "hermes"] = ""
+    # How tool_choice "auto" output is read for calls: "hermes" (<tool_call> tags), "llama3_json" (Llama
+    # 3.1+ JSON calls), or "none" to refuse "auto"; empty (the default) follows the chat template, as the
+    # tokenizer service reports it.
+    tool_call_parser: Literal["", "none", "hermes", "llama3_json"] = ""
     # Export spans over OTLP (SHARDLINE_TRACING=0 turns it off); trace context is propagated either way.
     tracing: bool = True
 

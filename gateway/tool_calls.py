@@ -196,9 +196,13 @@ def _partial_tag(text: str) -> int:
 def _hermes_call(block: str) -> tuple[str, str] | None:
     """(name, arguments as JSON text) of one <tool_call> block, or None when it is no call."""
     try:
-        call = json.loads(block)
+        return _call_of(json.loads(block))
     except ValueError:
         return None
+
+
+def _call_of(call: Any) -> tuple[str, str] | None:
+    """(name, arguments as JSON text) of a decoded {"name", "arguments" or "parameters"} object."""
     if not isinstance(call, dict) or not isinstance(call.get("name"), str):
         return None
     arguments = call.get("arguments", call.get("parameters", {}))
@@ -207,17 +211,63 @@ def _hermes_call(block: str) -> tuple[str, str] | None:
     return call["name"], json.dumps(arguments, ensure_ascii=False)
 
 
+class _Llama3JsonReader:
+    """tool_choice "auto" with Llama 3.1+ templates: the reply is text, or calls written as JSON
+    objects {"name": ..., "parameters": {...}}, separated by ";" when there are several (after a
+    <|python_tag|>, a special token that does not reach the text). A reply that opens with "{" is
+    read as calls, each passed on once it is whole; text that is not a call is passed on as written."""
+
+    def __init__(self) -> None:
+        self._buffer = ""
+        self._mode = "start"  # until the first non-blank character tells text from calls
+        self._index = -1
+
+    def feed(self, text: str) -> tuple[str, list[CallPiece]]:
+        self._buffer += text
+        if self._mode == "start":
+            stripped = self._buffer.lstrip()
+            if not stripped:
+                return "", []
+            self._mode = "calls" if stripped.startswith("{") else "text"
+        if self._mode == "text":
+            text, self._buffer = self._buffer, ""
+            return text, []
+        pieces: list[CallPiece] = []
+        while True:
+            start = len(self._buffer) - len(self._buffer.lstrip().lstrip(";").lstrip())
+            try:
+                call, end = _DECODER.raw_decode(self._buffer, start)
+            except ValueError:
+                break  # not whole yet (or not JSON: told at the end)
+            parsed = _call_of(call)
+            if parsed is None:
+                break
+            self._index += 1
+            pieces.append(CallPiece(self._index, parsed[1], _call_id(), parsed[0]))
+            self._buffer = self._buffer[end:]
+        return "", pieces
+
+    def finish(self) -> tuple[str, list[CallPiece]]:
+        rest, self._buffer = self._buffer, ""
+        if self._index >= 0 and not rest.strip(" \t\n;"):
+            return "", []
+        return rest, []  # what is not a call is text, as written
+
+
+_DECODER = json.JSONDecoder()
+
+
 class ToolCallOutput:
     """One choice's output read as text and tool calls, according to its tool_choice."""
 
     def __init__(self, request: ToolRequest) -> None:
         self.request = request
         if request.choice == "named":
-            self._reader: _NamedReader | _RequiredReader | _HermesReader | None = _NamedReader(request.name)
+            self._reader: _NamedReader | _RequiredReader | _HermesReader | _Llama3JsonReader | None = _NamedReader(request.name)
         elif request.choice == "required":
             self._reader = _RequiredReader()
         elif request.choice == "auto":
-            self._reader = _HermesReader()
+            self._reader = _HermesReader() if request.parser == "hermes" else _Llama3JsonReader()
         else:
             self._reader = None
         self.called = False  # some call has started

@@ -7,7 +7,7 @@ How each tool_choice is served (the way vLLM serves them):
 - "required": the output is constrained to a JSON array of {"name", "parameters"} calls, at least
   one (exactly one without parallel_tool_calls), each naming a tool and fitting its schema;
 - "auto" (the default when tools are given): the model writes text or calls in its chat template's
-  own format, which a parser takes apart afterwards (`tool_call_parser`: "hermes"). A model whose
+  own format, which a parser takes apart afterwards (`tool_call_parser`: "hermes" or "llama3_json"). A model whose
   template writes no tool calls cannot do "auto": the request is refused, not answered as if no tool fit.
 """
 
@@ -24,7 +24,7 @@ from shardline.proto import sampling_pb2
 
 ToolChoice = Literal["none", "auto", "required", "named"]
 # The parsers of "auto" output: the chat template formats they read.
-TOOL_CALL_PARSERS = ("hermes",)
+TOOL_CALL_PARSERS = ("hermes", "llama3_json")
 # OpenAI's rule for function names.
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 # A call without parameters still has an arguments object.

@@ -90,8 +90,15 @@ class ChatTemplate:
 
 def tool_call_format(template: str) -> str:
     """How the template tells the model to write a tool call: "hermes" for <tool_call> tags (Qwen 2.5
-    and 3, Hermes 2 Pro and 3, SmolLM3), "" for a template that writes none (or a format not parsed here)."""
-    return "hermes" if "<tool_call>" in template and "tools" in template else ""
+    and 3, Hermes 2 Pro and 3, SmolLM3), "llama3_json" for Llama 3.1+'s {"name", "parameters"} objects,
+    "" for a template that writes none (or a format not parsed here)."""
+    if "tools" not in template:
+        return ""
+    if "<tool_call>" in template:
+        return "hermes"
+    if "<|start_header_id|>" in template and '"parameters": ' in template:
+        return "llama3_json"
+    return ""
 
 
 def _check_messages(messages: Any) -> None:

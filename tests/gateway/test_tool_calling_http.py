@@ -80,18 +80,19 @@ def test_named_call(tokenizer_address, tokenizer: Tokenizer) -> None:
     run_on_stack(tokenizer_address, Script(ids(tokenizer, '{"city": "Oslo"}')), body)
 
 
-def test_auto_reads_hermes_calls(tokenizer_address, tokenizer: Tokenizer) -> None:
-    answer = 'Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
-
+@pytest.mark.parametrize("parser, answer, content", [
+    ("hermes", 'Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>',
+     "Checking.\n"),
+    ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Oslo"}}', None)])
+def test_auto_reads_the_templates_calls(tokenizer_address, tokenizer: Tokenizer, parser, answer, content) -> None:
     async def body(stack: Stack) -> None:
         whole, finish, streamed = await both_ways(stack, tools=[WEATHER, TIME])
         assert whole.choices[0].finish_reason == finish == "tool_calls"
-        assert whole.choices[0].message.content == "Checking.\n"
+        assert whole.choices[0].message.content == content
         assert same_calls(whole, streamed) == [("get_weather", {"city": "Oslo"})]
         assert not stack.scheduler.submitted[0].params.HasField("structured_output")
 
-    run_on_stack(tokenizer_address, Script(ids(tokenizer, answer), tokens_per_step=2), body,
-                 tool_call_parser="hermes")
+    run_on_stack(tokenizer_address, Script(ids(tokenizer, answer), tokens_per_step=2), body, tool_call_parser=parser)
 
 
 def test_auto_is_refused_for_a_template_without_tool_calls(tokenizer_address, text_ids) -> None:

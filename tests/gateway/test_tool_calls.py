@@ -178,3 +178,33 @@ def test_replayed_calls() -> None:
         with pytest.raises(InvalidArgument) as caught:
             tool_calls_from_message({"tool_calls": bad}, "messages[1]")
         assert caught.value.field == field
+
+
+def llama3_request() -> ToolRequest:
+    parsed = request()
+    resolve_parser(parsed, "llama3_json", "")
+    return parsed
+
+
+def test_llama3_json_output_reads_calls() -> None:
+    text = ' {"name": "get_weather", "parameters": {"city": "Oslo; Bergen {x}"}}; {"name": "get_time", "parameters": {}}'
+    message, reason = ToolCallOutput(llama3_request()).message(text, "stop")
+    assert reason == "tool_calls" and message["content"] is None
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message["tool_calls"]] == \
+        [("get_weather", {"city": "Oslo; Bergen {x}"}), ("get_time", {})]
+    for pieces in (by_char(text), [text[:20], text[20:]]):
+        content, calls = streamed(ToolCallOutput(llama3_request()), pieces)
+        assert content == "" and [(c["name"], c["arguments"]) for c in calls] == \
+            [(c["function"]["name"], c["function"]["arguments"]) for c in message["tool_calls"]]
+
+
+def test_llama3_json_text_stays_text() -> None:
+    for text in ("It is sunny in {Oslo}.", '{"not": "a call"}', '{"name": "get_weather", "parameters": {"ci', "  "):
+        whole, reason = ToolCallOutput(llama3_request()).message(text, "stop")
+        assert whole == {"role": "assistant", "content": text} and reason == "stop"
+        assert streamed(ToolCallOutput(llama3_request()), by_char(text)) == (text, [])
+    # A reply that starts as text passes through as it streams, calls or not after it.
+    content, calls = streamed(ToolCallOutput(llama3_request()), ["Sure", ': {"name": "get_time", "parameters": {}}'])
+    assert content == 'Sure: {"name": "get_time", "parameters": {}}' and calls == []
+    message, _ = ToolCallOutput(llama3_request()).message('{"name": "get_time", "parameters": {}} and then', "stop")
+    assert message["tool_calls"][0]["function"]["name"] == "get_time" and message["content"] == " and then"

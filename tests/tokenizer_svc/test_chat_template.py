@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 
@@ -112,3 +113,17 @@ def test_assistant_tool_call_may_have_null_content():
     source = "{% for m in messages %}{{ m.role }}:{{ m.content }};{% endfor %}"
     messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": []}]
     assert ChatTemplate(source, None, None).render(messages) == "user:hi;assistant:None;"
+
+
+def test_tool_call_format_is_read_off_the_template(template):
+    folder = Path(__file__).parent
+    hermes = ChatTemplate((folder / "hermes_tool_template.jinja").read_text(), "<s>", "</s>")
+    llama3 = ChatTemplate((folder / "llama3_tool_template.jinja").read_text(), "<|begin_of_text|>", "<|eot_id|>")
+    assert (hermes.tool_call_format, llama3.tool_call_format, template.tool_call_format) == ("hermes", "llama3_json", "")
+    tools = [{"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}]
+    messages = [{"role": "user", "content": "Time?"},
+                {"role": "assistant", "content": "", "tool_calls": [
+                    {"id": "c1", "type": "function", "function": {"name": "get_time", "arguments": {"tz": "UTC"}}}]},
+                {"role": "tool", "content": "12:00", "tool_call_id": "c1"}, {"role": "user", "content": "And now?"}]
+    prompt = llama3.render(messages, tools=tools)
+    assert '{"name": "get_time", "parameters": {"tz": "UTC"}}<|eot_id|>' in prompt and '"name": "get_time"' in prompt
