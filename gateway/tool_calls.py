@@ -139,50 +139,77 @@ _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
 class _HermesReader:
     """tool_choice "auto" with Hermes-style templates: text, and calls written as
     <tool_call>{"name": ..., "arguments": {...}}</tool_call>. A call is passed on once its closing tag
-    arrives; a block that is not a call's JSON is passed on as text, as written."""
+    arrives (or a later one, when the first was inside an argument's text); a block that is not a
+    call's JSON is passed on as text, as written. Blank text after a call is the template's layout."""
 
     def __init__(self) -> None:
         self._buffer = ""
         self._in_call = False
         self._index = -1
+        self._after_call = False  # blank text from here on is dropped
 
     def feed(self, text: str) -> tuple[str, list[CallPiece]]:
         self._buffer += text
+        return self._read(final=False)
+
+    def finish(self) -> tuple[str, list[CallPiece]]:
+        return self._read(final=True)
+
+    def _read(self, final: bool) -> tuple[str, list[CallPiece]]:
         content: list[str] = []
         pieces: list[CallPiece] = []
         while True:
             if self._in_call:
-                end = self._buffer.find(_CLOSE)
-                if end < 0:
+                block = self._call_block(final)
+                if block is None:
                     break
-                block, self._buffer = self._buffer[:end], self._buffer[end + len(_CLOSE):]
+                text, call = block
                 self._in_call = False
-                call = _hermes_call(block)
                 if call is None:
-                    content.append(self._content(_OPEN + block + _CLOSE))
+                    content.append(self._content(_OPEN + text + _CLOSE))
                 else:
                     self._index += 1
+                    self._after_call = True
                     pieces.append(CallPiece(self._index, call[1], _call_id(), call[0]))
                 continue
             start = self._buffer.find(_OPEN)
             if start < 0:
                 # Hold back an end that may be the start of a tag still arriving.
-                keep = _partial_tag(self._buffer)
+                keep = 0 if final else _partial_tag(self._buffer)
                 content.append(self._content(self._buffer[:len(self._buffer) - keep]))
                 self._buffer = self._buffer[len(self._buffer) - keep:]
                 break
             content.append(self._content(self._buffer[:start]))
             self._buffer, self._in_call = self._buffer[start + len(_OPEN):], True
+        if final and self._in_call:  # an unclosed call is text, as written
+            content.append(self._content(_OPEN + self._buffer))
+            self._buffer, self._in_call = "", False
         return "".join(content), pieces
 
-    def _content(self, text: str) -> str:
-        # Whitespace between and after calls is the template's layout, not something the model said.
-        return text if self._index < 0 or text.strip() else ""
+    def _call_block(self, final: bool) -> tuple[str, tuple[str, str] | None] | None:
+        """The open call's text and what it calls, taken off the buffer; None while it may still grow.
 
-    def finish(self) -> tuple[str, list[CallPiece]]:
-        rest = (_OPEN if self._in_call else "") + self._buffer  # an unclosed call is text, as written
-        self._buffer, self._in_call = "", False
-        return self._content(rest), []
+        A block that does not parse may have been cut by a closing tag inside an argument's text: the
+        text up to each later closing tag is tried too, until the output ends."""
+        end = self._buffer.find(_CLOSE)
+        first = end
+        while end >= 0:
+            call = _hermes_call(self._buffer[:end])
+            if call is not None:
+                break
+            end = self._buffer.find(_CLOSE, end + len(_CLOSE))
+        if end < 0:
+            if first < 0 or not final:
+                return None
+            end, call = first, None  # nothing parsed up to any tag: the first block is text
+        text, self._buffer = self._buffer[:end], self._buffer[end + len(_CLOSE):]
+        return text, call
+
+    def _content(self, text: str) -> str:
+        if self._after_call:
+            text = text.lstrip()
+            self._after_call = not text
+        return text
 
 
 def _partial_tag(text: str) -> int:
@@ -197,7 +224,7 @@ def _hermes_call(block: str) -> tuple[str, str] | None:
     """(name, arguments as JSON text) of one <tool_call> block, or None when it is no call."""
     try:
         return _call_of(json.loads(block))
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
 
 
@@ -206,6 +233,11 @@ def _call_of(call: Any) -> tuple[str, str] | None:
     if not isinstance(call, dict) or not isinstance(call.get("name"), str):
         return None
     arguments = call.get("arguments", call.get("parameters", {}))
+    if isinstance(arguments, str):  # some models write the arguments as JSON text
+        try:
+            arguments = json.loads(arguments)
+        except (ValueError, RecursionError):
+            return None
     if not isinstance(arguments, dict):
         return None
     return call["name"], json.dumps(arguments, ensure_ascii=False)
@@ -257,6 +289,9 @@ class _Llama3JsonReader:
 _DECODER = json.JSONDecoder()
 
 
+_AUTO_READERS = {"hermes": _HermesReader, "llama3_json": _Llama3JsonReader}
+
+
 class ToolCallOutput:
     """One choice's output read as text and tool calls, according to its tool_choice."""
 
@@ -267,7 +302,7 @@ class ToolCallOutput:
         elif request.choice == "required":
             self._reader = _RequiredReader()
         elif request.choice == "auto":
-            self._reader = _HermesReader() if request.parser == "hermes" else _Llama3JsonReader()
+            self._reader = _AUTO_READERS[request.parser]()  # resolve_parser has set one
         else:
             self._reader = None
         self.called = False  # some call has started
@@ -280,6 +315,8 @@ class ToolCallOutput:
         if final:
             more_content, more_pieces = self._reader.finish()
             content, pieces = content + more_content, pieces + more_pieces
+        if not self.request.parallel:  # "required" is held to one call by its schema; "auto" here
+            pieces = [piece for piece in pieces if piece.index == 0]
         self.called = self.called or bool(pieces)
         return content, pieces
 

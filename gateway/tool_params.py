@@ -20,13 +20,16 @@ from typing import Any, Literal
 
 from gateway.params import json_field
 from shardline.errors import InvalidArgument
+from shardline.structured_output import MAX_SPEC_CHARS
 from shardline.proto import sampling_pb2
 
 ToolChoice = Literal["none", "auto", "required", "named"]
 # The parsers of "auto" output: the chat template formats they read.
 TOOL_CALL_PARSERS = ("hermes", "llama3_json")
 # OpenAI's rule for function names.
-_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+# Keywords that already decide what type the arguments are.
+_SHAPED = ("type", "$ref", "anyOf", "oneOf", "allOf", "enum", "const")
 # A call without parameters still has an arguments object.
 _NO_PARAMETERS = {"type": "object", "properties": {}}
 
@@ -54,30 +57,40 @@ class ToolRequest:
             return sampling_pb2.StructuredOutput(json_schema=json.dumps(self.schemas[self.name]),
                                                  disable_any_whitespace=True)
         if self.choice == "required":
-            return sampling_pb2.StructuredOutput(json_schema=json.dumps(self._calls_schema()),
-                                                 disable_any_whitespace=True)
+            schema = json.dumps(self._calls_schema())
+            if len(schema) > MAX_SPEC_CHARS:
+                raise InvalidArgument("tools", f"tool_choice \"required\" needs a schema of all the tools, and theirs "
+                                               f"come to {len(schema)} characters; at most {MAX_SPEC_CHARS}")
+            return sampling_pb2.StructuredOutput(json_schema=schema, disable_any_whitespace=True)
         return None
 
     def _calls_schema(self) -> dict[str, Any]:
         """vLLM's schema for "required": an array of calls, each one of the tools with its parameters.
-        Each tool's `$defs` move to the top, where their `#/$defs/...` references still point."""
+
+        Each tool's schema sits whole under `$defs/tool_<i>`, its local references (`#`, `#/$defs/..`,
+        `#/definitions/..`, `#/properties/..`) prefixed to point inside it: nested in place, as vLLM
+        nests them, `#` would mean the whole array, and two tools' `$defs` could clash."""
         defs: dict[str, Any] = {}
         calls = []
-        for name, schema in self.schemas.items():
-            schema = dict(schema)
-            for key, definition in (schema.pop("$defs", None) or {}).items():
-                if key in defs and defs[key] != definition:
-                    raise InvalidArgument("tools", f"two tools define $defs.{key} differently; rename one")
-                defs[key] = definition
+        for i, (name, schema) in enumerate(self.schemas.items()):
+            defs[f"tool_{i}"] = _rebased(schema, f"#/$defs/tool_{i}")
             calls.append({"type": "object", "properties": {"name": {"type": "string", "enum": [name]},
-                                                           "parameters": schema},
+                                                           "parameters": {"$ref": f"#/$defs/tool_{i}"}},
                           "required": ["name", "parameters"], "additionalProperties": False})
-        array: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+        array: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}, "$defs": defs}
         if not self.parallel:
             array["maxItems"] = 1
-        if defs:
-            array["$defs"] = defs
         return array
+
+
+def _rebased(node: Any, base: str) -> Any:
+    """A schema with its local references ("#..." JSON pointers) moved under `base`."""
+    if isinstance(node, dict):
+        return {key: base + value[1:] if key == "$ref" and isinstance(value, str) and value.startswith("#")
+                else _rebased(value, base) for key, value in node.items()}
+    if isinstance(node, list):
+        return [_rebased(value, base) for value in node]
+    return node
 
 
 def tools_from_openai(body: dict[str, Any]) -> ToolRequest | None:
@@ -100,7 +113,7 @@ def tools_from_openai(body: dict[str, Any]) -> ToolRequest | None:
         request.choice = choice or "auto"
     elif isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict):
         name = choice["function"].get("name")
-        if name not in schemas:
+        if not isinstance(name, str) or name not in schemas:
             raise InvalidArgument("tool_choice.function.name", f"names no tool in tools: {str(name)[:64]!r}")
         request.choice, request.name = "named", name
     else:
@@ -115,13 +128,20 @@ def _tool(tool: Any, field: str) -> tuple[str, dict[str, Any]]:
         raise InvalidArgument(field, 'must be {"type": "function", "function": {"name", "parameters", ...}}')
     function = tool["function"]
     name = function.get("name")
-    if not isinstance(name, str) or not _NAME.match(name):
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
         raise InvalidArgument(f"{field}.function.name", "must be 1 to 64 letters, digits, '_' or '-'")
     parameters = function.get("parameters")
     if parameters is None:
         return name, dict(_NO_PARAMETERS)
     if not isinstance(parameters, dict):
         raise InvalidArgument(f"{field}.function.parameters", "must be a JSON Schema object")
+    for keyword in ("$defs", "definitions"):
+        if not isinstance(parameters.get(keyword, {}), dict):
+            raise InvalidArgument(f"{field}.function.parameters.{keyword}", "must be an object of schemas")
+    if not any(keyword in parameters for keyword in _SHAPED):
+        # Arguments are an object: a schema that says nothing of the type ({}, bare properties) would
+        # also let the model write a number or a list.
+        parameters = {"type": "object", **parameters}
     return name, parameters
 
 
@@ -153,7 +173,7 @@ def tool_calls_from_message(message: dict[str, Any], field: str) -> list[samplin
         arguments = function.get("arguments", "{}")
         if isinstance(arguments, dict):  # some clients send the object itself
             arguments = json.dumps(arguments)
-        if not isinstance(arguments, str) or not _is_object(arguments):
+        if not isinstance(arguments, str) or not is_json_object(arguments):
             raise InvalidArgument(f"{where}.function.arguments", "must be a JSON object, as text")
         call_id = call.get("id") or ""
         if not isinstance(call_id, str):
@@ -162,8 +182,12 @@ def tool_calls_from_message(message: dict[str, Any], field: str) -> list[samplin
     return result
 
 
-def _is_object(text: str) -> bool:
+def is_json_object(text: str) -> bool:
+    """Whether `text` is a JSON object that is Unicode text throughout: an escaped lone surrogate
+    ("\\ud800") is valid JSON but no text, and would fail the tokenizer once the template wrote it."""
     try:
-        return isinstance(json.loads(text), dict)
-    except ValueError:
+        value = json.loads(text)
+        json.dumps(value, ensure_ascii=False).encode()
+    except (ValueError, RecursionError):  # UnicodeEncodeError is a ValueError
         return False
+    return isinstance(value, dict)

@@ -33,10 +33,11 @@ def template_messages(messages: list[sampling_pb2.ChatMessage]) -> list[dict[str
 def _tool_call(call: sampling_pb2.ToolCall, field: str) -> dict[str, Any]:
     try:
         arguments = json.loads(call.arguments) if call.arguments else {}
-    except ValueError:
-        raise InvalidArgument(f"{field}.function.arguments", "must be a JSON object") from None
+        json.dumps(arguments, ensure_ascii=False).encode()  # an escaped lone surrogate is no text
+    except (ValueError, RecursionError):
+        arguments = None
     if not isinstance(arguments, dict):
-        raise InvalidArgument(f"{field}.function.arguments", "must be a JSON object")
+        raise InvalidArgument(f"{field}.function.arguments", "must be a JSON object (of Unicode text)")
     return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": arguments}}
 
 
@@ -46,7 +47,7 @@ def template_tools(tools_json: str) -> list[dict[str, Any]] | None:
         return None
     try:
         tools = json.loads(tools_json)
-    except ValueError:
+    except (ValueError, RecursionError):
         raise InvalidArgument("tools", "must be a JSON array of tool definitions") from None
     if not isinstance(tools, list) or not all(isinstance(tool, dict) for tool in tools):
         raise InvalidArgument("tools", "must be a JSON array of tool definitions")

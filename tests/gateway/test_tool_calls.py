@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from gateway.tool_calls import ToolCallOutput
-from gateway.tool_params import ToolRequest, resolve_parser, tool_calls_from_message, tools_from_openai
+from gateway.tool_calls import _AUTO_READERS, ToolCallOutput
+from gateway.tool_params import TOOL_CALL_PARSERS, ToolRequest, resolve_parser, tool_calls_from_message, tools_from_openai
 from shardline.errors import InvalidArgument
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city", "parameters": {
@@ -118,20 +118,49 @@ def test_constraints_of_each_choice() -> None:
     calls = json.loads(request("required").constraint().json_schema)
     assert calls["type"] == "array" and calls["minItems"] == 1 and "maxItems" not in calls
     assert [c["properties"]["name"]["enum"] for c in calls["items"]["anyOf"]] == [["get_weather"], ["get_time"]]
-    assert calls["items"]["anyOf"][1]["properties"]["parameters"] == {"type": "object", "properties": {}}
+    assert calls["$defs"]["tool_1"] == {"type": "object", "properties": {}}
+    untyped = {"type": "function", "function": {"name": "any", "parameters": {"properties": {"a": {}}}}}
+    schema = request("required", tools=[untyped]).constraint().json_schema
+    assert accepts(schema, '[{"name": "any", "parameters": {"a": 1}}]')
+    assert not accepts(schema, '[{"name": "any", "parameters": 1}]')  # arguments are an object
+    assert set(_AUTO_READERS) == set(TOOL_CALL_PARSERS)
     assert json.loads(request("required", parallel_tool_calls=False).constraint().json_schema)["maxItems"] == 1
 
 
-def test_defs_of_every_tool_move_to_the_top() -> None:
-    ref_tool = {"type": "function", "function": {"name": "book", "parameters": {
-        "type": "object", "properties": {"when": {"$ref": "#/$defs/date"}}, "$defs": {"date": {"type": "string"}}}}}
-    schema = json.loads(request("required", tools=[ref_tool, WEATHER]).constraint().json_schema)
-    assert schema["$defs"] == {"date": {"type": "string"}}
-    assert "$defs" not in schema["items"]["anyOf"][0]["properties"]["parameters"]
-    clash = {"type": "function", "function": {"name": "other", "parameters": {"$defs": {"date": {"type": "integer"}}}}}
-    with pytest.raises(InvalidArgument) as caught:
-        request("required", tools=[ref_tool, clash]).constraint()
-    assert caught.value.field == "tools"
+def accepts(schema: str, text: str) -> bool:
+    """Whether xgrammar's grammar for `schema` (compact, as "required" asks) derives `text`."""
+    import xgrammar
+    from xgrammar.testing import _is_grammar_accept_string
+    return _is_grammar_accept_string(xgrammar.Grammar.from_json_schema(schema, any_whitespace=False), text)
+
+
+def test_required_keeps_each_tools_references_its_own() -> None:
+    """Local references of every kind still mean what they meant in the tool's own schema."""
+    tree = {"type": "function", "function": {"name": "tree", "parameters": {
+        "type": "object", "properties": {"name": {"type": "string"}, "kids": {"type": "array", "items": {"$ref": "#"}}},
+        "required": ["name"], "additionalProperties": False}}}
+    where = {"type": "function", "function": {"name": "where", "parameters": {
+        "type": "object", "properties": {"loc": {"$ref": "#/definitions/Loc"}, "when": {"$ref": "#/$defs/Day"}},
+        "required": ["loc", "when"], "additionalProperties": False,
+        "definitions": {"Loc": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+                                "additionalProperties": False}},
+        "$defs": {"Day": {"type": "integer"}}}}}
+    same = {"type": "function", "function": {"name": "same", "parameters": {  # the same $defs name, meaning another
+        "type": "object", "properties": {"a": {"$ref": "#/$defs/Day"}, "b": {"$ref": "#/properties/a"}},
+        "required": ["a", "b"], "additionalProperties": False, "$defs": {"Day": {"type": "string"}}}}}
+    schema = request("required", tools=[tree, where, same]).constraint().json_schema
+    for text, fits in [
+            ('[{"name": "tree", "parameters": {"name": "a", "kids": [{"name": "b"}]}}]', True),
+            ('[{"name": "tree", "parameters": {"name": "a", "kids": [[{"name": "tree", "parameters": {"name": "x"}}]]}}]',
+             False),
+            ('[{"name": "where", "parameters": {"loc": {"city": "Oslo"}, "when": 3}}]', True),
+            ('[{"name": "where", "parameters": {"loc": {"city": "Oslo"}, "when": "3"}}]', False),
+            ('[{"name": "same", "parameters": {"a": "x", "b": "y"}}]', True),
+            ('[{"name": "same", "parameters": {"a": 1, "b": "y"}}]', False),
+            ('[{"name": "tree", "parameters": {"name": "a"}}, {"name": "where", "parameters": {"loc": {"city": "x"}, '
+             '"when": 1}}]', True),
+            ("[]", False), ('[{"name": "nope", "parameters": {}}]', False)]:
+        assert accepts(schema, text) == fits, text
 
 
 @pytest.mark.parametrize("body, field", [
@@ -144,6 +173,13 @@ def test_defs_of_every_tool_move_to_the_top() -> None:
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
      "tool_choice.function.name"),
     ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": ["get_weather"]}}},
+     "tool_choice.function.name"),
+    ({"tools": [{"type": "function", "function": {"name": "get_weather\n"}}]}, "tools[0].function.name"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"$defs": [1]}}}]},
+     "tools[0].function.parameters.$defs"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"definitions": "x"}}}]},
+     "tools[0].function.parameters.definitions"),
     ({"tools": [WEATHER], "parallel_tool_calls": "yes"}, "parallel_tool_calls"),
 ])
 def test_bad_tool_requests_name_the_field(body, field) -> None:
@@ -172,7 +208,11 @@ def test_replayed_calls() -> None:
         {"id": "call_2", "type": "function", "function": {"name": "get_time", "arguments": {}}}]}, "messages[1]")
     assert [(c.id, c.name, json.loads(c.arguments)) for c in calls] == \
         [("call_1", "get_weather", {"city": "Oslo"}), ("call_2", "get_time", {})]
+    deep = "[" * 100_000 + "]" * 100_000
     for bad, field in ((["x"], "messages[1].tool_calls[0]"),
+                       ([{"function": {"name": "f", "arguments": deep}}], "messages[1].tool_calls[0].function.arguments"),
+                       ([{"function": {"name": "f", "arguments": '{"c": "\\ud800"}'}}],
+                        "messages[1].tool_calls[0].function.arguments"),
                        ([{"function": {"name": "f", "arguments": "[1]"}}], "messages[1].tool_calls[0].function.arguments"),
                        ("x", "messages[1].tool_calls")):
         with pytest.raises(InvalidArgument) as caught:
@@ -208,3 +248,45 @@ def test_llama3_json_text_stays_text() -> None:
     assert content == 'Sure: {"name": "get_time", "parameters": {}}' and calls == []
     message, _ = ToolCallOutput(llama3_request()).message('{"name": "get_time", "parameters": {}} and then', "stop")
     assert message["tool_calls"][0]["function"]["name"] == "get_time" and message["content"] == " and then"
+
+
+def test_hermes_edge_cases_read_the_same_whole_and_streamed() -> None:
+    cases = [
+        # Blank text after a call is layout, however it is split.
+        ('<tool_call>{"name": "get_time", "arguments": {}}</tool_call>\n\nDone.', "Done.", ["get_time"]),
+        # A closing tag inside an argument's text does not end the call.
+        ('<tool_call>{"name": "get_weather", "arguments": {"city": "a</tool_call>b"}}</tool_call>', "",
+         ["get_weather"]),
+        # Arguments written as JSON text.
+        ('<tool_call>{"name": "get_weather", "arguments": "{\\"city\\": \\"Oslo\\"}"}</tool_call>', "",
+         ["get_weather"]),
+        # A broken block, then a good one: the broken one is text.
+        ('<tool_call>{"name": </tool_call><tool_call>{"name": "get_time", "arguments": {}}</tool_call>',
+         '<tool_call>{"name": </tool_call>', ["get_time"]),
+    ]
+    for text, content, names in cases:
+        message, _ = ToolCallOutput(hermes_request()).message(text, "stop")
+        assert (message["content"] or "") == content, text
+        assert [c["function"]["name"] for c in message.get("tool_calls", [])] == names, text
+        for pieces in (by_char(text), [text]):
+            streamed_content, calls = streamed(ToolCallOutput(hermes_request()), pieces)
+            assert (streamed_content, [c["name"] for c in calls]) == (content, names), text
+    message, _ = ToolCallOutput(hermes_request()).message(cases[1][0], "stop")
+    assert json.loads(message["tool_calls"][0]["function"]["arguments"]) == {"city": "a</tool_call>b"}
+
+
+def test_one_call_without_parallel_tool_calls() -> None:
+    parsed = request(parallel_tool_calls=False)
+    resolve_parser(parsed, "hermes", "")
+    text = ('<tool_call>{"name": "get_time", "arguments": {}}</tool_call>'
+            '<tool_call>{"name": "get_weather", "arguments": {"city": "x"}}</tool_call>')
+    message, reason = ToolCallOutput(parsed).message(text, "stop")
+    assert [c["function"]["name"] for c in message["tool_calls"]] == ["get_time"] and reason == "tool_calls"
+
+
+def test_too_many_tools_for_required_name_tools() -> None:
+    parameters = {"type": "object", "properties": {"a": {"type": "string", "description": "x" * 1000}}}
+    big = [{"type": "function", "function": {"name": f"f{i}", "parameters": parameters}} for i in range(80)]
+    with pytest.raises(InvalidArgument) as caught:
+        request("required", tools=big).constraint()
+    assert caught.value.field == "tools" and "required" in str(caught.value)

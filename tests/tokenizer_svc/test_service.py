@@ -274,6 +274,11 @@ def test_tools_and_tool_calls_render_as_transformers_renders_them(hf_tokenizer) 
         bad_call = sampling_pb2.ChatMessage(role="assistant", tool_calls=[sampling_pb2.ToolCall(name="f", arguments="[")])
         await expect_invalid(stub.ApplyChatTemplate(tokenizer_pb2.ApplyChatTemplateRequest(
             messages=[messages[0], bad_call])), "messages[1].tool_calls[0].function.arguments")
+        lone_surrogate = sampling_pb2.ChatMessage(role="assistant", tool_calls=[
+            sampling_pb2.ToolCall(name="f", arguments='{"c": "\\ud800"}')])
+        await expect_invalid(stub.ApplyChatTemplate(tokenizer_pb2.ApplyChatTemplateRequest(
+            messages=[messages[0], lone_surrogate], tools_json=json.dumps(TOOLS))),
+            "messages[1].tool_calls[0].function.arguments")
 
     with_stub(service, body)
 
