@@ -12,6 +12,8 @@ from gateway.backends import RPC_TIMEOUT_S, upstream
 from gateway.request_runner import GenerationSpec, Prompt, RequestRunner
 from gateway.request_stream import RequestStream, StreamChunk, drain
 from gateway.stop_matcher import StopMatcher
+from gateway.tool_calls import ToolCallOutput
+from gateway.tool_params import ToolRequest, resolve_parser, tools_from_grpc
 from shardline.errors import InvalidArgument, Unavailable
 from shardline.ids import require_id
 from shardline.proto import common_pb2, generation_pb2, generation_pb2_grpc, sampling_pb2, scheduler_pb2
@@ -22,6 +24,7 @@ _FINISH_REASONS = {
     "length": sampling_pb2.FINISH_REASON_LENGTH,
     "abort": sampling_pb2.FINISH_REASON_ABORT,
     "error": sampling_pb2.FINISH_REASON_ERROR,
+    "tool_calls": sampling_pb2.FINISH_REASON_TOOL_CALLS,
 }
 MAX_REQUEST_ID_LENGTH = 128
 
@@ -38,7 +41,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
     async def Generate(
         self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> generation_pb2.GenerateResponse:
-        spec = self._spec(request)
+        spec, tools = await self._spec(request)
         with self._tracer.start_as_current_span("gateway.request") as span:
             live = await self._runner.start(spec, span)
             try:
@@ -47,15 +50,22 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                 live.close()
         if (failure := completion.failure()) is not None:
             raise failure
+        text, calls, finish_reason = completion.text, [], completion.finish_reason
+        if tools is not None:
+            message, finish_reason = ToolCallOutput(tools).message(completion.text, finish_reason)
+            text = message["content"] or ""
+            calls = [sampling_pb2.ToolCall(id=c["id"], name=c["function"]["name"], arguments=c["function"]["arguments"])
+                     for c in message.get("tool_calls", ())]
         return generation_pb2.GenerateResponse(
-            request_id=spec.request_id, text=completion.text, token_ids=completion.token_ids,
-            logprobs=completion.logprobs, finish_reason=_FINISH_REASONS[completion.finish_reason or "abort"],
-            usage=completion.usage, prompt_logprobs=completion.prompt_logprobs)
+            request_id=spec.request_id, text=text, token_ids=completion.token_ids,
+            logprobs=completion.logprobs, finish_reason=_FINISH_REASONS[finish_reason or "abort"],
+            usage=completion.usage, prompt_logprobs=completion.prompt_logprobs, tool_calls=calls)
 
     async def GenerateStream(
         self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[generation_pb2.GenerateStreamResponse]:
-        spec = self._spec(request)
+        spec, tools = await self._spec(request)
+        output = ToolCallOutput(tools) if tools is not None else None
         # No span is current across a yield: grpc abandons a stream at a yield when its client leaves
         # mid-write, and the event loop closes the generator later, from another context.
         span = self._tracer.start_span("gateway.request")
@@ -66,7 +76,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                                                  attributes={attr.REQUEST_ID: spec.request_id})
             try:
                 async for chunk in live.chunks():
-                    yield _stream_response(spec.request_id, chunk)
+                    yield _stream_response(spec.request_id, chunk, output)
             finally:
                 stream_out.end()
                 # Also reached when the client goes away mid-stream: close() cancels the request
@@ -129,7 +139,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
     ) -> generation_pb2.ListModelsResponse:
         return generation_pb2.ListModelsResponse(models=await self._runner.served_models())
 
-    def _spec(self, request: generation_pb2.GenerateRequest) -> GenerationSpec:
+    async def _spec(self, request: generation_pb2.GenerateRequest) -> tuple[GenerationSpec, ToolRequest | None]:
+        """The request as a GenerationSpec, and its tools (their constraint, if any, in its params)."""
         kind = request.WhichOneof("input")
         if kind is None:
             raise InvalidArgument("input", "set one of prompt, messages or prompt_token_ids")
@@ -146,19 +157,41 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         timeout_s = request.timeout.ToTimedelta().total_seconds() if request.HasField("timeout") else None
         if timeout_s is not None and timeout_s <= 0:
             raise InvalidArgument("timeout", "must be positive")
+        tools = tools_from_grpc(request.tools) if request.HasField("tools") else None
+        structured_output_field = "structured_output"
+        if tools is not None:
+            if kind != "messages":
+                raise InvalidArgument("tools", "tool calling needs messages (a chat)")
+            prompt.tools_json = tools.tools_json
+            if (calls := tools.constraint()) is not None:
+                if request.params.HasField("structured_output"):
+                    raise InvalidArgument("params.structured_output", "cannot be combined with a tool choice that "
+                                                                      "constrains the output")
+                request.params.structured_output.CopyFrom(calls)
+                structured_output_field = "tools"
+            info = await self._runner.backends.tokenizer_info()
+            resolve_parser(tools, self._runner.settings.tool_call_parser, info.tool_call_format, "tools.choice")
         return GenerationSpec(
             request_id=request_id, model=request.model, prompt=prompt, params=request.params,
             default_max_tokens=self._runner.settings.default_max_tokens, priority=request.priority,
-            timeout_s=timeout_s, field_prefix="params.")
+            timeout_s=timeout_s, field_prefix="params.", structured_output_field=structured_output_field), tools
 
 
-def _stream_response(request_id: str, chunk: StreamChunk) -> generation_pb2.GenerateStreamResponse:
+def _stream_response(request_id: str, chunk: StreamChunk,
+                     tools: ToolCallOutput | None = None) -> generation_pb2.GenerateStreamResponse:
+    """One chunk on the wire; with tools, its text split into what the model said and its calls."""
     if (failure := chunk.failure()) is not None:
         raise failure
+    text, pieces, finish_reason = chunk.text, [], chunk.finish_reason
+    if tools is not None:
+        text, pieces = tools.feed(chunk.text, final=finish_reason is not None)
+        finish_reason = tools.finish_reason(finish_reason)
     response = generation_pb2.GenerateStreamResponse(
-        request_id=request_id, text=chunk.text, token_ids=chunk.token_ids, offset=chunk.offset,
-        logprobs=chunk.logprobs, prompt_logprobs=chunk.prompt_logprobs)
-    if chunk.finish_reason is not None:
-        response.finish_reason = _FINISH_REASONS[chunk.finish_reason]
+        request_id=request_id, text=text, token_ids=chunk.token_ids, offset=chunk.offset,
+        logprobs=chunk.logprobs, prompt_logprobs=chunk.prompt_logprobs,
+        tool_calls=[generation_pb2.ToolCallDelta(index=p.index, id=p.id or "", name=p.name or "",
+                                                 arguments=p.arguments) for p in pieces])
+    if finish_reason is not None:
+        response.finish_reason = _FINISH_REASONS[finish_reason]
         response.usage.CopyFrom(chunk.usage)
     return response

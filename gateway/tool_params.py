@@ -21,7 +21,7 @@ from typing import Any, Literal
 from gateway.params import json_field
 from shardline.errors import InvalidArgument
 from shardline.structured_output import MAX_SPEC_CHARS
-from shardline.proto import sampling_pb2
+from shardline.proto import generation_pb2, sampling_pb2
 
 ToolChoice = Literal["none", "auto", "required", "named"]
 # The parsers of "auto" output: the chat template formats they read.
@@ -81,6 +81,32 @@ class ToolRequest:
         if not self.parallel:
             array["maxItems"] = 1
         return array
+
+
+def tools_from_grpc(tools: generation_pb2.Tools) -> ToolRequest | None:
+    """GenerateRequest.tools as a ToolRequest; errors name the Tools fields."""
+    try:
+        definitions = json.loads(tools.tools_json) if tools.tools_json else None
+    except (ValueError, RecursionError):
+        raise InvalidArgument("tools.tools_json", "must be a JSON array of tool definitions") from None
+    body: dict[str, Any] = {"tools": definitions}
+    if tools.function:
+        body["tool_choice"] = {"type": "function", "function": {"name": tools.function}}
+    elif tools.choice:
+        body["tool_choice"] = tools.choice
+    if tools.HasField("parallel_tool_calls"):
+        body["parallel_tool_calls"] = tools.parallel_tool_calls
+    try:
+        return tools_from_openai(body)
+    except InvalidArgument as exc:
+        field = exc.field
+        if field.startswith("tools"):
+            field = "tools.tools_json" + field[len("tools"):]
+        elif field.startswith("tool_choice.function"):
+            field = "tools.function"
+        else:
+            field = f"tools.{'choice' if field == 'tool_choice' else field}"
+        raise InvalidArgument(field, str(exc).partition(": ")[2]) from None
 
 
 def _rebased(node: Any, base: str) -> Any:
@@ -145,13 +171,14 @@ def _tool(tool: Any, field: str) -> tuple[str, dict[str, Any]]:
     return name, parameters
 
 
-def resolve_parser(request: ToolRequest, configured: str, template_format: str) -> None:
-    """Picks the parser of "auto" output: the gateway's setting, else what the chat template writes."""
+def resolve_parser(request: ToolRequest, configured: str, template_format: str, field: str = "tool_choice") -> None:
+    """Picks the parser of "auto" output: the gateway's setting, else what the chat template writes.
+    `field` is where the client asked for "auto", for the error."""
     if request.choice != "auto":
         return
     parser = configured or template_format
     if parser == "none" or parser not in TOOL_CALL_PARSERS:
-        raise InvalidArgument("tool_choice", '"auto" needs a model whose chat template writes tool calls, and this '
+        raise InvalidArgument(field, '"auto" needs a model whose chat template writes tool calls, and this '
                                              "one's writes none; use \"required\" or a named function, which "
                                              "constrain the output to a call (or set SHARDLINE_TOOL_CALL_PARSER)")
     request.parser = parser

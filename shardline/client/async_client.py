@@ -57,7 +57,7 @@ class AsyncShardlineClient:
                 await asyncio.sleep(self.backoff_s * 2**attempt)
         raise AssertionError("unreachable")
 
-    async def generate(self, prompt: str | list[int] | None = None, *, messages: list[dict[str, str]] | None = None,
+    async def generate(self, prompt: str | list[int] | None = None, *, messages: list[dict[str, Any]] | None = None,
                        timeout: float | None = None, **params: Any) -> Completion:
         """Generate a whole completion (see ShardlineClient.generate for the parameters)."""
         req = build_request(prompt, messages=messages, timeout=timeout, **params)
@@ -70,7 +70,7 @@ class AsyncShardlineClient:
 
         return await self._call(generate_once, req, timeout, taken=follow_started)
 
-    def stream(self, prompt: str | list[int] | None = None, *, messages: list[dict[str, str]] | None = None,
+    def stream(self, prompt: str | list[int] | None = None, *, messages: list[dict[str, Any]] | None = None,
                timeout: float | None = None, **params: Any) -> AsyncIterator[Chunk]:
         """Generate, yielding chunks as tokens arrive; the last carries finish_reason and usage."""
         req = build_request(prompt, messages=messages, timeout=timeout, **params)

@@ -53,7 +53,7 @@ class ShardlineClient:
                 time.sleep(self.backoff_s * 2**attempt)
         raise AssertionError("unreachable")
 
-    def generate(self, prompt: str | list[int] | None = None, *, messages: list[dict[str, str]] | None = None,
+    def generate(self, prompt: str | list[int] | None = None, *, messages: list[dict[str, Any]] | None = None,
                  timeout: float | None = None, **params: Any) -> Completion:
         """Generate a whole completion. `params` are sampling parameters: max_tokens, temperature, top_p,
         top_k, min_p, seed, stop, stop_token_ids, presence/frequency/repetition_penalty, ignore_eos,
@@ -64,12 +64,17 @@ class ShardlineClient:
         json_object=True (any JSON object), regex, choice (a list of strings) or grammar (EBNF, rule
         "root"); disable_any_whitespace=True makes JSON compact. A complete output ends with
         finish_reason "stop" (see StructuredOutput in protos/shardline/v1/sampling.proto); a bad
-        constraint is INVALID_ARGUMENT naming params.structured_output."""
+        constraint is INVALID_ARGUMENT naming params.structured_output.
+
+        Tool calling (with messages): tools=[OpenAI tool definitions], tool_choice="auto" (the
+        default; needs a model whose chat template writes calls), "none", "required" or a function's
+        name, and parallel_tool_calls. The calls come back in Completion.tool_calls (and
+        Chunk.tool_calls, in pieces), with finish_reason "tool_calls" (or "stop" for a named one)."""
         req = build_request(prompt, messages=messages, timeout=timeout, **params)
         return self._call(lambda r, **kw: Completion.from_proto(self._stub.Generate(r, **kw)), req, timeout,
                           taken=lambda: Completion.from_chunks(list(self.resume(req.request_id, 0, timeout=timeout))))
 
-    def stream(self, prompt: str | list[int] | None = None, *, messages: list[dict[str, str]] | None = None,
+    def stream(self, prompt: str | list[int] | None = None, *, messages: list[dict[str, Any]] | None = None,
                timeout: float | None = None, **params: Any) -> Iterator[Chunk]:
         """Generate, yielding chunks as tokens arrive; the last chunk carries finish_reason and usage."""
         req = build_request(prompt, messages=messages, timeout=timeout, **params)

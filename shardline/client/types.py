@@ -18,6 +18,7 @@ _FINISH = {
     sampling_pb2.FINISH_REASON_LENGTH: "length",
     sampling_pb2.FINISH_REASON_ABORT: "abort",
     sampling_pb2.FINISH_REASON_ERROR: "error",
+    sampling_pb2.FINISH_REASON_TOOL_CALLS: "tool_calls",
 }
 _STATUS = {
     sampling_pb2.REQUEST_STATUS_QUEUED: "queued",
@@ -57,32 +58,59 @@ class TokenLogprob:
 
 
 @dataclass(slots=True)
+class ToolCall:
+    """A function the model called: `arguments` is a JSON object's text (json.loads it)."""
+
+    id: str
+    name: str
+    arguments: str
+
+
+@dataclass(slots=True)
+class ToolCallDelta:
+    """A piece of a streamed tool call: the call's first piece has its id and name (None on the
+    others), and each piece more of its arguments' text."""
+
+    index: int  # which call of the turn
+    arguments: str
+    id: str | None = None
+    name: str | None = None
+
+
+@dataclass(slots=True)
 class Completion:
     """A finished generation."""
 
     request_id: str
-    text: str
+    text: str  # with tools: what the model said besides its calls
     token_ids: list[int]
-    finish_reason: str | None  # "stop", "length", "abort", "error"
+    finish_reason: str | None  # "stop", "length", "abort", "error"; "tool_calls" when the model called tools
     usage: Usage
     logprobs: list[TokenLogprob] | None = None
     # With prompt_logprobs=N: entry i is prompt token i + 1's, given the tokens before it.
     prompt_logprobs: list[TokenLogprob] | None = None
+    tool_calls: list[ToolCall] | None = None  # with tools=: the calls the model made
 
     @classmethod
     def from_chunks(cls, chunks: list[Chunk]) -> Completion:
         """The completion a whole stream of chunks makes up."""
         logprobs = [lp for c in chunks for lp in c.logprobs or ()]
         prompt_logprobs = next((c.prompt_logprobs for c in chunks if c.prompt_logprobs is not None), None)
+        calls: list[ToolCall] = []
+        for delta in (d for c in chunks for d in c.tool_calls or ()):
+            if delta.id is not None:
+                calls.append(ToolCall(delta.id, delta.name or "", ""))
+            calls[delta.index].arguments += delta.arguments
         last = chunks[-1]
         return cls(last.request_id, "".join(c.text for c in chunks), [t for c in chunks for t in c.token_ids],
-                   last.finish_reason, last.usage or Usage(), logprobs or None, prompt_logprobs)
+                   last.finish_reason, last.usage or Usage(), logprobs or None, prompt_logprobs, calls or None)
 
     @classmethod
     def from_proto(cls, r: generation_pb2.GenerateResponse) -> Completion:
         return cls(r.request_id, r.text, list(r.token_ids), _FINISH.get(r.finish_reason), Usage.from_proto(r.usage),
                    [TokenLogprob.from_proto(lp) for lp in r.logprobs] or None,
-                   [TokenLogprob.from_proto(lp) for lp in r.prompt_logprobs] or None)
+                   [TokenLogprob.from_proto(lp) for lp in r.prompt_logprobs] or None,
+                   [ToolCall(c.id, c.name, c.arguments) for c in r.tool_calls] or None)
 
 
 @dataclass(slots=True)
@@ -97,6 +125,7 @@ class Chunk:
     usage: Usage | None  # set on the last chunk
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob] | None = None  # on the first chunk with tokens, when asked for
+    tool_calls: list[ToolCallDelta] | None = None  # with tools=: pieces of the calls, in order
 
     @classmethod
     def from_proto(cls, r: generation_pb2.GenerateStreamResponse) -> Chunk:
@@ -104,7 +133,8 @@ class Chunk:
         return cls(r.request_id, r.text, list(r.token_ids), r.offset, finish,
                    Usage.from_proto(r.usage) if finish else None,
                    [TokenLogprob.from_proto(lp) for lp in r.logprobs] or None,
-                   [TokenLogprob.from_proto(lp) for lp in r.prompt_logprobs] or None)
+                   [TokenLogprob.from_proto(lp) for lp in r.prompt_logprobs] or None,
+                   [ToolCallDelta(d.index, d.arguments, d.id or None, d.name or None) for d in r.tool_calls] or None)
 
 
 @dataclass(slots=True)
@@ -154,20 +184,35 @@ class ModelInfo:
         return cls(m.name, m.max_context_length, m.num_workers, m.vocab_size)
 
 
-def build_request(prompt: str | list[int] | None = None, *, messages: list[dict[str, str]] | None = None,
+def build_request(prompt: str | list[int] | None = None, *, messages: list[dict[str, Any]] | None = None,
                   model: str = "", request_id: str | None = None, priority: int = 0,
-                  timeout: float | None = None, **params: Any) -> generation_pb2.GenerateRequest:
-    """A GenerateRequest from a prompt (text or token ids) or chat messages plus sampling parameters."""
+                  timeout: float | None = None, tools: list[dict[str, Any]] | None = None,
+                  tool_choice: str | None = None, parallel_tool_calls: bool | None = None,
+                  **params: Any) -> generation_pb2.GenerateRequest:
+    """A GenerateRequest from a prompt (text or token ids) or chat messages plus sampling parameters.
+
+    Messages are OpenAI's: {"role", "content"}, an assistant's earlier "tool_calls" (OpenAI's
+    shape, or ToolCall objects) and a tool's answer with its "tool_call_id". `tools` are OpenAI tool
+    definitions; `tool_choice` is "auto" (the default), "none", "required" or a function's name."""
     req = generation_pb2.GenerateRequest(model=model, priority=priority)
     if messages is not None:
-        req.messages.messages.extend(sampling_pb2.ChatMessage(role=m["role"], content=m["content"])
-                                     for m in messages)
+        req.messages.messages.extend(_chat_message(m) for m in messages)
     elif isinstance(prompt, str):
         req.prompt = prompt
     elif prompt is not None:
         req.prompt_token_ids.ids.extend(prompt)
     else:
         raise ValueError("give a prompt (text or token ids) or messages")
+    if tools is not None:
+        req.tools.tools_json = json.dumps(tools)
+        if tool_choice in (None, "auto", "none", "required"):
+            req.tools.choice = tool_choice or "auto"
+        else:
+            req.tools.function = tool_choice
+        if parallel_tool_calls is not None:
+            req.tools.parallel_tool_calls = parallel_tool_calls
+    elif tool_choice is not None or parallel_tool_calls is not None:
+        raise ValueError("tool_choice and parallel_tool_calls need tools")
     # Chosen here when not given: a retry after a connection lost mid-call must not start the
     # generation twice, and with its id it finds the one that did start (see was_taken).
     req.request_id = request_id or f"{'chatcmpl' if messages is not None else 'cmpl'}-{secrets.token_hex(16)}"
@@ -202,6 +247,19 @@ def build_request(prompt: str | list[int] | None = None, *, messages: list[dict[
         else:
             setattr(req.params, name, value)  # AttributeError names an unknown parameter
     return req
+
+
+def _chat_message(m: dict[str, Any]) -> sampling_pb2.ChatMessage:
+    message = sampling_pb2.ChatMessage(role=m["role"], content=m.get("content") or "",
+                                       tool_call_id=m.get("tool_call_id") or "", name=m.get("name") or "")
+    for call in m.get("tool_calls") or ():
+        if isinstance(call, ToolCall):
+            message.tool_calls.add(id=call.id, name=call.name, arguments=call.arguments)
+        else:  # OpenAI's {"id", "type": "function", "function": {"name", "arguments"}}
+            arguments = call["function"].get("arguments", "{}")
+            message.tool_calls.add(id=call.get("id", ""), name=call["function"]["name"],
+                                   arguments=arguments if isinstance(arguments, str) else json.dumps(arguments))
+    return message
 
 
 def _spec_value(kind: str, value: Any) -> str | tuple[str, ...]:

@@ -1,15 +1,17 @@
-"""Tool calling through the gateway, with the official openai client: the real tokenizer service,
+"""Tool calling through the gateway, with the official openai client and the gRPC SDK: the real tokenizer service,
 and a scripted scheduler that plays the tokens of a model's answer."""
 
 from __future__ import annotations
 
 import json
 
+import grpc
 import openai
 import pytest
 
 from tests.gateway.harness import Stack, run_on_stack
 from tests.gateway.scripted_scheduler import MODEL, Script
+from shardline.client import AsyncShardlineClient, Completion, ToolCall
 from tests.gateway.test_openai_http import client
 from tokenizer_svc.chat_template import ChatTemplate
 from tokenizer_svc.tokenizer import Tokenizer
@@ -133,3 +135,43 @@ def test_a_conversation_with_calls_and_results(tokenizer_address, text_ids, toke
         assert caught.value.body["param"] == "messages[1].tool_calls[0].function.arguments"
 
     run_on_stack(tokenizer_address, Script(text_ids), body)
+
+
+def test_tool_calls_over_grpc_with_the_sdk(tokenizer_address, tokenizer: Tokenizer) -> None:
+    """The SDK's tools=: calls whole and streamed, replayed calls in messages, and bad tools named."""
+    answer = '[{"name": "get_weather", "parameters": {"city": "Oslo"}}, {"name": "get_time", "parameters": {}}]'
+    history = MESSAGES + [
+        {"role": "assistant", "tool_calls": [ToolCall("call_1", "get_weather", '{"city": "Oslo"}')]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "Sunny"}]
+
+    async def body(stack: Stack) -> None:
+        async with AsyncShardlineClient(f"127.0.0.1:{stack.gateway.grpc.port}") as sdk:
+            whole = await sdk.generate(messages=history, tools=[WEATHER, TIME], tool_choice="required")
+            assert whole.finish_reason == "tool_calls" and whole.text == ""
+            assert [(c.name, json.loads(c.arguments)) for c in whole.tool_calls] == \
+                [("get_weather", {"city": "Oslo"}), ("get_time", {})]
+            assert all(c.id.startswith("call_") for c in whole.tool_calls)
+            chunks = [c async for c in sdk.stream(messages=history, tools=[WEATHER, TIME], tool_choice="required")]
+            streamed = Completion.from_chunks(chunks)
+            assert streamed.finish_reason == "tool_calls"
+            assert [(c.name, c.arguments) for c in streamed.tool_calls] == \
+                [(c.name, c.arguments) for c in whole.tool_calls]
+            assert sum(len(c.tool_calls or ()) for c in chunks) > 2  # arguments arrived in pieces
+            submitted = stack.scheduler.submitted[0]
+            assert json.loads(submitted.params.structured_output.json_schema)["type"] == "array"
+            named = await sdk.generate(messages=MESSAGES, tools=[WEATHER], tool_choice="get_weather")
+            assert named.finish_reason == "stop" and named.tool_calls[0].name == "get_weather"
+            for kwargs, field in (({"tools": [WEATHER]}, "tools.choice"),  # "auto": this template writes none
+                                  ({"tools": [WEATHER], "tool_choice": "get_time"}, "tools.function"),
+                                  ({"tools": [{"type": "function"}], "tool_choice": "required"}, "tools.tools_json[0]"),
+                                  ({"tools": [WEATHER], "tool_choice": "required", "regex": "x"},
+                                   "params.structured_output")):
+                with pytest.raises(grpc.aio.AioRpcError) as caught:
+                    await sdk.generate(messages=MESSAGES, **kwargs)
+                assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert caught.value.details().startswith(f"{field}:"), caught.value.details()
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await sdk.generate("a plain prompt", tools=[WEATHER], tool_choice="required")
+            assert caught.value.details().startswith("tools:")
+
+    run_on_stack(tokenizer_address, Script(ids(tokenizer, answer), tokens_per_step=2), body)
