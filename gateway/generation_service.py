@@ -16,7 +16,7 @@ from gateway.tool_calls import ToolCallOutput
 from gateway.tool_params import ToolRequest, resolve_parser, tools_from_grpc
 from shardline.errors import InvalidArgument, Unavailable
 from shardline.ids import require_id
-from shardline.proto import common_pb2, generation_pb2, generation_pb2_grpc, sampling_pb2, scheduler_pb2
+from shardline.proto import common_pb2, generation_pb2, generation_pb2_grpc, sampling_pb2, scheduler_pb2, tokenizer_pb2
 from tracing import attributes as attr
 
 _FINISH_REASONS = {
@@ -146,7 +146,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             raise InvalidArgument("input", "set one of prompt, messages or prompt_token_ids")
         prompt = {
             "prompt": lambda: Prompt(text=request.prompt),
-            "messages": lambda: Prompt(messages=list(request.messages.messages), field="messages"),
+            "messages": lambda: Prompt(chat=tokenizer_pb2.ApplyChatTemplateRequest(
+                messages=request.messages.messages, add_generation_prompt=True), field="messages"),
             "prompt_token_ids": lambda: Prompt(
                 token_ids=list(request.prompt_token_ids.ids), field="prompt_token_ids"),
         }[kind]()
@@ -162,7 +163,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         if tools is not None:
             if kind != "messages":
                 raise InvalidArgument("tools", "tool calling needs messages (a chat)")
-            prompt.tools_json = tools.tools_json
+            prompt.chat.tools_json = tools.tools_json
             if (calls := tools.constraint()) is not None:
                 if request.params.HasField("structured_output"):
                     raise InvalidArgument("params.structured_output", "cannot be combined with a tool choice that "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -10,9 +11,12 @@ from gateway.request_runner import Prompt
 from gateway.structured_params import structured_output_from_openai
 from gateway.tool_params import ToolRequest, tool_calls_from_message, tools_from_openai
 from shardline.errors import InvalidArgument
-from shardline.proto import sampling_pb2
+from shardline.proto import sampling_pb2, tokenizer_pb2
 
 # OpenAI's newer "developer" role is the system prompt under another name; templates know only "system".
+# Variables the gateway or the tokenizer service give the template themselves.
+_TEMPLATE_NAMES = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token",
+                             "continue_final_message"})
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 
 
@@ -51,7 +55,7 @@ def parse_request(body: Any, chat: bool) -> OpenAIRequest:
     structured_output, structured_output_field = structured_output_from_openai(body)
     tools = tools_from_openai(body) if chat else None
     if tools is not None:
-        prompts[0].tools_json = tools.tools_json
+        prompts[0].chat.tools_json = tools.tools_json
         if (calls := tools.constraint()) is not None:
             if structured_output is not None:
                 mode = "naming a function" if tools.choice == "named" else f'"{tools.choice}"'
@@ -99,6 +103,34 @@ def _is_token_ids(value: Any) -> bool:
 
 
 def chat_messages(body: dict[str, Any]) -> Prompt:
+    """The conversation, and vLLM's options for rendering it: add_generation_prompt,
+    continue_final_message, chat_template_kwargs and documents (a per-request chat_template is refused)."""
+    if body.get("chat_template") is not None:
+        raise InvalidArgument("chat_template", "a request may not bring its own template (the server's "
+                                               "SHARDLINE_CHAT_TEMPLATE sets one)")
+    chat = tokenizer_pb2.ApplyChatTemplateRequest(messages=_turns(body))
+    continue_final = bool(json_field(body, "continue_final_message", bool))
+    generation_prompt = json_field(body, "add_generation_prompt", bool)
+    if continue_final and generation_prompt:
+        raise InvalidArgument("continue_final_message", "cannot be combined with add_generation_prompt true")
+    if continue_final and chat.messages[-1].role != "assistant":
+        raise InvalidArgument("continue_final_message", "needs the last message to be the assistant's")
+    chat.continue_final_message = continue_final
+    chat.add_generation_prompt = not continue_final if generation_prompt is None else generation_prompt
+    variables = dict(json_field(body, "chat_template_kwargs", dict) or {})
+    documents = json_field(body, "documents", list)
+    if documents is not None:
+        if not all(isinstance(document, dict) for document in documents):
+            raise InvalidArgument("documents", "must be an array of objects")
+        variables["documents"] = documents
+    if reserved := sorted(_TEMPLATE_NAMES.intersection(variables)):
+        raise InvalidArgument(f"chat_template_kwargs.{reserved[0]}", "is set by the server")
+    if variables:
+        chat.template_kwargs_json = json.dumps(variables)
+    return Prompt(chat=chat, field="messages")
+
+
+def _turns(body: dict[str, Any]) -> list[sampling_pb2.ChatMessage]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise InvalidArgument("messages", "must be a non-empty array of messages")
@@ -119,7 +151,7 @@ def chat_messages(body: dict[str, Any]) -> Prompt:
         turn.tool_call_id = _optional_text(message, "tool_call_id", field)
         turn.name = _optional_text(message, "name", field)
         turns.append(turn)
-    return Prompt(messages=turns, field="messages")
+    return turns
 
 
 def _optional_text(message: dict[str, Any], key: str, field: str) -> str:

@@ -48,13 +48,13 @@ class ModelNotFound(NotFound):
 
 @dataclass(slots=True)
 class Prompt:
-    """What to continue: exactly one of text, messages and token_ids is set."""
+    """What to continue: exactly one of text, chat and token_ids is set."""
 
     text: str | None = None  # raw prompt text, tokenized with the tokenizer's special tokens
-    messages: list[sampling_pb2.ChatMessage] | None = None  # a conversation, rendered by the chat template
+    # A conversation and how to render it (tools, template variables), for the chat template.
+    chat: tokenizer_pb2.ApplyChatTemplateRequest | None = None
     token_ids: list[int] | None = None  # an already tokenized prompt
     field: str = "prompt"  # the request field it came from, named in errors
-    tools_json: str = ""  # with messages: the tool definitions (a JSON array) the template may show the model
 
 
 @dataclass(slots=True)
@@ -293,10 +293,8 @@ class RequestRunner:
                 raise InvalidArgument(prompt.field, f"token id {outside[0]} is outside the vocabulary")
             return prompt.token_ids
         with upstream("tokenizer"):
-            if prompt.messages is not None:
-                request = tokenizer_pb2.ApplyChatTemplateRequest(
-                    messages=prompt.messages, add_generation_prompt=True, tools_json=prompt.tools_json)
-                reply = await self.backends.tokenizer.ApplyChatTemplate(request, timeout=RPC_TIMEOUT_S)
+            if prompt.chat is not None:
+                reply = await self.backends.tokenizer.ApplyChatTemplate(prompt.chat, timeout=RPC_TIMEOUT_S)
                 return list(reply.prompt_token_ids)
             tokens = await self.backends.tokenizer.Tokenize(
                 tokenizer_pb2.TokenizeRequest(texts=[prompt.text or ""]), timeout=RPC_TIMEOUT_S)

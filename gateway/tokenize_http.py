@@ -32,23 +32,17 @@ class TokenizeApi:
         tokenizer = self._runner.backends.tokenizer
         if json_field(body, "return_token_strs", bool):
             raise InvalidArgument("return_token_strs", "token strings are not supported; /detokenize decodes ids")
-        # vLLM's chat options this gateway cannot render: refused, not silently left out of the count.
-        for name in ("continue_final_message", "chat_template", "chat_template_kwargs", "documents"):
-            if body.get(name):  # absent, false or empty: nothing to render
-                raise InvalidArgument(name, "is not supported")
         if "messages" in body and "prompt" in body:
             raise InvalidArgument("prompt", "give a prompt or messages, not both")
         with upstream("tokenizer"):
             if "messages" in body:
                 if json_field(body, "add_special_tokens", bool):
                     raise InvalidArgument("add_special_tokens", "a chat's special tokens come from its template")
-                generation_prompt = json_field(body, "add_generation_prompt", bool)
-                tools = tools_from_openai(body)  # rendered as the chat endpoint renders them
-                reply = await tokenizer.ApplyChatTemplate(tokenizer_pb2.ApplyChatTemplateRequest(
-                    messages=chat_messages(body).messages,
-                    add_generation_prompt=True if generation_prompt is None else generation_prompt,
-                    tools_json=tools.tools_json if tools is not None else ""),
-                    timeout=RPC_TIMEOUT_S)
+                chat = chat_messages(body).chat  # rendered as the chat endpoint renders it, tools included
+                assert chat is not None
+                tools = tools_from_openai(body)
+                chat.tools_json = tools.tools_json if tools is not None else ""
+                reply = await tokenizer.ApplyChatTemplate(chat, timeout=RPC_TIMEOUT_S)
                 tokens = list(reply.prompt_token_ids)
             else:
                 prompt = json_field(body, "prompt", str)

@@ -41,6 +41,26 @@ def _tool_call(call: sampling_pb2.ToolCall, field: str) -> dict[str, Any]:
     return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": arguments}}
 
 
+# What the service gives the template itself; a request's variables may not replace them.
+_RESERVED = frozenset({"messages", "tools", "add_generation_prompt", "continue_final_message", "bos_token",
+                       "eos_token"})
+
+
+def template_variables(kwargs_json: str) -> dict[str, Any]:
+    """A request's extra template variables (vLLM's chat_template_kwargs)."""
+    if not kwargs_json:
+        return {}
+    try:
+        variables = json.loads(kwargs_json)
+    except (ValueError, RecursionError):
+        variables = None
+    if not isinstance(variables, dict):
+        raise InvalidArgument("chat_template_kwargs", "must be a JSON object")
+    if reserved := sorted(_RESERVED.intersection(variables)):
+        raise InvalidArgument(f"chat_template_kwargs.{reserved[0]}", "is set by the server")
+    return variables
+
+
 def template_tools(tools_json: str) -> list[dict[str, Any]] | None:
     """The template's `tools`: None when the request has none, as transformers passes them."""
     if not tools_json:

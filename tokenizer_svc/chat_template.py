@@ -71,12 +71,16 @@ class ChatTemplate:
         self.eos_token = eos_token
         self.tool_call_format = tool_call_format(template)
 
-    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any) -> str:
-        """The prompt text for `messages`; extra keyword arguments (tools, documents, ...) go to the template."""
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+               continue_final_message: bool = False, **kwargs: Any) -> str:
+        """The prompt text for `messages`; extra keyword arguments (tools, documents, ...) go to the template.
+
+        `continue_final_message` cuts the text where the last message's ends, so that the model goes
+        on with it rather than start a turn of its own (as transformers does it)."""
         _check_messages(messages)
         context = {"tools": None, "documents": None, **kwargs}
         try:
-            return self._compiled.render(
+            text = self._compiled.render(
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token,
@@ -86,6 +90,14 @@ class ChatTemplate:
         except jinja2.TemplateError as exc:
             # raise_exception(...) in a template reports messages it rejects, e.g. roles that do not alternate.
             raise ChatTemplateError(f"the chat template rejected the messages: {exc}") from exc
+        if not continue_final_message:
+            return text
+        final = messages[-1].get("content")
+        final = final.strip() if isinstance(final, str) else ""
+        if not final or final not in text:
+            raise ChatTemplateError(f"messages[{len(messages) - 1}].content: continue_final_message needs the "
+                                    f"last message's text in the rendered prompt, and this template leaves it out")
+        return text[: text.rindex(final) + len(final)]
 
 
 def tool_call_format(template: str) -> str:

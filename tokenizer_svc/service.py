@@ -15,7 +15,7 @@ import grpc
 
 from shardline.errors import InvalidArgument
 from shardline.proto import common_pb2, tokenizer_pb2, tokenizer_pb2_grpc
-from tokenizer_svc.chat_messages import template_messages, template_tools
+from tokenizer_svc.chat_messages import template_messages, template_tools, template_variables
 from tokenizer_svc.chat_template import ChatTemplate, ChatTemplateError
 from tokenizer_svc.detokenizer import PREFIX_WINDOW, DetokenizeItem, detokenize_batch
 from tokenizer_svc.structured_output_check import StructuredOutputChecker
@@ -68,16 +68,19 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServicer):
     ) -> tokenizer_pb2.ApplyChatTemplateResponse:
         if self._template is None:
             raise InvalidArgument("messages", self._template_problem)
+        if request.continue_final_message and request.add_generation_prompt:
+            raise InvalidArgument("continue_final_message", "cannot be combined with add_generation_prompt")
         messages = template_messages(list(request.messages))
-        tools = template_tools(request.tools_json)
-        prompt, ids = await asyncio.to_thread(self._render, messages, request.add_generation_prompt, tools)
+        variables = {**template_variables(request.template_kwargs_json), "tools": template_tools(request.tools_json)}
+        prompt, ids = await asyncio.to_thread(self._render, messages, request, variables)
         return tokenizer_pb2.ApplyChatTemplateResponse(prompt=prompt, prompt_token_ids=ids)
 
-    def _render(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
-                tools: list[dict[str, Any]] | None) -> tuple[str, list[int]]:
+    def _render(self, messages: list[dict[str, Any]], request: tokenizer_pb2.ApplyChatTemplateRequest,
+                variables: dict[str, Any]) -> tuple[str, list[int]]:
         assert self._template is not None
         try:
-            prompt = self._template.render(messages, add_generation_prompt=add_generation_prompt, tools=tools)
+            prompt = self._template.render(messages, add_generation_prompt=request.add_generation_prompt,
+                                           continue_final_message=request.continue_final_message, **variables)
         except ChatTemplateError as exc:
             found = _MESSAGE_FIELD.search(str(exc))
             raise InvalidArgument(found.group(0) if found else "messages", str(exc)) from exc

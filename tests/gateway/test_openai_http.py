@@ -337,3 +337,41 @@ def test_structured_output_fields_reach_the_scheduler(tokenizer_address, text_id
                          "json_schema", "json_schema"]
 
     run_on_stack(tokenizer_address, Script(text_ids), body)
+
+
+def test_chat_rendering_options(tokenizer_address, text_ids, tokenizer: Tokenizer) -> None:
+    """vLLM's add_generation_prompt, continue_final_message, chat_template_kwargs and documents."""
+    template = ChatTemplate(tokenizer.chat_template, tokenizer.bos_token, tokenizer.eos_token)
+    messages = [{"role": "user", "content": "Name a fox."}, {"role": "assistant", "content": "The red"}]
+
+    def ids(**kwargs) -> list[int]:
+        return tokenizer.encode_batch([template.render(messages, **kwargs)], add_special_tokens=False)[0]
+
+    async def body(stack: Stack) -> None:
+        openai_client = client(stack)
+        await openai_client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2,
+                                                    extra_body={"continue_final_message": True})
+        await openai_client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2,
+                                                    extra_body={"add_generation_prompt": False})
+        await openai_client.chat.completions.create(  # the default template reads neither: same prompt
+            model=MODEL, messages=messages, max_tokens=2,
+            extra_body={"chat_template_kwargs": {"enable_thinking": False}, "documents": [{"text": "x"}]})
+        prompts = [list(s.prompt_token_ids) for s in stack.scheduler.submitted]
+        assert prompts == [ids(add_generation_prompt=False, continue_final_message=True),
+                           ids(add_generation_prompt=False), ids()]
+        assert tokenizer.decode(prompts[0], skip_special_tokens=False).endswith("assistant\nThe red")
+        for extra, field in (({"chat_template": "{{ messages }}"}, "chat_template"),
+                             ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs.messages"),
+                             ({"chat_template_kwargs": "x"}, "chat_template_kwargs"),
+                             ({"documents": ["x"]}, "documents"),
+                             ({"continue_final_message": True, "add_generation_prompt": True}, "continue_final_message")):
+            with pytest.raises(openai.BadRequestError) as caught:
+                await openai_client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2,
+                                                            extra_body=extra)
+            assert caught.value.body["param"] == field
+        with pytest.raises(openai.BadRequestError) as caught:
+            await openai_client.chat.completions.create(model=MODEL, messages=messages[:1], max_tokens=2,
+                                                        extra_body={"continue_final_message": True})
+        assert caught.value.body["param"] == "continue_final_message"
+
+    run_on_stack(tokenizer_address, Script(text_ids), body)

@@ -127,3 +127,14 @@ def test_tool_call_format_is_read_off_the_template(template):
                 {"role": "tool", "content": "12:00", "tool_call_id": "c1"}, {"role": "user", "content": "And now?"}]
     prompt = llama3.render(messages, tools=tools)
     assert '{"name": "get_time", "parameters": {"tz": "UTC"}}<|eot_id|>' in prompt and '"name": "get_time"' in prompt
+
+
+def test_continue_final_message_matches_transformers(template, hf_tokenizer):
+    messages = [*CONVERSATIONS["multi_turn"], {"role": "assistant", "content": "Twelve, because"}]
+    expected = hf_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False,
+                                                continue_final_message=True)
+    assert template.render(messages, add_generation_prompt=False, continue_final_message=True) == expected
+    assert expected.endswith("<|im_start|>assistant\nTwelve, because")
+    with pytest.raises(ChatTemplateError, match="continue_final_message"):
+        ChatTemplate("{% for m in messages %}{{ m.role }}{% endfor %}", None, None).render(
+            messages, add_generation_prompt=False, continue_final_message=True)

@@ -296,3 +296,24 @@ def test_chat_template_from_a_file_or_its_text(tmp_path: Path) -> None:
     with pytest.raises(TokenizerError):
         read_chat_template(str(tmp_path / "missing.jinja"))
     assert parse_settings(["--chat-template", "/models/t.jinja"]).chat_template == "/models/t.jinja"
+
+
+def test_template_variables_reach_the_template() -> None:
+    source = ("{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+              "{% if enable_thinking is defined and not enable_thinking %}[no thinking]{% endif %}"
+              "{% for d in documents or [] %}<doc>{{ d.text }}</doc>{% endfor %}")
+    service = build_service(None, source)
+    user = sampling_pb2.ChatMessage(role="user", content="Hi")
+
+    async def body(stub: Stub) -> None:
+        reply = await stub.ApplyChatTemplate(tokenizer_pb2.ApplyChatTemplateRequest(
+            messages=[user], template_kwargs_json=json.dumps({"enable_thinking": False,
+                                                              "documents": [{"text": "A"}]})))
+        assert reply.prompt == "user: Hi\n[no thinking]<doc>A</doc>"
+        for bad, field in (('{"messages": []}', "chat_template_kwargs.messages"), ("[1]", "chat_template_kwargs")):
+            await expect_invalid(stub.ApplyChatTemplate(tokenizer_pb2.ApplyChatTemplateRequest(
+                messages=[user], template_kwargs_json=bad)), field)
+        await expect_invalid(stub.ApplyChatTemplate(tokenizer_pb2.ApplyChatTemplateRequest(
+            messages=[user], add_generation_prompt=True, continue_final_message=True)), "continue_final_message")
+
+    with_stub(service, body)
