@@ -101,6 +101,14 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         """Replay the output from `offset` out of the request's record, then follow it live if it still runs."""
         if not request.request_id:
             raise InvalidArgument("request_id", "is required")
+        output = None
+        if request.HasField("tools"):
+            if request.offset:
+                raise InvalidArgument("offset", "must be 0 with tools: calls are read from the start of the output")
+            tools = tools_from_grpc(request.tools)
+            if tools is not None:
+                await self._resolve_parser(tools)
+                output = ToolCallOutput(tools)
         hub = self._runner.hub
         with upstream("scheduler"):
             info = await self._scheduler.GetRequest(
@@ -123,7 +131,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                     info = await self._scheduler.Attach(attach, timeout=RPC_TIMEOUT_S)
             stream = await hub.apply_record(info.request_id, info, request.offset)
             async for chunk in drain(stream):
-                yield _stream_response(info.request_id, chunk)
+                yield _stream_response(info.request_id, chunk, output)
         finally:
             # A client that leaves mid-stream cancels the request, as with GenerateStream.
             hub.release(info.request_id, grace_s=self._runner.settings.resume_grace_s)
@@ -138,6 +146,10 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         self, request: generation_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
     ) -> generation_pb2.ListModelsResponse:
         return generation_pb2.ListModelsResponse(models=await self._runner.served_models())
+
+    async def _resolve_parser(self, tools: ToolRequest) -> None:
+        info = await self._runner.backends.tokenizer_info()
+        resolve_parser(tools, self._runner.settings.tool_call_parser, info.tool_call_format, "tools.choice")
 
     async def _spec(self, request: generation_pb2.GenerateRequest) -> tuple[GenerationSpec, ToolRequest | None]:
         """The request as a GenerationSpec, and its tools (their constraint, if any, in its params)."""
@@ -170,8 +182,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                                                                       "constrains the output")
                 request.params.structured_output.CopyFrom(calls)
                 structured_output_field = "tools"
-            info = await self._runner.backends.tokenizer_info()
-            resolve_parser(tools, self._runner.settings.tool_call_parser, info.tool_call_format, "tools.choice")
+            await self._resolve_parser(tools)
         return GenerationSpec(
             request_id=request_id, model=request.model, prompt=prompt, params=request.params,
             default_max_tokens=self._runner.settings.default_max_tokens, priority=request.priority,

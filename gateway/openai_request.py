@@ -14,9 +14,6 @@ from shardline.errors import InvalidArgument
 from shardline.proto import sampling_pb2, tokenizer_pb2
 
 # OpenAI's newer "developer" role is the system prompt under another name; templates know only "system".
-# Variables the gateway or the tokenizer service give the template themselves.
-_TEMPLATE_NAMES = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token",
-                             "continue_final_message"})
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 
 
@@ -104,7 +101,8 @@ def _is_token_ids(value: Any) -> bool:
 
 def chat_messages(body: dict[str, Any]) -> Prompt:
     """The conversation, and vLLM's options for rendering it: add_generation_prompt,
-    continue_final_message, chat_template_kwargs and documents (a per-request chat_template is refused)."""
+    continue_final_message, chat_template_kwargs and documents (a per-request chat_template is refused).
+    The tokenizer service refuses variables that would replace its own (messages, tools...)."""
     if body.get("chat_template") is not None:
         raise InvalidArgument("chat_template", "a request may not bring its own template (the server's "
                                                "SHARDLINE_CHAT_TEMPLATE sets one)")
@@ -123,8 +121,6 @@ def chat_messages(body: dict[str, Any]) -> Prompt:
         if not all(isinstance(document, dict) for document in documents):
             raise InvalidArgument("documents", "must be an array of objects")
         variables["documents"] = documents
-    if reserved := sorted(_TEMPLATE_NAMES.intersection(variables)):
-        raise InvalidArgument(f"chat_template_kwargs.{reserved[0]}", "is set by the server")
     if variables:
         chat.template_kwargs_json = json.dumps(variables)
     return Prompt(chat=chat, field="messages")

@@ -57,7 +57,10 @@ class ToolRequest:
             return sampling_pb2.StructuredOutput(json_schema=json.dumps(self.schemas[self.name]),
                                                  disable_any_whitespace=True)
         if self.choice == "required":
-            schema = json.dumps(self._calls_schema())
+            try:
+                schema = json.dumps(self._calls_schema())
+            except RecursionError:
+                raise InvalidArgument("tools", "a tool's parameters schema is nested too deeply") from None
             if len(schema) > MAX_SPEC_CHARS:
                 raise InvalidArgument("tools", f"tool_choice \"required\" needs a schema of all the tools, and theirs "
                                                f"come to {len(schema)} characters; at most {MAX_SPEC_CHARS}")
@@ -87,11 +90,15 @@ def tools_from_grpc(tools: generation_pb2.Tools) -> ToolRequest | None:
     """GenerateRequest.tools as a ToolRequest; errors name the Tools fields."""
     try:
         definitions = json.loads(tools.tools_json) if tools.tools_json else None
+        json.dumps(definitions, ensure_ascii=False).encode()  # an escaped lone surrogate is no text
     except (ValueError, RecursionError):
-        raise InvalidArgument("tools.tools_json", "must be a JSON array of tool definitions") from None
+        raise InvalidArgument("tools.tools_json", "must be a JSON array of tool definitions, "
+                                                  "in Unicode text") from None
     body: dict[str, Any] = {"tools": definitions}
     if tools.function:
         body["tool_choice"] = {"type": "function", "function": {"name": tools.function}}
+        if definitions is None:
+            raise InvalidArgument("tools.tools_json", "is needed to call a function")
     elif tools.choice:
         body["tool_choice"] = tools.choice
     if tools.HasField("parallel_tool_calls"):

@@ -12,6 +12,7 @@ from typing import Any
 
 from shardline.errors import InvalidArgument
 from shardline.proto import sampling_pb2
+from tokenizer_svc.chat_template import TEMPLATE_GLOBALS
 
 
 def template_messages(messages: list[sampling_pb2.ChatMessage]) -> list[dict[str, Any]]:
@@ -43,7 +44,7 @@ def _tool_call(call: sampling_pb2.ToolCall, field: str) -> dict[str, Any]:
 
 # What the service gives the template itself; a request's variables may not replace them.
 _RESERVED = frozenset({"messages", "tools", "add_generation_prompt", "continue_final_message", "bos_token",
-                       "eos_token"})
+                       "eos_token"}) | TEMPLATE_GLOBALS
 
 
 def template_variables(kwargs_json: str) -> dict[str, Any]:

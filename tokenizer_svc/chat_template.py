@@ -72,32 +72,47 @@ class ChatTemplate:
         self.tool_call_format = tool_call_format(template)
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-               continue_final_message: bool = False, **kwargs: Any) -> str:
-        """The prompt text for `messages`; extra keyword arguments (tools, documents, ...) go to the template.
+               continue_final_message: bool = False, variables: dict[str, Any] | None = None,
+               **kwargs: Any) -> str:
+        """The prompt text for `messages`; `variables` and extra keyword arguments (tools, documents,
+        ...) go to the template.
 
-        `continue_final_message` cuts the text where the last message's ends, so that the model goes
-        on with it rather than start a turn of its own (as transformers does it)."""
+        `continue_final_message` leaves the last message open, the text cut where its content ends,
+        so that the model goes on with it rather than start a turn of its own: as transformers does
+        it, with a tag appended to the content to find that place."""
         _check_messages(messages)
-        context = {"tools": None, "documents": None, **kwargs}
+        context = {"tools": None, "documents": None, **(variables or {}), **kwargs}
+        if continue_final_message:
+            final = messages[-1].get("content")
+            if not isinstance(final, str):
+                raise ChatTemplateError(f"messages[{len(messages) - 1}].content must be text to be continued")
+            messages = [*messages[:-1], {**messages[-1], "content": final + _CONTINUE_TAG}]
         try:
-            text = self._compiled.render(
-                messages=messages,
-                add_generation_prompt=add_generation_prompt,
-                bos_token=self.bos_token,
-                eos_token=self.eos_token,
-                **context,
-            )
+            # One mapping, not keywords: a variable may be called anything, "self" included.
+            text = self._compiled.render({
+                **context, "messages": messages, "add_generation_prompt": add_generation_prompt,
+                "bos_token": self.bos_token, "eos_token": self.eos_token})
         except jinja2.TemplateError as exc:
             # raise_exception(...) in a template reports messages it rejects, e.g. roles that do not alternate.
             raise ChatTemplateError(f"the chat template rejected the messages: {exc}") from exc
+        except Exception as exc:  # noqa: BLE001 - a template meets values of types it never expected
+            raise ChatTemplateError(f"the chat template failed on these messages or variables: "
+                                    f"{type(exc).__name__}: {exc}") from exc
         if not continue_final_message:
             return text
-        final = messages[-1].get("content")
-        final = final.strip() if isinstance(final, str) else ""
-        if not final or final not in text:
-            raise ChatTemplateError(f"messages[{len(messages) - 1}].content: continue_final_message needs the "
-                                    f"last message's text in the rendered prompt, and this template leaves it out")
-        return text[: text.rindex(final) + len(final)]
+        tag = _CONTINUE_TAG.strip()
+        if tag not in text:
+            raise ChatTemplateError("continue_final_message: this chat template leaves the last message's text out")
+        cut = text.rindex(tag)
+        # A template that trims the content's trailing blank (and the tag's) keeps no trailing blank either.
+        return text[:cut] if text[cut:cut + len(_CONTINUE_TAG)] == _CONTINUE_TAG else text[:cut].rstrip()
+
+
+# Appended to the content to be continued to find where it ends in the prompt (transformers' tag).
+_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+# The environment's own helpers, which a request's variables may not replace.
+TEMPLATE_GLOBALS = frozenset({"raise_exception", "strftime_now", "namespace", "range", "dict", "lipsum", "cycler",
+                              "joiner"})
 
 
 def tool_call_format(template: str) -> str:

@@ -80,10 +80,19 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServicer):
         assert self._template is not None
         try:
             prompt = self._template.render(messages, add_generation_prompt=request.add_generation_prompt,
-                                           continue_final_message=request.continue_final_message, **variables)
+                                           continue_final_message=request.continue_final_message, variables=variables)
         except ChatTemplateError as exc:
             found = _MESSAGE_FIELD.search(str(exc))
-            raise InvalidArgument(found.group(0) if found else "messages", str(exc)) from exc
+            field = found.group(0) if found else "chat_template_kwargs" if request.template_kwargs_json else "messages"
+            message = str(exc)
+            if message.startswith(f"{field}"):  # the message names it already: the client's error names it once
+                message = message[len(field):].lstrip(" :") or message
+            raise InvalidArgument(field, message) from exc
+        try:  # variables and tools may carry an escaped lone surrogate, which the template wrote out
+            prompt.encode()
+        except UnicodeEncodeError:
+            raise InvalidArgument("messages", "the rendered prompt is not Unicode text (a lone surrogate "
+                                              "in the messages, tools or template variables)") from None
         # The template writes the special tokens itself (BOS included, where the model has one).
         return prompt, self._tokenizer.encode_batch([prompt], add_special_tokens=False)[0]
 

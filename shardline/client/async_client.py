@@ -10,7 +10,8 @@ import grpc
 
 from shardline.client.channel_options import CHANNEL_OPTIONS
 from shardline.client.sync_client import RETRYABLE
-from shardline.client.types import Chunk, Completion, ModelInfo, RequestInfo, build_request, was_taken
+from shardline.client.types import (Chunk, Completion, ModelInfo, RequestInfo, build_request, build_tools,
+                                    resume_request, tools_of, was_taken)
 from shardline.proto import common_pb2, generation_pb2, generation_pb2_grpc
 
 T = TypeVar("T")
@@ -66,7 +67,8 @@ class AsyncShardlineClient:
             return Completion.from_proto(await self._stub.Generate(r, **kw))
 
         async def follow_started() -> Completion:
-            return Completion.from_chunks([c async for c in self.resume(req.request_id, 0, timeout=timeout)])
+            resume = resume_request(req.request_id, 0, tools_of(req))
+            return Completion.from_chunks([c async for c in self._stream(self._stub.Resume, resume, timeout)])
 
         return await self._call(generate_once, req, timeout, taken=follow_started)
 
@@ -76,10 +78,12 @@ class AsyncShardlineClient:
         req = build_request(prompt, messages=messages, timeout=timeout, **params)
         return self._stream(self._stub.GenerateStream, req, timeout, starts=True)
 
-    def resume(self, request_id: str, offset: int = 0, *, timeout: float | None = None) -> AsyncIterator[Chunk]:
+    def resume(self, request_id: str, offset: int = 0, *, timeout: float | None = None,
+               tools: list[dict[str, Any]] | None = None, tool_choice: str | dict[str, Any] | None = None,
+               parallel_tool_calls: bool | None = None) -> AsyncIterator[Chunk]:
         """Continue a request's stream from token `offset`; see `ShardlineClient.resume`."""
-        return self._stream(self._stub.Resume, generation_pb2.ResumeRequest(request_id=request_id, offset=offset),
-                            timeout)
+        return self._stream(self._stub.Resume, resume_request(
+            request_id, offset, build_tools(tools, tool_choice, parallel_tool_calls)), timeout)
 
     async def _stream(self, fn: Callable[..., Any], req: Any, timeout: float | None, starts: bool = False
                       ) -> AsyncIterator[Chunk]:
@@ -94,7 +98,8 @@ class AsyncShardlineClient:
                 return
             except grpc.aio.AioRpcError as exc:
                 if attempt and not started and starts and was_taken(exc):
-                    async for chunk in self.resume(req.request_id, 0, timeout=timeout):
+                    async for chunk in self._stream(self._stub.Resume, resume_request(req.request_id, 0, tools_of(req)),
+                                                    timeout):
                         yield chunk
                     return
                 if started or exc.code() not in RETRYABLE or attempt == self.retries:

@@ -9,7 +9,8 @@ from typing import Any, TypeVar
 import grpc
 
 from shardline.client.channel_options import CHANNEL_OPTIONS
-from shardline.client.types import Chunk, Completion, ModelInfo, RequestInfo, build_request, was_taken
+from shardline.client.types import (Chunk, Completion, ModelInfo, RequestInfo, build_request, build_tools,
+                                    resume_request, tools_of, was_taken)
 from shardline.proto import common_pb2, generation_pb2, generation_pb2_grpc
 
 T = TypeVar("T")
@@ -72,7 +73,8 @@ class ShardlineClient:
         Chunk.tool_calls, in pieces), with finish_reason "tool_calls" (or "stop" for a named one)."""
         req = build_request(prompt, messages=messages, timeout=timeout, **params)
         return self._call(lambda r, **kw: Completion.from_proto(self._stub.Generate(r, **kw)), req, timeout,
-                          taken=lambda: Completion.from_chunks(list(self.resume(req.request_id, 0, timeout=timeout))))
+                          taken=lambda: Completion.from_chunks(list(self._stream(
+                              self._stub.Resume, resume_request(req.request_id, 0, tools_of(req)), timeout))))
 
     def stream(self, prompt: str | list[int] | None = None, *, messages: list[dict[str, Any]] | None = None,
                timeout: float | None = None, **params: Any) -> Iterator[Chunk]:
@@ -80,15 +82,20 @@ class ShardlineClient:
         req = build_request(prompt, messages=messages, timeout=timeout, **params)
         return self._stream(self._stub.GenerateStream, req, timeout, starts=True)
 
-    def resume(self, request_id: str, offset: int = 0, *, timeout: float | None = None) -> Iterator[Chunk]:
+    def resume(self, request_id: str, offset: int = 0, *, timeout: float | None = None,
+               tools: list[dict[str, Any]] | None = None, tool_choice: str | dict[str, Any] | None = None,
+               parallel_tool_calls: bool | None = None) -> Iterator[Chunk]:
         """Continue a request's stream from token `offset` (replayed from the server's record, then live).
 
         Use the `offset + len(token_ids)` of the last chunk received: the text not yet received,
         whole characters and stop-string look-ahead included, comes first. A stream whose connection
         broke stays resumable for the gateway's `SHARDLINE_RESUME_GRACE_S` (5 s by default), through
         any gateway; after that its request is cancelled.
+
+        A request made with tools replays as raw text, unless the same `tools` (and `tool_choice`,
+        `parallel_tool_calls`) come again, from offset 0: then its calls are read as they were.
         """
-        req = generation_pb2.ResumeRequest(request_id=request_id, offset=offset)
+        req = resume_request(request_id, offset, build_tools(tools, tool_choice, parallel_tool_calls))
         return self._stream(self._stub.Resume, req, timeout)
 
     def _stream(self, fn: Callable[..., Any], req: Any, timeout: float | None, starts: bool = False
@@ -103,7 +110,8 @@ class ShardlineClient:
                 return
             except grpc.RpcError as exc:
                 if attempt and not started and starts and was_taken(exc):
-                    yield from self.resume(req.request_id, 0, timeout=timeout)
+                    yield from self._stream(self._stub.Resume, resume_request(req.request_id, 0, tools_of(req)),
+                                            timeout)
                     return
                 if started or exc.code() not in RETRYABLE or attempt == self.retries:
                     raise

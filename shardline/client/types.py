@@ -187,13 +187,14 @@ class ModelInfo:
 def build_request(prompt: str | list[int] | None = None, *, messages: list[dict[str, Any]] | None = None,
                   model: str = "", request_id: str | None = None, priority: int = 0,
                   timeout: float | None = None, tools: list[dict[str, Any]] | None = None,
-                  tool_choice: str | None = None, parallel_tool_calls: bool | None = None,
+                  tool_choice: str | dict[str, Any] | None = None, parallel_tool_calls: bool | None = None,
                   **params: Any) -> generation_pb2.GenerateRequest:
     """A GenerateRequest from a prompt (text or token ids) or chat messages plus sampling parameters.
 
     Messages are OpenAI's: {"role", "content"}, an assistant's earlier "tool_calls" (OpenAI's
     shape, or ToolCall objects) and a tool's answer with its "tool_call_id". `tools` are OpenAI tool
-    definitions; `tool_choice` is "auto" (the default), "none", "required" or a function's name."""
+    definitions; `tool_choice` is "auto" (the default), "none", "required", a function's name, or
+    OpenAI's {"type": "function", "function": {"name": ...}}."""
     req = generation_pb2.GenerateRequest(model=model, priority=priority)
     if messages is not None:
         req.messages.messages.extend(_chat_message(m) for m in messages)
@@ -203,16 +204,8 @@ def build_request(prompt: str | list[int] | None = None, *, messages: list[dict[
         req.prompt_token_ids.ids.extend(prompt)
     else:
         raise ValueError("give a prompt (text or token ids) or messages")
-    if tools is not None:
-        req.tools.tools_json = json.dumps(tools)
-        if tool_choice in (None, "auto", "none", "required"):
-            req.tools.choice = tool_choice or "auto"
-        else:
-            req.tools.function = tool_choice
-        if parallel_tool_calls is not None:
-            req.tools.parallel_tool_calls = parallel_tool_calls
-    elif tool_choice is not None or parallel_tool_calls is not None:
-        raise ValueError("tool_choice and parallel_tool_calls need tools")
+    if (spec := build_tools(tools, tool_choice, parallel_tool_calls)) is not None:
+        req.tools.CopyFrom(spec)
     # Chosen here when not given: a retry after a connection lost mid-call must not start the
     # generation twice, and with its id it finds the one that did start (see was_taken).
     req.request_id = request_id or f"{'chatcmpl' if messages is not None else 'cmpl'}-{secrets.token_hex(16)}"
@@ -249,6 +242,26 @@ def build_request(prompt: str | list[int] | None = None, *, messages: list[dict[
     return req
 
 
+def build_tools(tools: list[dict[str, Any]] | None, tool_choice: str | dict[str, Any] | None = None,
+                parallel_tool_calls: bool | None = None) -> generation_pb2.Tools | None:
+    """The Tools message: OpenAI tool definitions, and tool_choice as "auto", "none", "required", a
+    function's name, or OpenAI's {"type": "function", "function": {"name": ...}}."""
+    if tools is None:
+        if tool_choice is not None or parallel_tool_calls is not None:
+            raise ValueError("tool_choice and parallel_tool_calls need tools")
+        return None
+    spec = generation_pb2.Tools(tools_json=json.dumps(tools))
+    if isinstance(tool_choice, dict):
+        spec.function = tool_choice["function"]["name"]
+    elif tool_choice in (None, "auto", "none", "required"):
+        spec.choice = tool_choice or "auto"
+    else:
+        spec.function = tool_choice
+    if parallel_tool_calls is not None:
+        spec.parallel_tool_calls = parallel_tool_calls
+    return spec
+
+
 def _chat_message(m: dict[str, Any]) -> sampling_pb2.ChatMessage:
     message = sampling_pb2.ChatMessage(role=m["role"], content=m.get("content") or "",
                                        tool_call_id=m.get("tool_call_id") or "", name=m.get("name") or "")
@@ -271,6 +284,19 @@ def _spec_value(kind: str, value: Any) -> str | tuple[str, ...]:
     if kind == "choice":
         return tuple(value)
     return "" if kind == "json_object" else value
+
+
+def resume_request(request_id: str, offset: int, tools: generation_pb2.Tools | None = None
+                   ) -> generation_pb2.ResumeRequest:
+    """A ResumeRequest; with the request's tools, the replay is read into tool calls again (offset 0)."""
+    req = generation_pb2.ResumeRequest(request_id=request_id, offset=offset)
+    if tools is not None:
+        req.tools.CopyFrom(tools)
+    return req
+
+
+def tools_of(req: generation_pb2.GenerateRequest) -> generation_pb2.Tools | None:
+    return req.tools if req.HasField("tools") else None
 
 
 def was_taken(exc: grpc.RpcError) -> bool:

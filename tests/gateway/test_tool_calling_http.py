@@ -161,11 +161,26 @@ def test_tool_calls_over_grpc_with_the_sdk(tokenizer_address, tokenizer: Tokeniz
             assert json.loads(submitted.params.structured_output.json_schema)["type"] == "array"
             named = await sdk.generate(messages=MESSAGES, tools=[WEATHER], tool_choice="get_weather")
             assert named.finish_reason == "stop" and named.tool_calls[0].name == "get_weather"
+            as_openai = await sdk.generate(messages=MESSAGES, tools=[WEATHER],
+                                           tool_choice={"type": "function", "function": {"name": "get_weather"}})
+            assert as_openai.tool_calls[0].name == "get_weather"
+            # A Resume reads the calls again when it brings the tools (the SDK's retry of a taken id does).
+            replay = Completion.from_chunks([c async for c in sdk.resume(
+                whole.request_id, 0, tools=[WEATHER, TIME], tool_choice="required")])
+            assert replay.finish_reason == "tool_calls"
+            assert [(c.name, c.arguments) for c in replay.tool_calls] == [(c.name, c.arguments) for c in whole.tool_calls]
+            raw = Completion.from_chunks([c async for c in sdk.resume(whole.request_id, 0)])
+            assert raw.tool_calls is None and json.loads(raw.text)[0]["name"] == "get_weather"
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                _ = [c async for c in sdk.resume(whole.request_id, 2, tools=[WEATHER, TIME], tool_choice="required")]
+            assert caught.value.details().startswith("offset:")
             for kwargs, field in (({"tools": [WEATHER]}, "tools.choice"),  # "auto": this template writes none
                                   ({"tools": [WEATHER], "tool_choice": "get_time"}, "tools.function"),
                                   ({"tools": [{"type": "function"}], "tool_choice": "required"}, "tools.tools_json[0]"),
                                   ({"tools": [WEATHER], "tool_choice": "required", "regex": "x"},
-                                   "params.structured_output")):
+                                   "params.structured_output"),
+                                  ({"tools": [{**WEATHER, "function": {**WEATHER["function"], "description": "\ud800"}}],
+                                    "tool_choice": "none"}, "tools.tools_json")):
                 with pytest.raises(grpc.aio.AioRpcError) as caught:
                     await sdk.generate(messages=MESSAGES, **kwargs)
                 assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT

@@ -290,3 +290,13 @@ def test_too_many_tools_for_required_name_tools() -> None:
     with pytest.raises(InvalidArgument) as caught:
         request("required", tools=big).constraint()
     assert caught.value.field == "tools" and "required" in str(caught.value)
+
+
+def test_a_deeply_nested_schema_is_a_400_under_required() -> None:
+    deep: dict = {"type": "object"}
+    for _ in range(600):
+        deep = {"type": "object", "properties": {"a": deep}}
+    tool = {"type": "function", "function": {"name": "deep", "parameters": deep}}
+    with pytest.raises(InvalidArgument) as caught:
+        request("required", tools=[tool]).constraint()
+    assert caught.value.field == "tools"

@@ -129,12 +129,27 @@ def test_tool_call_format_is_read_off_the_template(template):
     assert '{"name": "get_time", "parameters": {"tz": "UTC"}}<|eot_id|>' in prompt and '"name": "get_time"' in prompt
 
 
-def test_continue_final_message_matches_transformers(template, hf_tokenizer):
-    messages = [*CONVERSATIONS["multi_turn"], {"role": "assistant", "content": "Twelve, because"}]
+@pytest.mark.parametrize("content", ["Twelve, because", "Step 1:\n", "The red ", "end", ">", "", "2+2?"])
+def test_continue_final_message_matches_transformers(template, hf_tokenizer, content):
+    """Trailing blanks kept, text the template also writes after it ("end" of "<|im_end|>"), empty
+    content, text said earlier in the conversation: cut where transformers cuts."""
+    messages = [*CONVERSATIONS["multi_turn"], {"role": "assistant", "content": content}]
     expected = hf_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False,
                                                 continue_final_message=True)
     assert template.render(messages, add_generation_prompt=False, continue_final_message=True) == expected
-    assert expected.endswith("<|im_start|>assistant\nTwelve, because")
+    assert expected.endswith("<|im_start|>assistant\n" + content)
     with pytest.raises(ChatTemplateError, match="continue_final_message"):
         ChatTemplate("{% for m in messages %}{{ m.role }}{% endfor %}", None, None).render(
             messages, add_generation_prompt=False, continue_final_message=True)
+
+
+def test_template_failures_on_odd_variables_are_chat_template_errors():
+    source = "{{ 'Today: ' + date_string }}{% for d in documents %}{{ d.title + '!' }}{% endfor %}"
+    with pytest.raises(ChatTemplateError, match="TypeError"):
+        ChatTemplate(source, None, None).render([{"role": "user", "content": "x"}], variables={"date_string": 5})
+    with pytest.raises(ChatTemplateError, match="TypeError"):
+        ChatTemplate(source, None, None).render([{"role": "user", "content": "x"}],
+                                                variables={"date_string": "now", "documents": [{"title": 1}]})
+    # A variable named like render's own parameters ("self") breaks nothing.
+    assert ChatTemplate("{{ greeting }}", None, None).render([{"role": "user", "content": "x"}],
+                                                             variables={"self": 1, "greeting": "hi"}) == "hi"

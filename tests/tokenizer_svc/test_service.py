@@ -310,7 +310,10 @@ def test_template_variables_reach_the_template() -> None:
             messages=[user], template_kwargs_json=json.dumps({"enable_thinking": False,
                                                               "documents": [{"text": "A"}]})))
         assert reply.prompt == "user: Hi\n[no thinking]<doc>A</doc>"
-        for bad, field in (('{"messages": []}', "chat_template_kwargs.messages"), ("[1]", "chat_template_kwargs")):
+        for bad, field in (('{"messages": []}', "chat_template_kwargs.messages"), ("[1]", "chat_template_kwargs"),
+                           ('{"namespace": 1}', "chat_template_kwargs.namespace"),
+                           ('{"documents": [{"text": "\\ud800"}]}', "messages"),
+                           ('{"documents": 5}', "chat_template_kwargs")):
             await expect_invalid(stub.ApplyChatTemplate(tokenizer_pb2.ApplyChatTemplateRequest(
                 messages=[user], template_kwargs_json=bad)), field)
         await expect_invalid(stub.ApplyChatTemplate(tokenizer_pb2.ApplyChatTemplateRequest(
