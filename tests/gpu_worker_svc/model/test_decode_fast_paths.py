@@ -105,3 +105,25 @@ def test_prefill_attention_takes_the_flash_kernel():
         ops = {event.key for event in prof.key_averages()}
         assert "aten::_scaled_dot_product_flash_attention_for_cpu" in ops, (cached, sorted(ops))
         assert "aten::_scaled_dot_product_attention_math" not in ops
+
+
+def test_chunks_of_one_length_attend_in_one_call_bitwise_as_apart():
+    """A burst's prompts prefill in one SDPA call per run of equal chunks; each chunk's result is the
+    same bits as attending alone (so batching never changes a request's tokens)."""
+    torch.manual_seed(0)
+    heads, kv_heads, dim = 9, 3, 64
+    attention = PagedAttention(heads, kv_heads, dim)
+    cache = torch.randn(2, 256, BLOCK, kv_heads, dim)
+    # Three 40-token prompts, a cached-prefix chunk, two 17-token prompts and a decode.
+    computed, new = [0, 0, 0, 32, 0, 0, 50], [40, 40, 40, 8, 17, 17, 1]
+    tables = torch.randperm(256)[: len(new) * 4].view(len(new), 4)
+    batch = StepBatch(torch.zeros(len(new), dtype=torch.long), torch.tensor(computed), torch.tensor(new), tables)
+    _, meta = build_step(batch, BLOCK)
+    total = sum(new)
+    q, k, v = torch.randn(total, heads, dim), torch.randn(total, kv_heads, dim), torch.randn(total, kv_heads, dim)
+    together = attention(q, k, v, cache.clone(), meta)
+    assert meta.derived["self_attending"] == [(0, 40, 3), (128, 17, 2)]
+    starts = [0, 40, 80, 128, 145]
+    for start, n in zip(starts, [40, 40, 40, 17, 17]):
+        alone = attention._sdpa(q[start:start + n], k[start:start + n], v[start:start + n], None, causal=True)
+        assert torch.equal(together[start:start + n], alone.flatten(1))
