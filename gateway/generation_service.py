@@ -120,10 +120,12 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             raise Unavailable("the scheduler is unreachable: no output subscription")
         params = info.params
         stop = StopMatcher(list(params.stop))
+        eos = (await self._runner.backends.tokenizer_info()).eos_token_ids
         # Deltas wait in `buffered` until the record is in, so none is lost or doubled around Attach.
         hub.register(RequestStream(info.request_id, info.usage.prompt_tokens, params.skip_special_tokens, stop,
                                    buffered=[], min_tokens=params.min_tokens,
-                                   wants_prompt_logprobs=params.HasField("prompt_logprobs")))
+                                   wants_prompt_logprobs=params.HasField("prompt_logprobs"),
+                                   stop_token_ids=frozenset(eos) | frozenset(params.stop_token_ids)))
         try:
             if running:
                 attach = scheduler_pb2.AttachRequest(request_id=info.request_id, gateway_id=self._gateway_id)

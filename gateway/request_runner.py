@@ -242,7 +242,8 @@ class RequestRunner:
         timeout_s = min(spec.timeout_s or self.settings.request_timeout_s, self.settings.request_timeout_s)
         stop = StopMatcher(list(params.stop))
         stream = RequestStream(spec.request_id, len(prompt_ids), params.skip_special_tokens, stop,
-                               min_tokens=params.min_tokens, wants_prompt_logprobs=params.HasField("prompt_logprobs"))
+                               min_tokens=params.min_tokens, wants_prompt_logprobs=params.HasField("prompt_logprobs"),
+                               stop_token_ids=frozenset(info.eos_token_ids) | frozenset(params.stop_token_ids))
         self.hub.register(stream)
         submit = scheduler_pb2.SubmitRequest(
             request_id=spec.request_id, gateway_id=self.settings.gateway_id, model=info.model,

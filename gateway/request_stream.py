@@ -76,6 +76,8 @@ class RequestStream:
     min_tokens: int = 0  # stop strings end the request only once it has this many tokens (as in vLLM)
     # It asked for prompt logprobs, which only the first token's delta from its worker carries.
     wants_prompt_logprobs: bool = False
+    # Tokens that end it (EOS, its stop_token_ids): the one it stops on is output, not text (as in vLLM).
+    stop_token_ids: frozenset[int] = frozenset()
 
     def usage(self) -> sampling_pb2.Usage:
         """Its usage so far, for a request the gateway ends itself (a stop string, a lost consumer)."""

@@ -243,11 +243,14 @@ class StreamHub:
             await self._detokenize(list(work.values()))
 
     async def _detokenize(self, work: list[DeltaWork]) -> None:
+        # The token that stopped a request (EOS, a stop token id) is output but not text, as in vLLM:
+        # it would show with skip_special_tokens off, or when it is an ordinary token.
+        spoken = [w.new[:-1] if _stopped_by_token(w) else w.new for w in work]
         items = [
             tokenizer_pb2.DetokenizeItem(
-                prefix_token_ids=w.stream.prefix, new_token_ids=w.stream.pending + w.new, final=w.final,
+                prefix_token_ids=w.stream.prefix, new_token_ids=w.stream.pending + new, final=w.final,
                 skip_special_tokens=w.stream.skip_special_tokens)
-            for w in work
+            for w, new in zip(work, spoken)
         ]
         # Logprobs name tokens by id; their texts ride in the same call, one final item per distinct id.
         named = sorted({t for w in work for t in _named_tokens(w.logprobs, w.prompt_logprobs)})
@@ -281,7 +284,7 @@ class StreamHub:
         overshot: list[Overshot] = []
         for i, (w, result) in enumerate(zip(work, reply.results)):
             stream = w.stream
-            sent = stream.pending + w.new
+            sent = stream.pending + spoken[i]
             item = items[i]
             consumed = sent[: result.num_consumed]
             stream.pending = sent[result.num_consumed :]
@@ -299,7 +302,7 @@ class StreamHub:
                 chunk.token_texts = {t: texts[t] for t in _named_tokens(w.logprobs, w.prompt_logprobs)}
                 chunk.token_bytes = {t: broken[t] for t in chunk.token_texts if t in broken}
             if end is not None and len(w.new) > 1:  # which of its tokens completed the stop string?
-                search = StopSearch(item, len(w.new), result.text, end, lo=unarmed_tokens(w) + 1, hi=len(w.new),
+                search = StopSearch(item, len(spoken[i]), result.text, end, lo=unarmed_tokens(w) + 1, hi=len(spoken[i]),
                                     hi_text=result.text)
                 overshot.append(Overshot(w, chunk, held, search))
             elif end is not None:
@@ -391,3 +394,10 @@ def _record_timing(timing: StreamTiming, has_tokens: bool, now: float, start_ns:
         timing.detokenize_start_ns = start_ns
     timing.detokenize_calls += 1
     timing.detokenize_end_ns = end_ns
+
+
+def _stopped_by_token(w: DeltaWork) -> bool:
+    """The delta ends its request on one of its stop tokens: EOS or a stop token id (a complete
+    structured output ends on EOS too)."""
+    return (w.final and w.delta.finish_reason == sampling_pb2.FINISH_REASON_STOP and bool(w.new)
+            and w.new[-1] in w.stream.stop_token_ids)

@@ -375,3 +375,31 @@ def test_chat_rendering_options(tokenizer_address, text_ids, tokenizer: Tokenize
         assert caught.value.body["param"] == "continue_final_message"
 
     run_on_stack(tokenizer_address, Script(text_ids), body)
+
+
+def test_the_stop_token_is_output_but_not_text(tokenizer_address, text_ids, tokenizer: Tokenizer) -> None:
+    """As in vLLM: the EOS or stop token id a request stops on counts as a generated token and is in
+    its token ids, but its text is not in the output, even with skip_special_tokens off."""
+    eos = tokenizer.eos_token_ids[0]
+
+    async def body(stack: Stack) -> None:
+        openai_client = client(stack)
+        raw = await openai_client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=100,
+                                                     extra_body={"skip_special_tokens": False})
+        assert raw.choices[0].text == TEXT and raw.usage.completion_tokens == len(text_ids) + 1
+        chunks = [c.choices[0].text async for c in await openai_client.completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=100, stream=True, extra_body={"skip_special_tokens": False})]
+        assert "".join(chunks) == TEXT
+
+    run_on_stack(tokenizer_address, Script(text_ids + [eos]), body)
+
+    # An ordinary token as a stop token id: its text is left out too.
+    last = text_ids[-1]
+
+    async def stopped_on_id(stack: Stack) -> None:
+        reply = await client(stack).completions.create(model=MODEL, prompt=PROMPT, max_tokens=100,
+                                                       extra_body={"stop_token_ids": [last]})
+        assert reply.choices[0].text == tokenizer.decode(text_ids[:-1])
+        assert reply.usage.completion_tokens == len(text_ids)
+
+    run_on_stack(tokenizer_address, Script(text_ids), stopped_on_id)
