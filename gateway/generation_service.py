@@ -13,7 +13,7 @@ from gateway.request_runner import GenerationSpec, Prompt, RequestRunner
 from gateway.request_stream import RequestStream, StreamChunk, drain
 from gateway.stop_matcher import StopMatcher
 from gateway.tool_calls import ToolCallOutput
-from gateway.tool_params import ToolRequest, resolve_parser, tools_from_grpc
+from gateway.tool_params import ToolRequest, keep_tool_call_tags, resolve_parser, tools_from_grpc
 from shardline.errors import InvalidArgument, Unavailable
 from shardline.ids import require_id
 from shardline.proto import common_pb2, generation_pb2, generation_pb2_grpc, sampling_pb2, scheduler_pb2, tokenizer_pb2
@@ -185,6 +185,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                 request.params.structured_output.CopyFrom(calls)
                 structured_output_field = "tools"
             await self._resolve_parser(tools)
+            keep_tool_call_tags(tools, request.params)
         return GenerationSpec(
             request_id=request_id, model=request.model, prompt=prompt, params=request.params,
             default_max_tokens=self._runner.settings.default_max_tokens, priority=request.priority,

@@ -25,7 +25,7 @@ from gateway.openai_response import ResponseFormatter, error_body
 from gateway.params import OPENAI_COMPLETIONS_DEFAULT_MAX_TOKENS
 from gateway.request_runner import ModelNotFound, RequestRunner
 from gateway.tokenize_http import TokenizeApi
-from gateway.tool_params import resolve_parser
+from gateway.tool_params import keep_tool_call_tags, resolve_parser
 from shardline.errors import InvalidArgument, ShardlineError
 from shardline.proto import generation_pb2, sampling_pb2
 from tracing import attributes as attr
@@ -118,6 +118,7 @@ class OpenAIHttpApi:
         if parsed.tools is not None:
             template_format = (await self._runner.backends.tokenizer_info()).tool_call_format
             resolve_parser(parsed.tools, self._runner.settings.tool_call_parser, template_format)
+            keep_tool_call_tags(parsed.tools, parsed.params)
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(16)}"
         default_max_tokens = self._runner.settings.default_max_tokens if chat else OPENAI_COMPLETIONS_DEFAULT_MAX_TOKENS
         specs = choice_specs(parsed, request_id, default_max_tokens, arrival_s)

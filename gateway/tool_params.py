@@ -191,6 +191,14 @@ def resolve_parser(request: ToolRequest, configured: str, template_format: str, 
     request.parser = parser
 
 
+def keep_tool_call_tags(request: ToolRequest, params: sampling_pb2.SamplingParameters) -> None:
+    """Hermes' <tool_call> tags are special tokens in some vocabularies (Hermes 2 Pro's): their text must
+    reach the parser, so "auto" keeps special tokens unless the client said otherwise, as vLLM's
+    hermes parser does. The token the request stops on stays out of the text either way."""
+    if request.parser == "hermes" and not params.HasField("skip_special_tokens"):
+        params.skip_special_tokens = False
+
+
 def tool_calls_from_message(message: dict[str, Any], field: str) -> list[sampling_pb2.ToolCall]:
     """An assistant turn's earlier calls, replayed in the conversation."""
     calls = message.get("tool_calls")
