@@ -42,7 +42,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> generation_pb2.GenerateResponse:
         spec, tools = await self._spec(request)
-        with self._tracer.start_as_current_span("gateway.request") as span:
+        with self._tracer.start_as_current_span("gateway.request", attributes=_tool_attributes(tools)) as span:
             live = await self._runner.start(spec, span)
             try:
                 completion = await live.collect()
@@ -68,7 +68,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         output = ToolCallOutput(tools) if tools is not None else None
         # No span is current across a yield: grpc abandons a stream at a yield when its client leaves
         # mid-write, and the event loop closes the generator later, from another context.
-        span = self._tracer.start_span("gateway.request")
+        span = self._tracer.start_span("gateway.request", attributes=_tool_attributes(tools))
         try:
             with trace.use_span(span):  # current while submitting: the Submit rpc carries the trace
                 live = await self._runner.start(spec, span)
@@ -190,6 +190,10 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             request_id=request_id, model=request.model, prompt=prompt, params=request.params,
             default_max_tokens=self._runner.settings.default_max_tokens, priority=request.priority,
             timeout_s=timeout_s, field_prefix="params.", structured_output_field=structured_output_field), tools
+
+
+def _tool_attributes(tools: ToolRequest | None) -> dict[str, str]:
+    return {attr.TOOL_CHOICE: tools.choice} if tools is not None else {}
 
 
 def _stream_response(request_id: str, chunk: StreamChunk,

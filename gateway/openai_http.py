@@ -123,6 +123,8 @@ class OpenAIHttpApi:
         default_max_tokens = self._runner.settings.default_max_tokens if chat else OPENAI_COMPLETIONS_DEFAULT_MAX_TOKENS
         specs = choice_specs(parsed, request_id, default_max_tokens, arrival_s)
         span_attributes = {"http.request.method": request.method, "url.path": request.path}
+        if parsed.tools is not None:
+            span_attributes[attr.TOOL_CHOICE] = parsed.tools.choice
         with start_http_server_span(self._tracer, "gateway.request", request.headers, span_attributes) as span:
             choices = await start_choices(self._runner, specs, parsed.n, span)
             if len(choices) > 1:  # the id the client gets back finds the whole trace; its choices have rows

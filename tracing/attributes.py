@@ -29,6 +29,7 @@ RANK = "shardline.rank"
 STEP = "shardline.step"
 NUM_TOKENS = "shardline.num_tokens"
 STRUCTURED_OUTPUT = "shardline.structured_output"  # the constraint's kind: json_schema, regex...
+TOOL_CHOICE = "shardline.tool_choice"  # a request with tools: none, auto, required or named
 PREFIX_CACHE_HITS = "shardline.prefix_cache_hits"
 
 # Shardline gauges sampled on step and queue spans; each becomes a Perfetto counter track.

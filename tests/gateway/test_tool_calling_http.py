@@ -15,6 +15,7 @@ from shardline.client import AsyncShardlineClient, Completion, ToolCall
 from tests.gateway.test_openai_http import client
 from tokenizer_svc.chat_template import ChatTemplate
 from tokenizer_svc.tokenizer import Tokenizer
+from tracing import attributes as attr
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
@@ -63,6 +64,8 @@ def test_required_calls(tokenizer_address, tokenizer: Tokenizer) -> None:
         assert whole.choices[0].message.content is None
         assert same_calls(whole, streamed) == [("get_weather", {"city": "Oslo"}), ("get_time", {})]
         constraint = stack.scheduler.submitted[0].params.structured_output
+        assert {span.attributes.get(attr.TOOL_CHOICE) for span in stack.spans.get_finished_spans()
+                if span.name == "gateway.request"} == {"required"}
         schema = json.loads(constraint.json_schema)
         assert schema["type"] == "array" and constraint.disable_any_whitespace
         assert [c["properties"]["name"]["enum"][0] for c in schema["items"]["anyOf"]] == ["get_weather", "get_time"]
