@@ -107,7 +107,11 @@ class StreamHub:
         the deltas held meanwhile in."""
         async with self._lock:
             stream = self._streams[request_id]
-            await self._restore_held_back(stream, list(info.output_token_ids[:offset]))
+            finished = info.status >= sampling_pb2.REQUEST_STATUS_FINISHED
+            if not (finished and offset == len(info.output_token_ids)):
+                # A client at the very end of a finished request had its last chunk, which flushed
+                # everything held back: nothing is owed to it.
+                await self._restore_held_back(stream, list(info.output_token_ids[:offset]))
             stream.next_offset = offset
             deltas = [record_delta(info, offset), *(stream.buffered or ())]
             stream.buffered = None

@@ -184,3 +184,23 @@ def test_resume_a_running_request_on_another_gateway(tokenizer_address, text_ids
         assert chunks[-1].finish_reason == sampling_pb2.FINISH_REASON_STOP
 
     run_on_stack(tokenizer_address, Script(text_ids, hold_after=5), body, resume_grace_s=0)
+
+
+def test_resume_at_the_end_of_a_finished_request_owes_nothing(tokenizer_address, text_ids, tokenizer: Tokenizer
+                                                                ) -> None:
+    """The client had the last chunk, which flushed all held-back text: a Resume at the end sends none,
+    even where the stop token's text ('<|im_end|>') looks like the start of a stop string, or a
+    character is unfinished."""
+    eos = tokenizer.eos_token_ids[0]
+    emoji_cut = next(n for n in range(len(text_ids)) if tokenizer.decode(text_ids[:n]).endswith("\ufffd"))
+
+    async def body(stack: Stack) -> None:
+        for params in ({"skip_special_tokens": False, "stop": [">>"]}, {}):
+            streamed = [c async for c in stack.generation.GenerateStream(request(max_tokens=50, **params))]
+            end = streamed[-1].offset + len(streamed[-1].token_ids)
+            again = [c async for c in stack.generation.Resume(
+                generation_pb2.ResumeRequest(request_id=streamed[0].request_id, offset=end))]
+            assert "".join(c.text for c in again) == "" and not [t for c in again for t in c.token_ids]
+            assert again[-1].finish_reason == sampling_pb2.FINISH_REASON_STOP
+
+    run_on_stack(tokenizer_address, Script(text_ids[:emoji_cut] + [eos]), body)
