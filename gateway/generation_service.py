@@ -9,6 +9,7 @@ import grpc
 from opentelemetry import trace
 
 from gateway.backends import RPC_TIMEOUT_S, upstream
+from gateway.chat_request import chat_request
 from gateway.request_runner import GenerationSpec, Prompt, RequestRunner
 from gateway.request_stream import RequestStream, StreamChunk, drain
 from gateway.stop_matcher import StopMatcher
@@ -160,8 +161,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             raise InvalidArgument("input", "set one of prompt, messages or prompt_token_ids")
         prompt = {
             "prompt": lambda: Prompt(text=request.prompt),
-            "messages": lambda: Prompt(chat=tokenizer_pb2.ApplyChatTemplateRequest(
-                messages=request.messages.messages, add_generation_prompt=True), field="messages"),
+            "messages": lambda: Prompt(chat=_chat(request.messages), field="messages"),
             "prompt_token_ids": lambda: Prompt(
                 token_ids=list(request.prompt_token_ids.ids), field="prompt_token_ids"),
         }[kind]()
@@ -190,6 +190,12 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             request_id=request_id, model=request.model, prompt=prompt, params=request.params,
             default_max_tokens=self._runner.settings.default_max_tokens, priority=request.priority,
             timeout_s=timeout_s, field_prefix="params.", structured_output_field=structured_output_field), tools
+
+
+def _chat(messages: generation_pb2.ChatMessages) -> tokenizer_pb2.ApplyChatTemplateRequest:
+    generation_prompt = messages.add_generation_prompt if messages.HasField("add_generation_prompt") else None
+    return chat_request(list(messages.messages), generation_prompt, messages.continue_final_message,
+                        messages.template_kwargs_json, prefix="messages.")
 
 
 def _tool_attributes(tools: ToolRequest | None) -> dict[str, str]:

@@ -6,12 +6,13 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from gateway.chat_request import chat_request
 from gateway.params import MAX_CHOICES, json_field, sampling_from_openai
 from gateway.request_runner import Prompt
 from gateway.structured_params import structured_output_from_openai
 from gateway.tool_params import ToolRequest, tool_calls_from_message, tools_from_openai
 from shardline.errors import InvalidArgument
-from shardline.proto import sampling_pb2, tokenizer_pb2
+from shardline.proto import sampling_pb2
 
 # OpenAI's newer "developer" role is the system prompt under another name; templates know only "system".
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
@@ -106,15 +107,8 @@ def chat_messages(body: dict[str, Any]) -> Prompt:
     if body.get("chat_template") is not None:
         raise InvalidArgument("chat_template", "a request may not bring its own template (the server's "
                                                "SHARDLINE_CHAT_TEMPLATE sets one)")
-    chat = tokenizer_pb2.ApplyChatTemplateRequest(messages=_turns(body))
-    continue_final = bool(json_field(body, "continue_final_message", bool))
-    generation_prompt = json_field(body, "add_generation_prompt", bool)
-    if continue_final and generation_prompt:
-        raise InvalidArgument("continue_final_message", "cannot be combined with add_generation_prompt true")
-    if continue_final and chat.messages[-1].role != "assistant":
-        raise InvalidArgument("continue_final_message", "needs the last message to be the assistant's")
-    chat.continue_final_message = continue_final
-    chat.add_generation_prompt = not continue_final if generation_prompt is None else generation_prompt
+    chat = chat_request(_turns(body), json_field(body, "add_generation_prompt", bool),
+                        bool(json_field(body, "continue_final_message", bool)))
     variables = dict(json_field(body, "chat_template_kwargs", dict) or {})
     documents = json_field(body, "documents", list)
     if documents is not None:

@@ -70,7 +70,11 @@ class ShardlineClient:
         Tool calling (with messages): tools=[OpenAI tool definitions], tool_choice="auto" (the
         default; needs a model whose chat template writes calls), "none", "required" or a function's
         name, and parallel_tool_calls. The calls come back in Completion.tool_calls (and
-        Chunk.tool_calls, in pieces), with finish_reason "tool_calls" (or "stop" for a named one)."""
+        Chunk.tool_calls, in pieces), with finish_reason "tool_calls" (or "stop" for a named one).
+
+        Chat rendering (with messages), as vLLM takes it: chat_template_kwargs (variables for the
+        template, such as {"enable_thinking": False}), continue_final_message=True (the model goes on
+        with the last, assistant, message) and add_generation_prompt."""
         req = build_request(prompt, messages=messages, timeout=timeout, **params)
         return self._call(lambda r, **kw: Completion.from_proto(self._stub.Generate(r, **kw)), req, timeout,
                           taken=lambda: Completion.from_chunks(list(self._stream(

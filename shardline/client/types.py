@@ -188,16 +188,25 @@ def build_request(prompt: str | list[int] | None = None, *, messages: list[dict[
                   model: str = "", request_id: str | None = None, priority: int = 0,
                   timeout: float | None = None, tools: list[dict[str, Any]] | None = None,
                   tool_choice: str | dict[str, Any] | None = None, parallel_tool_calls: bool | None = None,
-                  **params: Any) -> generation_pb2.GenerateRequest:
+                  chat_template_kwargs: dict[str, Any] | None = None, continue_final_message: bool = False,
+                  add_generation_prompt: bool | None = None, **params: Any) -> generation_pb2.GenerateRequest:
     """A GenerateRequest from a prompt (text or token ids) or chat messages plus sampling parameters.
 
     Messages are OpenAI's: {"role", "content"}, an assistant's earlier "tool_calls" (OpenAI's
     shape, or ToolCall objects) and a tool's answer with its "tool_call_id". `tools` are OpenAI tool
     definitions; `tool_choice` is "auto" (the default), "none", "required", a function's name, or
-    OpenAI's {"type": "function", "function": {"name": ...}}."""
+    OpenAI's {"type": "function", "function": {"name": ...}}. `chat_template_kwargs` (variables for
+    the template), `continue_final_message` and `add_generation_prompt` are vLLM's chat options."""
     req = generation_pb2.GenerateRequest(model=model, priority=priority)
     if messages is not None:
         req.messages.messages.extend(_chat_message(m) for m in messages)
+        if chat_template_kwargs:
+            req.messages.template_kwargs_json = json.dumps(chat_template_kwargs)
+        req.messages.continue_final_message = continue_final_message
+        if add_generation_prompt is not None:
+            req.messages.add_generation_prompt = add_generation_prompt
+    elif chat_template_kwargs or continue_final_message or add_generation_prompt is not None:
+        raise ValueError("chat_template_kwargs, continue_final_message and add_generation_prompt need messages")
     elif isinstance(prompt, str):
         req.prompt = prompt
     elif prompt is not None:
