@@ -14,7 +14,7 @@ from gateway.request_runner import GenerationSpec, Prompt, RequestRunner
 from gateway.request_stream import RequestStream, StreamChunk, drain
 from gateway.stop_matcher import StopMatcher
 from gateway.tool_calls import ToolCallOutput
-from gateway.tool_params import ToolRequest, keep_tool_call_tags, resolve_parser, tools_from_grpc
+from gateway.tool_params import ToolRequest, constrain, keep_tool_call_tags, resolve_parser, tools_from_grpc
 from shardline.errors import InvalidArgument, Unavailable
 from shardline.ids import require_id
 from shardline.proto import common_pb2, generation_pb2, generation_pb2_grpc, sampling_pb2, scheduler_pb2, tokenizer_pb2
@@ -173,16 +173,12 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         if timeout_s is not None and timeout_s <= 0:
             raise InvalidArgument("timeout", "must be positive")
         tools = tools_from_grpc(request.tools) if request.HasField("tools") else None
-        structured_output_field = "structured_output"
+        structured_output_field = "params.structured_output"
         if tools is not None:
             if kind != "messages":
                 raise InvalidArgument("tools", "tool calling needs messages (a chat)")
             prompt.chat.tools_json = tools.tools_json
-            if (calls := tools.constraint()) is not None:
-                if request.params.HasField("structured_output"):
-                    raise InvalidArgument("params.structured_output", "cannot be combined with a tool choice that "
-                                                                      "constrains the output")
-                request.params.structured_output.CopyFrom(calls)
+            if constrain(tools, request.params, structured_output_field):
                 structured_output_field = "tools"
             await self._resolve_parser(tools)
             keep_tool_call_tags(tools, request.params)

@@ -10,7 +10,7 @@ from gateway.chat_request import chat_request
 from gateway.params import MAX_CHOICES, json_field, sampling_from_openai
 from gateway.request_runner import Prompt
 from gateway.structured_params import structured_output_from_openai
-from gateway.tool_params import ToolRequest, tool_calls_from_message, tools_from_openai
+from gateway.tool_params import ToolRequest, constrain, tool_calls_from_message, tools_from_openai
 from shardline.errors import InvalidArgument
 from shardline.proto import sampling_pb2
 
@@ -51,16 +51,13 @@ def parse_request(body: Any, chat: bool) -> OpenAIRequest:
     prompts = [chat_messages(body)] if chat else _prompts(body)
     params, priority, max_tokens_field, n = sampling_from_openai(body, chat)
     structured_output, structured_output_field = structured_output_from_openai(body)
+    if structured_output is not None:
+        params.structured_output.CopyFrom(structured_output)
     tools = tools_from_openai(body) if chat else None
     if tools is not None:
         prompts[0].chat.tools_json = tools.tools_json
-        if (calls := tools.constraint()) is not None:
-            if structured_output is not None:
-                mode = "naming a function" if tools.choice == "named" else f'"{tools.choice}"'
-                raise InvalidArgument(structured_output_field, f"cannot be combined with tool_choice {mode}")
-            structured_output, structured_output_field = calls, "tools"
-    if structured_output is not None:
-        params.structured_output.CopyFrom(structured_output)
+        if constrain(tools, params, structured_output_field):
+            structured_output_field = "tools"
     if len(prompts) * n > MAX_CHOICES:
         raise InvalidArgument("n" if len(prompts) == 1 else "prompt",
                               f"a request may ask for at most {MAX_CHOICES} completions (prompts x n), "

@@ -70,7 +70,7 @@ class GenerationSpec:
     timeout_s: float | None = None  # the client's own budget, within the gateway's
     field_prefix: str = ""  # put before parameter names in errors ("params." over gRPC)
     max_tokens_field: str = "max_tokens"  # the name the client gave max_tokens, for errors
-    # The name the client gave its constraint, for errors ("tools" when its tool_choice set it).
+    # Where the client gave its constraint, for errors, prefix included ("tools" when its tool_choice set it).
     structured_output_field: str = "structured_output"
     arrival_s: float = field(default_factory=time.perf_counter)  # for TTFT and duration
     arrival_time: Timestamp = field(default_factory=lambda: _now_timestamp(0.0))  # sent to the scheduler
@@ -221,10 +221,7 @@ class RequestRunner:
         resolve_max_tokens(params, len(prompt_ids), limits, spec.default_max_tokens, spec.field_prefix,
                            spec.max_tokens_field)
         if params.HasField("structured_output"):
-            field = spec.structured_output_field
-            if field != "tools":  # a gRPC request's tools sit beside its params, not in them
-                field = spec.field_prefix + field
-            await self._check_structured_output(params.structured_output, field)
+            await self._check_structured_output(params.structured_output, spec.structured_output_field)
             span.set_attribute(attr.STRUCTURED_OUTPUT, params.structured_output.WhichOneof("kind"))
         span.set_attributes({
             attr.GEN_AI_REQUEST_MODEL: info.model, attr.GEN_AI_REQUEST_TEMPERATURE: params.temperature,

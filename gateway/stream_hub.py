@@ -23,6 +23,7 @@ from gateway.backends import RPC_TIMEOUT_S, Backends, upstream
 from gateway.delta_stops import DeltaWork, Overshot, match_stops, unarmed_tokens
 from gateway.record_delta import record_delta
 from gateway.request_stream import RequestStream, StreamChunk, StreamTiming
+from gateway.resume_state import restore_held_back, tail
 from gateway.stop_search import StopSearch, find_stop_tokens
 from shardline.errors import InvalidArgument, ShardlineError
 from shardline.proto import common_pb2, sampling_pb2, scheduler_pb2, tokenizer_pb2
@@ -35,8 +36,6 @@ FINISH_REASONS = {
     sampling_pb2.FINISH_REASON_ABORT: "abort",
     sampling_pb2.FINISH_REASON_ERROR: "error",
 }
-# Last tokens of a resumed stream's record checked for held-back text: more than a character's bytes.
-_RESUME_TAIL = 8
 _FIRST_BACKOFF_S = 0.05
 _MAX_BACKOFF_S = 2.0
 
@@ -107,46 +106,13 @@ class StreamHub:
         the deltas held meanwhile in."""
         async with self._lock:
             stream = self._streams[request_id]
-            finished = info.status >= sampling_pb2.REQUEST_STATUS_FINISHED
-            if not (finished and offset == len(info.output_token_ids)):
-                # A client at the very end of a finished request had its last chunk, which flushed
-                # everything held back: nothing is owed to it.
-                await self._restore_held_back(stream, list(info.output_token_ids[:offset]))
+            await restore_held_back(self._backends, stream, info, offset)
             stream.next_offset = offset
             deltas = [record_delta(info, offset), *(stream.buffered or ())]
             stream.buffered = None
             await self._handle(deltas)
             return stream
 
-    async def _restore_held_back(self, stream: RequestStream, before: list[int]) -> None:
-        """Puts a resumed stream where a stream that had sent the tokens `before` itself would be.
-
-        Such a stream holds back text: the bytes of a character its last tokens have not finished,
-        and text that may begin a stop string. A client resuming at that offset has not had it, so
-        those tokens stay pending and the stop matcher holds the same text again: what it had plus
-        what it gets is the whole text.
-        """
-        if not before:
-            return
-        tokenizer = await self._backends.tokenizer_info()
-        cut = max(0, len(before) - _RESUME_TAIL)
-        specials = frozenset(tokenizer.special_token_ids) if stream.skip_special_tokens else frozenset()
-        early = [t for t in before[:cut] if t not in specials]
-        items = [tokenizer_pb2.DetokenizeItem(
-            prefix_token_ids=_tail(early, tokenizer.detokenize_prefix_window), new_token_ids=before[cut:],
-            skip_special_tokens=stream.skip_special_tokens)]
-        if stream.stop.holds_text and early:  # the matcher must see the text, not only its last tokens
-            items.append(tokenizer_pb2.DetokenizeItem(new_token_ids=early, final=True, skip_special_tokens=False))
-        with upstream("tokenizer"):
-            reply = await self._backends.tokenizer.Detokenize(
-                tokenizer_pb2.DetokenizeRequest(items=items), timeout=RPC_TIMEOUT_S)
-        tail = reply.results[0]
-        consumed = [t for t in before[cut : cut + tail.num_consumed] if t not in specials]
-        stream.pending = before[cut + tail.num_consumed :]
-        stream.prefix = _tail(early + consumed, tokenizer.detokenize_prefix_window)
-        if stream.stop.holds_text:
-            earlier = reply.results[1].text if len(items) > 1 else ""
-            stream.stop.feed(earlier + tail.text, armed=False)  # sent before: only what it holds back matters
 
     async def _subscribe_forever(self) -> None:
         backoff = _FIRST_BACKOFF_S
@@ -294,7 +260,7 @@ class StreamHub:
             stream.pending = sent[result.num_consumed :]
             if stream.skip_special_tokens:
                 consumed = [t for t in consumed if t not in specials]
-            stream.prefix = _tail(stream.prefix + consumed, tokenizer.detokenize_prefix_window)
+            stream.prefix = tail(stream.prefix + consumed, tokenizer.detokenize_prefix_window)
             stream.next_offset = w.offset + len(w.new)
             if w.delta.HasField("usage"):  # the first delta's says what the prefix cache served
                 stream.cached_tokens = w.delta.usage.cached_tokens
@@ -378,10 +344,6 @@ class StreamHub:
             logger.warning("cancel of %s failed: %s %s", request_id, exc.code().name, exc.details())
             return
         self._unsent_cancels.discard(request_id)
-
-
-def _tail(ids: list[int], size: int) -> list[int]:
-    return ids[max(0, len(ids) - size) :]
 
 
 def _named_tokens(*logprob_lists: list[sampling_pb2.TokenLogprob]) -> list[int]:

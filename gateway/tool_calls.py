@@ -72,10 +72,11 @@ class _RequiredReader:
         self._in_string = False
         self._escaped = False
         self._started = False  # the arguments value has begun
-        self._text = ""  # everything read, for an output cut short before its first call
+        self._text = ""  # what came before the first call, for an output cut short there
 
     def feed(self, text: str) -> tuple[str, list[CallPiece]]:
-        self._text += text
+        if self._index < 0:
+            self._text += text
         pieces: list[CallPiece] = []
         arguments: list[str] = []
         for char in text:
@@ -290,6 +291,7 @@ _DECODER = json.JSONDecoder()
 
 
 _AUTO_READERS = {"hermes": _HermesReader, "llama3_json": _Llama3JsonReader}
+_Reader = _NamedReader | _RequiredReader | _HermesReader | _Llama3JsonReader
 
 
 class ToolCallOutput:
@@ -297,8 +299,9 @@ class ToolCallOutput:
 
     def __init__(self, request: ToolRequest) -> None:
         self.request = request
+        self._reader: _Reader | None
         if request.choice == "named":
-            self._reader: _NamedReader | _RequiredReader | _HermesReader | _Llama3JsonReader | None = _NamedReader(request.name)
+            self._reader = _NamedReader(request.name)
         elif request.choice == "required":
             self._reader = _RequiredReader()
         elif request.choice == "auto":
@@ -336,7 +339,8 @@ class ToolCallOutput:
                 calls.append(piece.body())
             else:
                 calls[piece.index]["function"]["arguments"] += piece.arguments
-        message: dict[str, Any] = {"role": "assistant", "content": content or (None if calls else content)}
+        # OpenAI's content is null beside calls when the model said nothing else.
+        message: dict[str, Any] = {"role": "assistant", "content": None if calls and not content else content}
         if calls:
             message["tool_calls"] = calls
         return message, self.finish_reason(finish_reason)

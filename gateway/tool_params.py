@@ -86,6 +86,19 @@ class ToolRequest:
         return array
 
 
+def constrain(request: ToolRequest, params: sampling_pb2.SamplingParameters, given_field: str) -> bool:
+    """Puts the output constraint of "required" or a named function on `params`; True when there is
+    one. A constraint the client gave itself (under `given_field`) cannot stand beside it."""
+    constraint = request.constraint()
+    if constraint is None:
+        return False
+    if params.HasField("structured_output"):
+        mode = "naming a function" if request.choice == "named" else f'"{request.choice}"'
+        raise InvalidArgument(given_field, f"cannot be combined with tool_choice {mode}")
+    params.structured_output.CopyFrom(constraint)
+    return True
+
+
 def tools_from_grpc(tools: generation_pb2.Tools) -> ToolRequest | None:
     """GenerateRequest.tools as a ToolRequest; errors name the Tools fields."""
     try:
@@ -184,7 +197,7 @@ def resolve_parser(request: ToolRequest, configured: str, template_format: str, 
     if request.choice != "auto":
         return
     parser = configured or template_format
-    if parser == "none" or parser not in TOOL_CALL_PARSERS:
+    if parser not in TOOL_CALL_PARSERS:  # "none" too: the operator turned "auto" off
         raise InvalidArgument(field, '"auto" needs a model whose chat template writes tool calls, and this '
                                              "one's writes none; use \"required\" or a named function, which "
                                              "constrain the output to a call (or set SHARDLINE_TOOL_CALL_PARSER)")

@@ -13,7 +13,6 @@ from shardline.proto import common_pb2, generation_pb2, generation_pb2_grpc, sam
 from tests.gateway.conftest import TEXT
 from tests.gateway.harness import Stack, run_on_stack, start_gateway_for
 from tests.gateway.scripted_scheduler import MODEL, Script
-from tokenizer_svc.chat_template import ChatTemplate
 from tokenizer_svc.tokenizer import Tokenizer
 
 
@@ -205,30 +204,3 @@ def test_resume_at_the_end_of_a_finished_request_owes_nothing(tokenizer_address,
             assert again[-1].finish_reason == sampling_pb2.FINISH_REASON_STOP
 
     run_on_stack(tokenizer_address, Script(text_ids[:emoji_cut] + [eos]), body)
-
-
-def test_chat_rendering_options_over_grpc(tokenizer_address, text_ids, tokenizer: Tokenizer) -> None:
-    template = ChatTemplate(tokenizer.chat_template, tokenizer.bos_token, tokenizer.eos_token)
-    messages = [{"role": "user", "content": "Name a fox."}, {"role": "assistant", "content": "The red"}]
-
-    async def body(stack: Stack) -> None:
-        async with AsyncShardlineClient(f"127.0.0.1:{stack.gateway.grpc.port}") as sdk:
-            await sdk.generate(messages=messages, continue_final_message=True, max_tokens=2)
-            await sdk.generate(messages=messages, add_generation_prompt=False, max_tokens=2,
-                               chat_template_kwargs={"enable_thinking": False})
-            await sdk.generate(messages=messages, max_tokens=2)
-            expected = [template.render(messages, add_generation_prompt=False, continue_final_message=True),
-                        template.render(messages, add_generation_prompt=False), template.render(messages)]
-            assert [list(s.prompt_token_ids) for s in stack.scheduler.submitted] == \
-                [tokenizer.encode_batch([text], add_special_tokens=False)[0] for text in expected]
-            for kwargs, field in (({"continue_final_message": True, "add_generation_prompt": True},
-                                   "messages.continue_final_message"),
-                                  ({"chat_template_kwargs": {"messages": 1}}, "chat_template_kwargs.messages")):
-                with pytest.raises(grpc.aio.AioRpcError) as caught:
-                    await sdk.generate(messages=messages, max_tokens=2, **kwargs)
-                assert caught.value.details().startswith(f"{field}:"), caught.value.details()
-            with pytest.raises(grpc.aio.AioRpcError) as caught:
-                await sdk.generate(messages=messages[:1], continue_final_message=True, max_tokens=2)
-            assert caught.value.details().startswith("messages.continue_final_message:")
-
-    run_on_stack(tokenizer_address, Script(text_ids), body)

@@ -6,6 +6,7 @@ import aiohttp
 import pytest
 
 from gateway import stream_hub
+from tests.gateway.conftest import TEXT
 from tests.gateway.harness import Stack, run_on_stack
 from tests.gateway.scripted_scheduler import MODEL, Script
 from tests.gateway.test_openai_http import PROMPT, client, sse_events
@@ -197,3 +198,31 @@ def test_a_stop_ending_in_a_token_with_unfinished_bytes_waits_for_them_as_a_stre
         assert reply.usage.completion_tokens == emoji_start + 2  # through the emoji's last byte
 
     run_on_stack(tokenizer_address, Script(text_ids, tokens_per_step=tokens_per_step), body)
+
+
+def test_the_stop_token_is_output_but_not_text(tokenizer_address, text_ids, tokenizer: Tokenizer) -> None:
+    """As in vLLM: the EOS or stop token id a request stops on counts as a generated token and is in
+    its token ids, but its text is not in the output, even with skip_special_tokens off."""
+    eos = tokenizer.eos_token_ids[0]
+
+    async def body(stack: Stack) -> None:
+        openai_client = client(stack)
+        raw = await openai_client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=100,
+                                                     extra_body={"skip_special_tokens": False})
+        assert raw.choices[0].text == TEXT and raw.usage.completion_tokens == len(text_ids) + 1
+        chunks = [c.choices[0].text async for c in await openai_client.completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=100, stream=True, extra_body={"skip_special_tokens": False})]
+        assert "".join(chunks) == TEXT
+
+    run_on_stack(tokenizer_address, Script(text_ids + [eos]), body)
+
+    # An ordinary token as a stop token id: its text is left out too.
+    last = text_ids[-1]
+
+    async def stopped_on_id(stack: Stack) -> None:
+        reply = await client(stack).completions.create(model=MODEL, prompt=PROMPT, max_tokens=100,
+                                                       extra_body={"stop_token_ids": [last]})
+        assert reply.choices[0].text == tokenizer.decode(text_ids[:-1])
+        assert reply.usage.completion_tokens == len(text_ids)
+
+    run_on_stack(tokenizer_address, Script(text_ids), stopped_on_id)

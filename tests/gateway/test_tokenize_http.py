@@ -56,7 +56,8 @@ def test_bad_tokenize_requests_name_the_field(tokenizer_address, text_ids) -> No
         ("/tokenize", {"messages": MESSAGES, "add_special_tokens": True}, 400, "add_special_tokens"),
         ("/tokenize", ["x"], 400, "body"),
         ("/tokenize", {"messages": MESSAGES, "continue_final_message": True}, 400, "continue_final_message"),
-        ("/tokenize", {"messages": MESSAGES, "tools": [{"type": "function"}]}, 400, "tools[0]"),  # rendered as chat renders them, so checked as chat checks them
+        # Tools are rendered as chat renders them, so checked as chat checks them.
+        ("/tokenize", {"messages": MESSAGES, "tools": [{"type": "function"}]}, 400, "tools[0]"),
         ("/tokenize", {"messages": MESSAGES, "chat_template": "{{ x }}"}, 400, "chat_template"),
         ("/tokenize", {"messages": MESSAGES, "prompt": "x"}, 400, "prompt"),
         ("/detokenize", {"tokens": [1, 49152]}, 400, "tokens"),
