@@ -335,8 +335,9 @@ class ToolCallOutput:
         content, pieces = self.feed(text, final=True)
         calls: list[dict[str, Any]] = []
         for piece in pieces:
-            if piece.id is not None:
-                calls.append(piece.body())
+            if piece.id is not None:  # a whole response's calls have no index: only stream deltas do
+                calls.append({"id": piece.id, "type": "function",
+                              "function": {"name": piece.name, "arguments": piece.arguments}})
             else:
                 calls[piece.index]["function"]["arguments"] += piece.arguments
         # OpenAI's content is null beside calls when the model said nothing else.

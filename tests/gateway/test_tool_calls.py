@@ -53,6 +53,7 @@ def test_required_output_is_read_into_calls_whole_and_streamed() -> None:
     assert json.loads(calls[0]["function"]["arguments"]) == tricky
     assert json.loads(calls[1]["function"]["arguments"]) == {}
     assert all(c["id"].startswith("call_") and len(c["id"]) == 29 for c in calls)
+    assert all(set(c) == {"id", "type", "function"} for c in calls)  # OpenAI's shape: no stream index
     for pieces in (by_char(text), [text[:7], text[7:30], text[30:]]):
         content, streamed_calls = streamed(ToolCallOutput(request("required")), pieces)
         assert content == ""
