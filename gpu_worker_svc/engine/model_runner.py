@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from gpu_worker_svc.engine.cuda_graphs import DecodeGraphs
+from gpu_worker_svc.engine.host_memory import keep_freed_host_memory
 from gpu_worker_svc.engine.kv_cache import allocate_kv_cache, calibration_prefill, num_blocks_for, profile_forward
 from gpu_worker_svc.engine.sampler import TokenLogprobs, token_logprobs
 from gpu_worker_svc.model.attention_metadata import StepBatch, build_step
@@ -93,6 +94,7 @@ class ShardWorker:
         if config.device == "cpu":
             # Ranks share the machine's cores; oversubscribing them makes every collective wait.
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.tp_size))
+            keep_freed_host_memory()  # a step's buffers, freed, are reused rather than faulted in again
         elif config.device.startswith("cuda"):
             torch.cuda.set_device(rank)
         self.device = config.device if config.device == "cpu" else f"cuda:{rank}"

@@ -21,6 +21,7 @@ from collections.abc import Callable
 import torch
 
 from gpu_worker_svc.engine.batch_scheduler import SchedulerConfig
+from gpu_worker_svc.engine.host_memory import keep_freed_host_memory, reexec_with_malloc_env
 from gpu_worker_svc.engine.llm_engine import EngineConfig, LLMEngine
 from gpu_worker_svc.engine.model_runner import RunnerConfig
 from gpu_worker_svc.model.dummy import is_dummy
@@ -191,10 +192,20 @@ async def _stop_when_dead(engine_died: asyncio.Event, server: RunningServer) -> 
     await server.stop(0)
 
 
+def _host_memory_tuned(s: WorkerSettings) -> WorkerSettings:
+    """On CPU, restart this process under malloc settings that keep a step's freed buffers for the
+    next step (engine/host_memory.py: a 16-prompt burst's first token 100-1,300 ms sooner here);
+    nothing on a GPU, whose host memory would then keep every weight staged there while loading."""
+    if s.resolved_device == "cpu":
+        reexec_with_malloc_env()
+        keep_freed_host_memory()
+    return s
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:  # bad settings, a missing model, a taken port: one line, no traceback
-        return run_service("worker", lambda: asyncio.run(serve(parse_args(argv))))
+        return run_service("worker", lambda: asyncio.run(serve(_host_memory_tuned(parse_args(argv)))))
     except Exception:
         log.exception("worker failed")
         return 1

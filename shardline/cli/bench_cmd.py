@@ -78,6 +78,7 @@ async def _measure(makers: dict[str, Callable[[], object]], spec: LoadSpec, args
 def run(args: argparse.Namespace) -> int:
     # Imported here: they pull in torch, which would slow every other subcommand's start.
     from shardline.bench.backends import EngineBackend, StackBackend
+    from gpu_worker_svc.engine.host_memory import reexec_with_malloc_env
     from gpu_worker_svc.model.loader import load_config
     from gpu_worker_svc.server.main import engine_config
     from gpu_worker_svc.server.settings import WorkerSettings
@@ -102,6 +103,8 @@ def run(args: argparse.Namespace) -> int:
     # worker reads them), so the engine runs exactly as it does inside the stack. Read before
     # anything starts: a bad variable must not leave a launched stack behind.
     settings = WorkerSettings(model=args.model, tracing=False)
+    if args.engine and settings.resolved_device == "cpu" and getattr(args, "own_process", False):
+        reexec_with_malloc_env()  # the engine then runs under a CPU worker's malloc settings
     makers: dict[str, Callable[[], object]] = {}
     stack = None
     try:

@@ -17,6 +17,7 @@ SERVICES = {
 
 
 def main(argv: list[str] | None = None) -> int:
+    own_process = argv is None  # run as the program, not called from Python: a command may restart it
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["serve"]:
         # Flags after the service name belong to that service's own parser.
@@ -26,6 +27,7 @@ def main(argv: list[str] | None = None) -> int:
         return importlib.import_module(SERVICES[argv[1]]).main(argv[2:])
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.own_process = own_process
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
