@@ -1,7 +1,9 @@
 """Runs one GPU worker: `python -m gpu_worker_svc.server.main [flags]` (or `shardline serve worker`).
 
-Startup order: load the engine (spawning the tensor-parallel ranks), start the
-gRPC server (healthy from then on), register with the scheduler, heartbeat.
+Startup order: on CPU, restart this process (same pid and arguments) under malloc
+settings that keep a step's freed buffers (engine/host_memory.py); load the engine
+(spawning the tensor-parallel ranks), start the gRPC server (healthy from then on),
+register with the scheduler, heartbeat.
 SIGTERM aborts the requests, shuts the ranks down and exits 0 (during the model
 load, at once); a dead engine
 marks the worker NOT_SERVING and exits 1, so the scheduler re-dispatches.
