@@ -22,6 +22,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from shardline.host_memory import MALLOC_ENV, REEXEC_MARKER
 from shardline.ports import free_port
 from shardline.redis_server import EmbeddedRedis
 from shardline.signals import die_with_parent, signals_deferred
@@ -150,7 +151,7 @@ class LocalStack:
 
     def _spawn(self, name: str, settings: dict[str, object], health: str | None, service: str | None = None) -> Child:
         self._check_interrupt()  # a stop signal during the start: start nothing more
-        env = {**os.environ, "SHARDLINE_TRACING": "1" if self.config.tracing else "0",
+        env = {**_own_environ(), "SHARDLINE_TRACING": "1" if self.config.tracing else "0",
                "SHARDLINE_INSTANCE_ID": name, "PYTHONUNBUFFERED": "1"}
         if self.config.tracing:
             env["SHARDLINE_OTLP_ENDPOINT"] = f"127.0.0.1:{self.config.otlp_port}"
@@ -283,3 +284,11 @@ def _http_ok(url: str) -> bool:
             return resp.status == 200
     except OSError:
         return False
+
+
+def _own_environ() -> dict[str, str]:
+    """This process's environment, less the malloc settings it was restarted under (`shardline bench
+    --engine`): those are a CPU worker's, which it sets for itself; the user's own pass through."""
+    if REEXEC_MARKER not in os.environ:
+        return dict(os.environ)
+    return {k: v for k, v in os.environ.items() if k not in MALLOC_ENV and k != REEXEC_MARKER}

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from gpu_worker_svc.engine.cuda_graphs import DecodeGraphs
-from gpu_worker_svc.engine.host_memory import keep_freed_host_memory
+from shardline.host_memory import keep_freed_host_memory
 from gpu_worker_svc.engine.kv_cache import allocate_kv_cache, calibration_prefill, num_blocks_for, profile_forward
 from gpu_worker_svc.engine.sampler import TokenLogprobs, token_logprobs
 from gpu_worker_svc.model.attention_metadata import StepBatch, build_step
@@ -70,6 +70,9 @@ class RunnerConfig:
     # With int8, whose GEMMs are exact, a request's tokens are then bitwise the same alone, batched,
     # from the prefix cache, after preemption and when resumed.
     batch_invariant: bool = False
+    # CPU: tune glibc's malloc for the whole process so that a step's freed buffers are kept for the
+    # next one (shardline/host_memory.py; the heap then never shrinks). Off: malloc's defaults.
+    tune_host_memory: bool = True
     trace_instance: str | None = None  # when set, ranks 1..N-1 export a span per step under this instance id
     profile_tokens: int = 2048  # the largest step's token count, profiled on GPU before sizing the KV cache
 
@@ -94,7 +97,8 @@ class ShardWorker:
         if config.device == "cpu":
             # Ranks share the machine's cores; oversubscribing them makes every collective wait.
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.tp_size))
-            keep_freed_host_memory()  # a step's buffers, freed, are reused rather than faulted in again
+            if config.tune_host_memory:  # a step's buffers, freed, are reused rather than faulted in again
+                keep_freed_host_memory()
         elif config.device.startswith("cuda"):
             torch.cuda.set_device(rank)
         self.device = config.device if config.device == "cpu" else f"cuda:{rank}"

@@ -1,7 +1,7 @@
 """Runs one GPU worker: `python -m gpu_worker_svc.server.main [flags]` (or `shardline serve worker`).
 
 Startup order: on CPU, restart this process (same pid and arguments) under malloc
-settings that keep a step's freed buffers (engine/host_memory.py); load the engine
+settings that keep a step's freed buffers (shardline/host_memory.py); load the engine
 (spawning the tensor-parallel ranks), start the gRPC server (healthy from then on),
 register with the scheduler, heartbeat.
 SIGTERM aborts the requests, shuts the ranks down and exits 0 (during the model
@@ -23,7 +23,7 @@ from collections.abc import Callable
 import torch
 
 from gpu_worker_svc.engine.batch_scheduler import SchedulerConfig
-from gpu_worker_svc.engine.host_memory import keep_freed_host_memory, reexec_with_malloc_env
+from shardline.host_memory import keep_freed_host_memory, reexec_with_malloc_env
 from gpu_worker_svc.engine.llm_engine import EngineConfig, LLMEngine
 from gpu_worker_svc.engine.model_runner import RunnerConfig
 from gpu_worker_svc.model.dummy import is_dummy
@@ -194,20 +194,25 @@ async def _stop_when_dead(engine_died: asyncio.Event, server: RunningServer) -> 
     await server.stop(0)
 
 
-def _host_memory_tuned(s: WorkerSettings) -> WorkerSettings:
+def _host_memory_tuned(s: WorkerSettings, own_process: bool) -> WorkerSettings:
     """On CPU, restart this process under malloc settings that keep a step's freed buffers for the
-    next step (engine/host_memory.py: a 16-prompt burst's first token 100-1,300 ms sooner here);
-    nothing on a GPU, whose host memory would then keep every weight staged there while loading."""
+    next step (shardline/host_memory.py: a 16-prompt burst's first token 100-1,300 ms sooner here);
+    nothing on a GPU, whose host memory would then keep every weight staged there while loading.
+    Only a worker that is its own process restarts: a caller's process would be replaced."""
     if s.resolved_device == "cpu":
-        reexec_with_malloc_env()
+        if own_process:
+            reexec_with_malloc_env()
         keep_freed_host_memory()
     return s
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, own_process: bool | None = None) -> int:
+    """`own_process`: this worker is the program (`shardline serve worker`, `python -m`), so it may
+    restart itself; None: so when `argv` is None (the process's own arguments)."""
+    own_process = argv is None if own_process is None else own_process
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:  # bad settings, a missing model, a taken port: one line, no traceback
-        return run_service("worker", lambda: asyncio.run(serve(_host_memory_tuned(parse_args(argv)))))
+        return run_service("worker", lambda: asyncio.run(serve(_host_memory_tuned(parse_args(argv), own_process))))
     except Exception:
         log.exception("worker failed")
         return 1

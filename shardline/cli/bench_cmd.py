@@ -78,7 +78,7 @@ async def _measure(makers: dict[str, Callable[[], object]], spec: LoadSpec, args
 def run(args: argparse.Namespace) -> int:
     # Imported here: they pull in torch, which would slow every other subcommand's start.
     from shardline.bench.backends import EngineBackend, StackBackend
-    from gpu_worker_svc.engine.host_memory import reexec_with_malloc_env
+    from shardline.host_memory import reexec_with_malloc_env
     from gpu_worker_svc.model.loader import load_config
     from gpu_worker_svc.server.main import engine_config
     from gpu_worker_svc.server.settings import WorkerSettings

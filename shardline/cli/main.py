@@ -24,7 +24,10 @@ def main(argv: list[str] | None = None) -> int:
         if len(argv) < 2 or argv[1] not in SERVICES:
             print(f"usage: shardline serve {{{','.join(SERVICES)}}} [service flags]", file=sys.stderr)
             return 2
-        return importlib.import_module(SERVICES[argv[1]]).main(argv[2:])
+        service = importlib.import_module(SERVICES[argv[1]])
+        if argv[1] == "worker":  # a CPU worker restarts itself (malloc settings), only as its own process
+            return service.main(argv[2:], own_process=own_process)
+        return service.main(argv[2:])
     parser = build_parser()
     args = parser.parse_args(argv)
     args.own_process = own_process

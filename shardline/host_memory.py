@@ -19,8 +19,9 @@ Measured on 2 cores, bursts of 16 x 128-token prompts, fp32:
 - `shardline bench --launch --engine --num-prompts 48 --max-concurrency 16 --rounds 3`:
   the stack added 58.8 ms to TTFT p50 (range +1.5 to +113.5), against +122.0 (+43 to
   +142) just before and +221.7 (+181 to +285) the day before, without them.
-- An int8 engine in the main thread: prefill 1081-1221 against 1173-1401 ms, decode
-  step 31.6-35.7 against 34.6-42.4 ms (medians of 3 processes each way).
+- An int8 engine in the main thread: prefill 1081-1221 against 1173-1401 ms (medians of
+  3 processes each way; decode steps 31.6-35.7 against 34.6-42.4 ms, within this
+  machine's drift).
 
 The settings: one arena for every thread (the main one, which grows by brk and is
 never unmapped whole), mmap only for blocks of 1 GB and more, and no trimming.
@@ -35,7 +36,10 @@ threads share one malloc lock (only the engine thread allocates much).
 Setting the trim threshold alone is worse than nothing: it also freezes the mmap
 threshold at its 128 KB default, so every buffer above that is mapped and faulted
 per use (~2.3M faults and 3x slower steps, measured). Hence nothing unless the mmap
-threshold takes.
+threshold takes; an older glibc that refuses 1 GB gets 32 MB, its largest.
+
+Malloc settings of the user's own (MALLOC_ARENA_MAX, or glibc.malloc tunables in
+GLIBC_TUNABLES) are left as they are.
 """
 
 from __future__ import annotations
@@ -53,20 +57,40 @@ _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 _M_ARENA_MAX = -8
 _MMAP_THRESHOLD = 1 << 30
+# Older glibc (before ~2.35) refuses a threshold above half its 64 MB heap size: then this one.
+_MMAP_THRESHOLD_FALLBACK = 32 << 20
 _TRIM_THRESHOLD = (1 << 31) - 1  # an int: never trim
 # The same settings as glibc reads them at process start.
 MALLOC_ENV = {"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_THRESHOLD_": str(_MMAP_THRESHOLD),
               "MALLOC_TRIM_THRESHOLD_": str(_TRIM_THRESHOLD)}
+# Set beside MALLOC_ENV by the restart: this process's malloc settings are Shardline's, not the user's
+# (the stack does not pass them on to its other services, and the worker sets its own).
+REEXEC_MARKER = "SHARDLINE_MALLOC_TUNED"
+
+
+def users_own_malloc_settings() -> bool:
+    """The environment chose malloc settings of its own (not ours): leave malloc alone."""
+    tunables = "glibc.malloc." in os.environ.get("GLIBC_TUNABLES", "")
+    return tunables or ("MALLOC_ARENA_MAX" in os.environ and REEXEC_MARKER not in os.environ)
 
 
 def reexec_with_malloc_env() -> None:
     """Replace this process with itself (same pid, same arguments) started under MALLOC_ENV, unless
-    the environment already sets malloc's arenas (ours, or the user's own choice). Call it first
-    thing, before threads or large allocations; on glibc Linux only."""
-    if not sys.platform.startswith("linux") or "MALLOC_ARENA_MAX" in os.environ or not _glibc():
+    it already runs under them, or the environment sets malloc's arenas or tunables of its own.
+    Call it first thing, before threads or large allocations, and only where this process is the
+    program (a caller's process would be replaced); on glibc Linux only. If the restart fails, the
+    process carries on as it is."""
+    if not sys.platform.startswith("linux") or REEXEC_MARKER in os.environ or users_own_malloc_settings():
         return
-    log.debug("restarting under %s", MALLOC_ENV)
-    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], {**os.environ, **MALLOC_ENV})
+    if not _glibc():
+        return
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()  # what is buffered would be lost with the old process image
+    try:
+        os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]],
+                  {**os.environ, **MALLOC_ENV, REEXEC_MARKER: "1"})
+    except OSError as exc:
+        log.warning("could not restart under %s (%s): host memory is left to malloc's defaults", MALLOC_ENV, exc)
 
 
 def _glibc() -> bool:
@@ -75,18 +99,19 @@ def _glibc() -> bool:
 
 @functools.cache
 def keep_freed_host_memory() -> bool:
-    """Tune glibc's malloc for this process (see above); False where there is no glibc to tune.
+    """Tune glibc's malloc for this process (see above); False where there is no glibc to tune, or
+    the environment chose malloc settings of its own.
 
-    Call it before the process starts threads where possible: a thread that has already
-    allocated keeps its own arena (threads started later share the main one).
+    Process-wide: an engine on CPU calls it (RunnerConfig.tune_host_memory). After the restart it
+    also repairs an mmap threshold that an older glibc refused from the environment.
     """
-    if not sys.platform.startswith("linux"):
+    if not sys.platform.startswith("linux") or users_own_malloc_settings():
         return False
     try:
         mallopt = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt
     except (OSError, AttributeError):  # musl and others: no mallopt, and a malloc of their own
         return False
-    if not mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD):
+    if not (mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD) or mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_FALLBACK)):
         log.info("malloc's mmap threshold could not be set: host memory is left to malloc's defaults")
         return False
     mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD)
