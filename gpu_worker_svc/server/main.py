@@ -23,7 +23,6 @@ from collections.abc import Callable
 import torch
 
 from gpu_worker_svc.engine.batch_scheduler import SchedulerConfig
-from shardline.host_memory import keep_freed_host_memory, reexec_with_malloc_env
 from gpu_worker_svc.engine.llm_engine import EngineConfig, LLMEngine
 from gpu_worker_svc.engine.model_runner import RunnerConfig
 from gpu_worker_svc.model.dummy import is_dummy
@@ -33,12 +32,13 @@ from gpu_worker_svc.server.engine_loop import EngineLoop
 from gpu_worker_svc.server.registration import SchedulerRegistration
 from gpu_worker_svc.server.servicer import WorkerServicer
 from gpu_worker_svc.server.settings import WorkerSettings
-from shardline.service_main import run_service, started
 from gpu_worker_svc.server.telemetry import StepTelemetry
 from gpu_worker_svc.server.utilization import StepCostModel, device_peak
 from shardline.grpc_server import GrpcService, RunningServer, start_grpc_server
+from shardline.host_memory import keep_freed_host_memory, reexec_with_malloc_env
 from shardline.model_path import model_name, resolve_model_path
 from shardline.proto import worker_pb2, worker_pb2_grpc
+from shardline.service_main import run_service, started
 from tracing.grpc_context import TracingServerInterceptor
 from tracing.metrics import start_metrics_server
 from tracing.otel_setup import TracingHandle, setup_tracing
