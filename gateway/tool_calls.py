@@ -262,6 +262,8 @@ class _Llama3JsonReader:
             if not stripped:
                 return "", []
             self._mode = "calls" if stripped.startswith("{") else "text"
+        elif self._mode == "calls" and "}" not in text:
+            return "", []  # a call's object can only end at a "}": no need to parse the buffer again
         if self._mode == "text":
             text, self._buffer = self._buffer, ""
             return text, []

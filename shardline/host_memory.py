@@ -50,6 +50,7 @@ import functools
 import logging
 import os
 import sys
+from collections.abc import Callable
 
 log = logging.getLogger(__name__)
 
@@ -80,9 +81,7 @@ def reexec_with_malloc_env() -> None:
     Call it first thing, before threads or large allocations, and only where this process is the
     program (a caller's process would be replaced); on glibc Linux only. If the restart fails, the
     process carries on as it is."""
-    if not sys.platform.startswith("linux") or REEXEC_MARKER in os.environ or users_own_malloc_settings():
-        return
-    if not _glibc():
+    if REEXEC_MARKER in os.environ or _mallopt() is None:
         return
     for stream in (sys.stdout, sys.stderr):
         stream.flush()  # what is buffered would be lost with the old process image
@@ -93,8 +92,15 @@ def reexec_with_malloc_env() -> None:
         log.warning("could not restart under %s (%s): host memory is left to malloc's defaults", MALLOC_ENV, exc)
 
 
-def _glibc() -> bool:
-    return ctypes.util.find_library("c") is not None and hasattr(ctypes.CDLL(None), "mallopt")
+def _mallopt() -> Callable[[int, int], int] | None:
+    """glibc's mallopt, where this process may tune malloc: on Linux with glibc, and without malloc
+    settings of the environment's own."""
+    if not sys.platform.startswith("linux") or users_own_malloc_settings():
+        return None
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt
+    except (OSError, AttributeError):  # musl and others: no mallopt, and a malloc of their own
+        return None
 
 
 @functools.cache
@@ -105,11 +111,8 @@ def keep_freed_host_memory() -> bool:
     Process-wide: an engine on CPU calls it (RunnerConfig.tune_host_memory). After the restart it
     also repairs an mmap threshold that an older glibc refused from the environment.
     """
-    if not sys.platform.startswith("linux") or users_own_malloc_settings():
-        return False
-    try:
-        mallopt = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt
-    except (OSError, AttributeError):  # musl and others: no mallopt, and a malloc of their own
+    mallopt = _mallopt()
+    if mallopt is None:
         return False
     if not (mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD) or mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_FALLBACK)):
         log.info("malloc's mmap threshold could not be set: host memory is left to malloc's defaults")
