@@ -7,6 +7,10 @@ and the table gives medians. Prints a table and writes JSON.
 
     python -m benchmarks.engine_vs_hf                       # CPU, default model
     python -m benchmarks.engine_vs_hf --device cuda --model dummy:llama-3.2-1b --concurrency 1 64
+    python -m benchmarks.engine_vs_hf --quantization int8 --num-speculative-tokens 0 4   # n-gram drafts or not
+
+With several --num-speculative-tokens values, each round runs the engine once per value (same
+prompts, alternating with HF), and each gets its row.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import torch
 from gpu_worker_svc.engine.batch_scheduler import SchedulerConfig
 from gpu_worker_svc.engine.llm_engine import EngineConfig, LLMEngine
 from gpu_worker_svc.engine.model_runner import RunnerConfig
+from gpu_worker_svc.engine.ngram_proposer import SpeculativeConfig
 from gpu_worker_svc.engine.sampling_params import SamplingParams
 from gpu_worker_svc.model.dummy import dummy_config, is_dummy
 from gpu_worker_svc.model.layers.quantize import QUANTIZATIONS
@@ -40,12 +45,14 @@ def bench_engine(engine: LLMEngine, prompts: list[list[int]], out_len: int) -> d
     for i, p in enumerate(prompts):
         engine.add_request(f"bench-{time.monotonic_ns()}-{i}", p, params)
     decode_times: list[float] = []
-    produced = cached = 0
+    produced = cached = drafts = accepted = 0
     t0 = time.perf_counter()
     while engine.has_unfinished:
         step = engine.step()
         produced += sum(len(o.new_token_ids) for o in step.outputs)
         cached += step.stats.prefix_cache_hit_tokens if step.stats else 0
+        drafts += step.stats.num_draft_tokens if step.stats else 0
+        accepted += step.stats.num_accepted_tokens if step.stats else 0
         if step.stats and step.stats.num_prefill_tokens == 0:
             decode_times.append(step.stats.step_time_s)
     if engine.runner.config.device.startswith("cuda"):
@@ -53,7 +60,8 @@ def bench_engine(engine: LLMEngine, prompts: list[list[int]], out_len: int) -> d
     elapsed = time.perf_counter() - t0
     decode_times.sort()
     return {"tok_s": produced / elapsed, "seconds": elapsed, "tokens": produced, "prefix_cache_hit_tokens": cached,
-            "decode_step_ms_p50": 1000 * decode_times[len(decode_times) // 2] if decode_times else None}
+            "decode_step_ms_p50": 1000 * decode_times[len(decode_times) // 2] if decode_times else None,
+            "draft_tokens": drafts, "accepted_tokens": accepted}
 
 
 def load_hf(model: str | None, device: str, dtype: torch.dtype):
@@ -110,6 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--quantization", default=None, choices=sorted(QUANTIZATIONS),
                     help="a CPU weight format (gpu_worker_svc/model/layers/quantize.py)")
+    ap.add_argument("--num-speculative-tokens", type=int, nargs="+", default=[0],
+                    help="n-gram speculation's draft tokens per decode (0: off); several: a row each")
     ap.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
     ap.add_argument("--rounds", type=int, default=3, help="engine/HF alternations per concurrency (medians reported)")
     ap.add_argument("--out", default="results/engine_vs_hf.json")
@@ -119,7 +129,9 @@ def main(argv: list[str] | None = None) -> int:
     engine = LLMEngine(EngineConfig(
         runner=RunnerConfig(model=args.model, device=args.device, dtype=dtype_name, quantization=args.quantization,
                             max_model_len=args.input_len + args.output_len + 16),
-        scheduler=SchedulerConfig(max_num_seqs=max(args.concurrency), max_num_batched_tokens=8192)))
+        scheduler=SchedulerConfig(max_num_seqs=max(args.concurrency), max_num_batched_tokens=8192),
+        # Each speculation setting runs a round's prompts again: none may come from the prefix cache.
+        enable_prefix_caching=len(args.num_speculative_tokens) == 1))
     vocab = engine.model_config.vocab_size
     hf = None if args.no_hf else load_hf(args.model, args.device, getattr(torch, dtype_name))
     rows = []
@@ -132,47 +144,60 @@ def main(argv: list[str] | None = None) -> int:
             bench_hf(hf, random_prompts(c, args.input_len, vocab, seed=1000 + c), 3, args.device)
         # Rounds alternate engine and HF on fresh prompts, so a machine that speeds up or slows
         # down mid-run (shared cores) moves both sides of each round's ratio alike.
-        rounds = []
+        by_k: dict[int, list[dict]] = {k: [] for k in args.num_speculative_tokens}
         for r in range(args.rounds):
             prompts = random_prompts(c, args.input_len, vocab, seed=100 * c + r)
-            result = {"shardline": bench_engine(engine, prompts, args.output_len)}
-            if result["shardline"]["prefix_cache_hit_tokens"]:
-                raise RuntimeError("benchmark prompts hit the prefix cache: the engine skipped prefill work")
-            if hf is not None:
-                result["hf"] = bench_hf(hf, prompts, args.output_len, args.device)
-                result["ratio"] = result["shardline"]["tok_s"] / result["hf"]["tok_s"]
-            rounds.append(result)
-        row = {"concurrency": c, "rounds": rounds,
-               "shardline": {"tok_s": statistics.median([x["shardline"]["tok_s"] for x in rounds]),
-                             "decode_step_ms_p50": statistics.median(
-                                 [x["shardline"]["decode_step_ms_p50"] or 0 for x in rounds]) or None}}
-        if hf is not None:
-            row["hf"] = {"tok_s": statistics.median([x["hf"]["tok_s"] for x in rounds])}
-            row["ratio"] = statistics.median([x["ratio"] for x in rounds])
-            row["ratio_range"] = (min(x["ratio"] for x in rounds), max(x["ratio"] for x in rounds))
-        if c == 1:
-            row["mbu"] = mbu(engine, row["shardline"]["decode_step_ms_p50"], args.input_len + args.output_len // 2,
-                             args.device)
-        rows.append(row)
+            results = {}
+            for k in args.num_speculative_tokens:
+                engine.config.speculative = SpeculativeConfig(num_speculative_tokens=k)
+                results[k] = {"shardline": bench_engine(engine, prompts, args.output_len)}
+                if results[k]["shardline"]["prefix_cache_hit_tokens"]:
+                    raise RuntimeError("benchmark prompts hit the prefix cache: the engine skipped prefill work")
+            hf_result = bench_hf(hf, prompts, args.output_len, args.device) if hf is not None else None
+            for k, result in results.items():
+                if hf_result is not None:
+                    result["hf"], result["ratio"] = hf_result, result["shardline"]["tok_s"] / hf_result["tok_s"]
+                by_k[k].append(result)
+        rows += [_row(engine, c, k, rounds, args) for k, rounds in by_k.items()]
     engine.shutdown()
 
     print(f"\nmodel={args.model or 'default'} device={args.device} dtype={dtype_name} "
           f"quantization={args.quantization or 'none'} "
           f"in={args.input_len} out={args.output_len}")
     print(f"medians of {args.rounds} alternating rounds")
-    print(f"{'conc':>5} {'shardline tok/s':>16} {'HF tok/s':>10} {'ratio':>7} {'ratio range':>13} "
-          f"{'decode step ms':>15} {'MBU':>6}")
+    print(f"{'conc':>5} {'drafts':>6} {'shardline tok/s':>16} {'HF tok/s':>10} {'ratio':>7} {'ratio range':>13} "
+          f"{'decode step ms':>15} {'MBU':>6} {'accepted':>9}")
     for r in rows:
         hf_tok = f"{r['hf']['tok_s']:.1f}" if "hf" in r else "-"
         ratio = f"{r['ratio']:.2f}x" if "ratio" in r else "-"
         spread = f"{r['ratio_range'][0]:.2f}-{r['ratio_range'][1]:.2f}" if "ratio_range" in r else "-"
         step = r["shardline"]["decode_step_ms_p50"]
         m = r.get("mbu")
-        print(f"{r['concurrency']:>5} {r['shardline']['tok_s']:>16.1f} {hf_tok:>10} {ratio:>7} {spread:>13} "
-              f"{step if step is None else round(step, 2)!s:>15} {'-' if m is None else f'{m:.1%}':>6}")
+        accepted = f"{r['acceptance']:.0%}" if r["acceptance"] is not None else "-"
+        print(f"{r['concurrency']:>5} {r['num_speculative_tokens']:>6} {r['shardline']['tok_s']:>16.1f} {hf_tok:>10} "
+              f"{ratio:>7} {spread:>13} {step if step is None else round(step, 2)!s:>15} "
+              f"{'-' if m is None else f'{m:.1%}':>6} {accepted:>9}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=2))
     return 0
+
+
+def _row(engine: LLMEngine, c: int, k: int, rounds: list[dict], args: argparse.Namespace) -> dict:
+    """Medians over the rounds of one concurrency and speculation setting."""
+    drafts = sum(x["shardline"]["draft_tokens"] for x in rounds)
+    row = {"concurrency": c, "num_speculative_tokens": k, "rounds": rounds,
+           "shardline": {"tok_s": statistics.median([x["shardline"]["tok_s"] for x in rounds]),
+                         "decode_step_ms_p50": statistics.median(
+                             [x["shardline"]["decode_step_ms_p50"] or 0 for x in rounds]) or None},
+           "acceptance": sum(x["shardline"]["accepted_tokens"] for x in rounds) / drafts if drafts else None}
+    if "hf" in rounds[0]:
+        row["hf"] = {"tok_s": statistics.median([x["hf"]["tok_s"] for x in rounds])}
+        row["ratio"] = statistics.median([x["ratio"] for x in rounds])
+        row["ratio_range"] = (min(x["ratio"] for x in rounds), max(x["ratio"] for x in rounds))
+    if c == 1:
+        row["mbu"] = mbu(engine, row["shardline"]["decode_step_ms_p50"], args.input_len + args.output_len // 2,
+                         args.device)
+    return row
 
 
 if __name__ == "__main__":

@@ -31,6 +31,8 @@ NUM_TOKENS = "shardline.num_tokens"
 STRUCTURED_OUTPUT = "shardline.structured_output"  # the constraint's kind: json_schema, regex...
 TOOL_CHOICE = "shardline.tool_choice"  # a request with tools: none, auto, required or named
 PREFIX_CACHE_HITS = "shardline.prefix_cache_hits"
+DRAFT_TOKENS = "shardline.draft_tokens"  # n-gram speculation: draft tokens the step computed
+ACCEPTED_TOKENS = "shardline.accepted_tokens"  # of those, the ones kept as output
 
 # Shardline gauges sampled on step and queue spans; each becomes a Perfetto counter track.
 QUEUE_DEPTH = "shardline.queue_depth"

@@ -6,12 +6,17 @@ sequences are admitted by (priority, arrival time) while the token budget,
 max_num_seqs and free KV blocks allow. When a running sequence needs a block
 and none is free, the lowest-priority, newest running sequence is preempted
 by recompute: it loses its blocks and goes back to waiting.
+
+With n-gram speculation a decode also carries its sequence's draft tokens
+(seq.draft_token_ids), as far as the budget allows after one token for each
+running sequence behind it, and free blocks allow: drafts are dropped, never
+a reason to preempt.
 """
 
 import bisect
 import logging
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from gpu_worker_svc.engine.block_pool import BlockPool
 from gpu_worker_svc.engine.sequence import RequestStatus, Sequence
@@ -46,6 +51,9 @@ class ScheduledSeq:
     seq: Sequence  # the sequence to run
     num_new_tokens: int  # tokens computed this step, starting at seq.num_computed_tokens
     needs_sample: bool  # this chunk reaches the end of the known tokens: sample one
+    # Guessed tokens computed after the sequence's last one (num_new_tokens counts them); the step
+    # samples a token after each of them too, and keeps those that confirm the guesses.
+    draft_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -58,7 +66,7 @@ class SchedulerOutput:
 
 @dataclass(slots=True)
 class StepUpdate:
-    new_tokens: list[tuple[Sequence, int]]  # (seq, sampled token) in scheduled order
+    new_tokens: list[tuple[Sequence, list[int]]]  # (seq, its new tokens) in scheduled order
     finished: list[Sequence]  # sequences that finished this step
 
 
@@ -92,6 +100,11 @@ class BatchScheduler:
     @property
     def num_running(self) -> int:
         return len(self._running)
+
+    @property
+    def running(self) -> list[Sequence]:
+        """The running sequences, in admission order; callers must not mutate the list."""
+        return self._running
 
     def get(self, request_id: str) -> Sequence | None:
         return self._requests.get(request_id)
@@ -148,12 +161,14 @@ class BatchScheduler:
         scheduled: dict[str, ScheduledSeq] = {}
         preempted_ids: list[str] = []
 
-        for seq in list(self._running):
+        running = list(self._running)
+        for index, seq in enumerate(running):
             if budget == 0:
                 break
             if seq.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            drafts = self._fitting_drafts(seq, num_new, budget - num_new - (len(running) - index - 1))
             while not self._allocate_slots(seq, num_new):
                 victim = self._pick_victim()
                 self._preempt(victim)
@@ -165,8 +180,8 @@ class BatchScheduler:
                     break
             if seq.status != RequestStatus.RUNNING:
                 continue
-            scheduled[seq.request_id] = self._scheduled(seq, num_new)
-            budget -= num_new
+            scheduled[seq.request_id] = self._scheduled(seq, num_new + len(drafts), drafts)
+            budget -= num_new + len(drafts)
 
         num_prefix_cached = 0
         # A preempted sequence would otherwise be readmitted at once, only to
@@ -192,29 +207,39 @@ class BatchScheduler:
             num_prefix_cached_tokens=num_prefix_cached,
         )
 
-    def update(self, output: SchedulerOutput, sampled_token_ids: list[int | None]) -> StepUpdate:
-        """Apply a step's results: progress, block caching, new tokens, stops."""
+    def update(self, output: SchedulerOutput, sampled_token_ids: list[int | list[int] | None]) -> StepUpdate:
+        """Apply a step's results: progress, block caching, new tokens, stops.
+
+        Per scheduled sequence: its sampled token; or, for one with drafts, the tokens the step
+        gives it (the drafts it confirmed, then one sampled after them); None for a chunk that
+        samples nothing.
+        """
         if len(sampled_token_ids) != len(output.scheduled):
             raise ValueError(
                 f"sampled_token_ids has {len(sampled_token_ids)} entries for "
                 f"{len(output.scheduled)} scheduled sequences"
             )
-        for item, token_id in zip(output.scheduled, sampled_token_ids, strict=True):
-            if item.needs_sample and token_id is None:
-                raise ValueError(f"no sampled token for {item.seq.request_id!r}")
-        new_tokens: list[tuple[Sequence, int]] = []
+        news = [_as_tokens(item, sampled) for item, sampled in zip(output.scheduled, sampled_token_ids, strict=True)]
+        new_tokens: list[tuple[Sequence, list[int]]] = []
         finished: list[Sequence] = []
-        for item, token_id in zip(output.scheduled, sampled_token_ids, strict=True):
+        for item, tokens in zip(output.scheduled, news, strict=True):
             seq = item.seq
             if seq.status != RequestStatus.RUNNING:
                 continue  # aborted between schedule() and update()
-            seq.num_computed_tokens += item.num_new_tokens
+            emitted: list[int] = []
+            status = None
+            for token_id in tokens:
+                seq.append_token(token_id)
+                emitted.append(token_id)
+                status = seq.stop_status()
+                if status is not None:
+                    break
+            # The KV of drafts past the first miss is stale: those positions count as not computed,
+            # and the next step writes over them.
+            seq.num_computed_tokens += item.num_new_tokens - len(item.draft_token_ids) + max(len(emitted) - 1, 0)
             self._cache_full_blocks(seq)
-            if token_id is None or not item.needs_sample:
-                continue
-            seq.append_token(token_id)
-            new_tokens.append((seq, token_id))
-            status = seq.stop_status()
+            if emitted:
+                new_tokens.append((seq, emitted))
             if status is not None:
                 seq.finish(status)
                 self._running.remove(seq)
@@ -223,9 +248,19 @@ class BatchScheduler:
                 finished.append(seq)
         return StepUpdate(new_tokens=new_tokens, finished=finished)
 
-    def _scheduled(self, seq: Sequence, num_new: int) -> ScheduledSeq:
-        needs_sample = seq.num_computed_tokens + num_new == seq.num_tokens
-        return ScheduledSeq(seq=seq, num_new_tokens=num_new, needs_sample=needs_sample)
+    def _scheduled(self, seq: Sequence, num_new: int, drafts: list[int] | None = None) -> ScheduledSeq:
+        needs_sample = bool(drafts) or seq.num_computed_tokens + num_new == seq.num_tokens
+        return ScheduledSeq(seq=seq, num_new_tokens=num_new, needs_sample=needs_sample,
+                            draft_token_ids=list(drafts or []))
+
+    def _fitting_drafts(self, seq: Sequence, num_new: int, room: int) -> list[int]:
+        """The sequence's drafts that fit this step: only on a decode, within `room` tokens, and
+        with a block for each (a guess is dropped rather than preempt anyone for it). Drafts are
+        for one step: the sequence's are used up here."""
+        drafts, seq.draft_token_ids = seq.draft_token_ids[: max(room, 0)], []
+        if not drafts or num_new != 1 or seq.num_tokens - seq.num_computed_tokens != 1:
+            return []
+        return drafts if self._allocate_slots(seq, 1 + len(drafts)) else []
 
     def _admit(self, seq: Sequence, budget: int) -> ScheduledSeq | None:
         """Give a waiting sequence its blocks and first chunk, or None if it can't fit."""
@@ -303,6 +338,20 @@ class BatchScheduler:
 
     def _enqueue(self, seq: Sequence) -> None:
         bisect.insort(self._waiting, seq, key=_queue_key)
+
+
+def _as_tokens(item: ScheduledSeq, sampled: int | list[int] | None) -> list[int]:
+    """A scheduled sequence's new tokens from update()'s argument, checked against its drafts."""
+    if not item.needs_sample:
+        return []
+    if sampled is None:
+        raise ValueError(f"no sampled token for {item.seq.request_id!r}")
+    tokens = [sampled] if isinstance(sampled, int) else list(sampled)
+    drafts = item.draft_token_ids
+    # Every token but the last must confirm a draft: their KV was computed from the drafts.
+    if not tokens or len(tokens) > 1 + len(drafts) or tokens[:-1] != drafts[: len(tokens) - 1]:
+        raise ValueError(f"tokens {tokens} for {item.seq.request_id!r} do not follow its drafts {drafts}")
+    return tokens
 
 
 def _queue_key(seq: Sequence) -> tuple[int, float]:

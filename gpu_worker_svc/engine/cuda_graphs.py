@@ -48,7 +48,7 @@ class DecodeGraphs:
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | None:
         """Hidden states of an all-decode step, or None when it fits no bucket (run it eagerly)."""
-        if meta.prefill_bounds or meta.decode_gather is None:
+        if meta.prefill_bounds or meta.decode_gather is None or meta.decode_queries > 1:
             return None
         b, length = meta.decode_gather.shape
         bb, lb = _bucket(b, BATCH_BUCKETS), _bucket(length, self.context_buckets)

@@ -20,6 +20,7 @@ from gpu_worker_svc.engine.batch_scheduler import BatchScheduler, SchedulerConfi
 from gpu_worker_svc.engine.block_pool import BlockPool
 from gpu_worker_svc.engine.grammar import GrammarBackend
 from gpu_worker_svc.engine.model_runner import ModelRunner, PromptLogits, RunnerConfig
+from gpu_worker_svc.engine.ngram_proposer import NgramIndex, SpeculativeConfig
 from gpu_worker_svc.engine.outputs import GenerationResult, RequestOutput, StepOutput, StepStats
 from gpu_worker_svc.engine.sampler import Sampler, TokenLogprobs, select_rows
 from gpu_worker_svc.engine.sampling_params import SamplingParams
@@ -36,11 +37,13 @@ class EngineConfig:
     runner: RunnerConfig = field(default_factory=RunnerConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     enable_prefix_caching: bool = True
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)  # n-gram speculation; off by default
 
 
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None) -> None:
         self.config = config or EngineConfig()
+        self.config.speculative.validate()
         self.runner = ModelRunner(self.config.runner)
         self.model_config = self.runner.model_config
         self.block_pool = BlockPool(self.runner.num_blocks, self.runner.block_size,
@@ -163,6 +166,8 @@ class LLMEngine:
     # -- the loop -----------------------------------------------------------
     def step(self) -> StepOutput:
         t0 = time.perf_counter()
+        if self.config.speculative.enabled:
+            self._propose_drafts()
         sched = self.scheduler.schedule()
         out = StepOutput(outputs=self._aborted)
         self._aborted = []
@@ -172,13 +177,35 @@ class LLMEngine:
             out.admitted_ids = [s.seq.request_id for s in sched.scheduled
                                 if s.seq.num_computed_tokens == s.seq.num_cached_tokens]
             batch, prompt = self._step_batch(sched)
+            starts = batch.num_computed.tolist()
             logits = self.runner.execute(batch, prompt)
             if prompt is not None:
                 self._keep_prompt_logprobs(sched, batch, prompt)
-            out.outputs += self._postprocess(sched, logits)
-            out.stats = self._stats(sched, time.perf_counter() - t0)
+            outputs = self._postprocess(sched, logits)
+            out.outputs += outputs
+            out.stats = self._stats(sched, starts, outputs, time.perf_counter() - t0)
         self._step += 1
         return out
+
+    def _propose_drafts(self) -> None:
+        """Each running decode's draft tokens for this step (n-gram lookup), where it may have any."""
+        spec = self.config.speculative
+        for seq in self.scheduler.running:
+            seq.draft_token_ids = []
+            params = seq.params
+            # Penalties, biases and grammars would have to run ahead over the drafts: such requests
+            # decode a token a step. The bonus token after the drafts counts toward max_tokens, and
+            # the drafts' positions must fit the context.
+            if (seq.num_tokens - seq.num_computed_tokens != 1 or params.has_penalties or params.logit_bias
+                    or seq.grammar is not None):
+                continue
+            k = min(spec.num_speculative_tokens, params.max_tokens - seq.num_output_tokens - 1,
+                    self.max_model_len - seq.num_tokens)
+            if k <= 0:
+                continue
+            if seq.ngram_index is None:
+                seq.ngram_index = NgramIndex(spec.prompt_lookup_min, spec.prompt_lookup_max)
+            seq.draft_token_ids = seq.ngram_index.propose(seq.all_token_ids, k)
 
     def _step_batch(self, sched: SchedulerOutput) -> tuple[StepBatch, PromptLogits | None]:
         ids: list[int] = []
@@ -187,7 +214,7 @@ class LLMEngine:
         prompt = PromptLogits([], [])
         for s in sched.scheduled:
             c = s.seq.num_computed_tokens
-            ids += s.seq.all_token_ids[c : c + s.num_new_tokens]
+            ids += s.seq.all_token_ids[c : c + s.num_new_tokens - len(s.draft_token_ids)] + s.draft_token_ids
             tables.append(s.seq.block_ids)
             # Row c + j predicts prompt token c + j + 1; the prompt's last row predicts the first output.
             k = min(s.num_new_tokens, s.seq.num_prompt_tokens - 1 - c) if s.seq.wants_prompt_logprobs else 0
@@ -203,6 +230,8 @@ class LLMEngine:
             block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long),
             step=self._step,
             prompt_logits=torch.tensor(prompt_rows, dtype=torch.long) if prompt.targets else None,
+            num_logits=(torch.tensor([1 + len(s.draft_token_ids) for s in sched.scheduled], dtype=torch.long)
+                        if any(s.draft_token_ids for s in sched.scheduled) else None),
         )
         return batch, (prompt if prompt.targets else None)
 
@@ -217,38 +246,61 @@ class LLMEngine:
                 s.seq.prompt_logprobs += [next(results) for _ in range(k)]
 
     def _postprocess(self, sched: SchedulerOutput, logits: torch.Tensor) -> list[RequestOutput]:
-        rows = [i for i, s in enumerate(sched.scheduled) if s.needs_sample]
-        sampled: list[int | None] = [None] * len(sched.scheduled)
-        sample_logprobs: dict[str, TokenLogprobs | None] = {}
+        # Logits rows: one per scheduled sequence, and one more per draft token (after each draft).
+        rows: list[int] = []
+        ahead: list[int] = []
+        owners: list[int] = []
+        row = 0
+        for i, s in enumerate(sched.scheduled):
+            n = 1 + len(s.draft_token_ids)
+            if s.needs_sample:
+                rows += range(row, row + n)
+                ahead += range(n)
+                owners += [i] * n
+            row += n
+        sampled: list[int | list[int] | None] = [None] * len(sched.scheduled)
+        sample_logprobs: dict[str, list[TokenLogprobs | None]] = {}
         if rows:
-            seqs = [sched.scheduled[i].seq for i in rows]
-            result = self.sampler(select_rows(logits, rows), seqs)
-            for i, seq, tok, lp in zip(rows, seqs, result.token_ids, result.logprobs):
-                sampled[i] = tok
-                sample_logprobs[seq.request_id] = lp
+            seqs = [sched.scheduled[i].seq for i in owners]
+            result = self.sampler(select_rows(logits, rows), seqs, ahead if any(ahead) else None)
+            for i, seq, k, tok, lp in zip(owners, seqs, ahead, result.token_ids, result.logprobs):
+                if k == 0:
+                    sampled[i], sample_logprobs[seq.request_id] = [tok], [lp]
+                    continue
+                kept = sampled[i]
+                assert isinstance(kept, list)
+                # The token sampled after draft k counts only if drafts 1..k were each the token
+                # sampled in their place: then they are what decoding one by one would have given.
+                if len(kept) == k and kept[-1] == sched.scheduled[i].draft_token_ids[k - 1]:
+                    kept.append(tok)
+                    sample_logprobs[seq.request_id].append(lp)
         update = self.scheduler.update(sched, sampled)
         outputs = []
-        for seq, tok in update.new_tokens:
-            lp = sample_logprobs.get(seq.request_id)
-            output = RequestOutput(seq.request_id, [tok], seq.num_output_tokens - 1,
-                                   [lp] if lp is not None else None,
+        for seq, toks in update.new_tokens:
+            lps = sample_logprobs.get(seq.request_id, [])[: len(toks)]
+            output = RequestOutput(seq.request_id, toks, seq.num_output_tokens - len(toks),
+                                   lps if lps and lps[0] is not None else None,  # type: ignore[arg-type]
                                    seq.finish_reason if seq.is_finished else None,
                                    seq.num_prompt_tokens, seq.num_cached_prompt_tokens or 0)
             if seq.error is not None:  # its token was refused: it is no output
                 output.new_token_ids, output.logprobs, output.error = [], None, seq.error
-            if seq.params.prompt_logprobs is not None and seq.num_output_tokens == 1:
+            if seq.params.prompt_logprobs is not None and seq.num_output_tokens == len(toks):
                 # The first token of a fresh run carries its prompt's logprobs (a resumed run has none).
                 output.prompt_logprobs, seq.prompt_logprobs = seq.prompt_logprobs, []
             outputs.append(output)
         return outputs
 
-    def _stats(self, sched: SchedulerOutput, elapsed: float) -> StepStats:
-        decode = sum(1 for s in sched.scheduled if s.num_new_tokens == 1)
+    def _stats(self, sched: SchedulerOutput, starts: list[int], outputs: list[RequestOutput],
+               elapsed: float) -> StepStats:
+        """`starts`: each scheduled sequence's computed tokens before the step."""
+        decoding = [s for s in sched.scheduled if s.num_new_tokens == 1 or s.draft_token_ids]
+        decode = sum(s.num_new_tokens for s in decoding)
+        drafting = {s.seq.request_id for s in decoding if s.draft_token_ids}
         pairs = kv_read = 0
-        for s in sched.scheduled:  # after update(): num_computed_tokens includes this step's tokens
-            n, before = s.num_new_tokens, s.seq.num_computed_tokens - s.num_new_tokens
+        for s, before in zip(sched.scheduled, starts):
+            n = s.num_new_tokens
             pairs += n * before + n * (n + 1) // 2
-            kv_read += s.seq.num_computed_tokens
+            kv_read += before + n
         return StepStats(
             step=self._step, batch_size=len(sched.scheduled), num_tokens=sched.num_batched_tokens,
             num_prefill_tokens=sched.num_batched_tokens - decode, num_decode_tokens=decode,
@@ -256,7 +308,9 @@ class LLMEngine:
             kv_blocks_used=self.block_pool.num_used_blocks, kv_blocks_total=self.block_pool.num_blocks,
             num_waiting=self.scheduler.num_waiting, num_running=self.scheduler.num_running,
             num_preempted=len(sched.preempted_ids), step_time_s=elapsed,
-            attention_pairs=pairs, kv_tokens_read=kv_read)
+            attention_pairs=pairs, kv_tokens_read=kv_read,
+            num_draft_tokens=sum(len(s.draft_token_ids) for s in decoding),
+            num_accepted_tokens=sum(len(o.new_token_ids) - 1 for o in outputs if o.request_id in drafting))
 
     # -- offline use ----------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None

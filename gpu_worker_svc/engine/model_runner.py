@@ -158,7 +158,7 @@ class ShardWorker:
         hidden = self.graphs.run(input_ids, positions, meta) if self.graphs is not None else None
         if hidden is None:
             hidden = self.model(input_ids, positions, meta, self.kv_caches)
-        last = torch.cumsum(batch.num_new, 0).to(self.device) - 1
+        last = batch.logit_rows().to(self.device)
         # The sampled rows go through the LM head alone, as they would without prompt rows: a GEMM's
         # rounding may depend on its row count, and sampling must not depend on a batch-mate's options.
         logits = self.model.compute_logits(hidden[last])

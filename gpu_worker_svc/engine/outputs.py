@@ -27,8 +27,8 @@ class StepStats:
     step: int  # engine step counter
     batch_size: int  # sequences computed this step
     num_tokens: int  # tokens computed (prefill + decode)
-    num_prefill_tokens: int  # tokens of multi-token chunks
-    num_decode_tokens: int  # single-token decodes
+    num_prefill_tokens: int  # tokens of prompt chunks
+    num_decode_tokens: int  # decode tokens: one per decoding sequence, and its draft tokens
     prefix_cache_hit_tokens: int  # tokens admitted from the prefix cache this step
     kv_blocks_used: int  # blocks held by requests
     kv_blocks_total: int  # capacity of the cache
@@ -38,6 +38,8 @@ class StepStats:
     step_time_s: float  # wall time of schedule + forward + sample + update
     attention_pairs: int = 0  # causal (query, key) pairs attention scored, for FLOP estimates
     kv_tokens_read: int = 0  # KV positions attention read across the batch, for byte estimates
+    num_draft_tokens: int = 0  # n-gram speculation: draft tokens computed (num_decode_tokens counts them)
+    num_accepted_tokens: int = 0  # drafts that proved to be the tokens decoding gives, kept as output
 
 
 @dataclass(slots=True)

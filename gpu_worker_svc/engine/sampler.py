@@ -58,16 +58,19 @@ def draw_key(seed: int, token_index: int) -> int:
     return _splitmix64(_splitmix64(seed & _MASK64) ^ (token_index & _MASK64))
 
 
-def race_noise(seqs: list[Sequence], vocab: int, device: torch.device) -> torch.Tensor:
+def race_noise(seqs: list[Sequence], vocab: int, device: torch.device, ahead: list[int] | None = None
+               ) -> torch.Tensor:
     """Exp(1) noise [rows, vocab], indexed by token id; row r a pure function of its (seed, token index).
+
+    Row r draws for output index seqs[r].num_output_tokens + ahead[r] (ahead: see Sampler.__call__).
 
     Each row comes from a generator seeded with its key, on the logits' device (so a CUDA worker
     draws other noise than a CPU one for the same seed: pools are of one kind).
     """
     noise = torch.empty(len(seqs), vocab, device=device)
     generator = torch.Generator(device=device)
-    for row, seq in zip(noise, seqs):
-        key = draw_key(seq.params.seed, seq.num_output_tokens)
+    for row, seq, k in zip(noise, seqs, ahead or [0] * len(seqs)):
+        key = draw_key(seq.params.seed, seq.num_output_tokens + k)
         generator.manual_seed((key ^ (key >> 32)) & 0xFFFFFFFF)  # CPU's mt19937 keeps 32 bits: fold all 64 in
         row.uniform_(generator=generator)
     return noise.log_().neg_()  # a uniform 0 gives infinite noise: that token cannot win
@@ -83,11 +86,18 @@ class Sampler:
         self._penalties = PenaltyState()
         self._logit_bias = LogitBias()
 
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence], ahead: list[int] | None = None) -> SamplerOutput:
+        """One token per row. `ahead[r]` > 0: row r follows that many draft tokens of its sequence
+        (n-gram speculation), and samples its output token num_output_tokens + ahead[r], with that
+        index's random draw, as the unbroken run would. Such rows carry no penalties, logit bias
+        or grammar, whose state would need the drafts; the engine drafts for no such request."""
         if logits.dim() != 2 or logits.shape[0] != len(seqs):
             raise ValueError(
                 f"logits must be [{len(seqs)}, vocab], got {list(logits.shape)}"
             )
+        if ahead is not None and any(k and (seqs[r].params.has_penalties or seqs[r].params.logit_bias
+                                            or seqs[r].grammar is not None) for r, k in enumerate(ahead)):
+            raise ValueError("rows after draft tokens cannot take penalties, logit_bias or a grammar")
         logits = logits.float()
         # Logprobs describe the model's own distribution, so they are taken
         # before penalties and temperature reshape it.
@@ -99,7 +109,7 @@ class Sampler:
         logits = self._logit_bias.apply(logits, seqs)
         logits = self._penalties.apply(logits, seqs)
         logits = mask_logits(logits, seqs)  # structured output: after the biases, so none re-allows a token
-        logits = _mask_early_stops(logits, seqs)
+        logits = _mask_early_stops(logits, seqs, ahead)
 
         sampled_rows = [i for i, seq in enumerate(seqs) if not seq.params.is_greedy]
         if len(sampled_rows) < len(seqs):
@@ -107,8 +117,9 @@ class Sampler:
         else:
             token_ids = torch.empty(len(seqs), dtype=torch.long, device=logits.device)
         if sampled_rows:
-            token_ids[_index(sampled_rows, logits)] = _sample(select_rows(logits, sampled_rows),
-                                                             [seqs[i] for i in sampled_rows])
+            token_ids[_index(sampled_rows, logits)] = _sample(
+                select_rows(logits, sampled_rows), [seqs[i] for i in sampled_rows],
+                [ahead[i] for i in sampled_rows] if ahead is not None else None)
 
         token_list = token_ids.tolist()
         logprobs: list[TokenLogprobs | None] = [None] * len(seqs)
@@ -160,14 +171,14 @@ class LogitBias:
         return ids, torch.tensor([b for _, b in pairs], dtype=like.dtype, device=like.device)
 
 
-def _mask_early_stops(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+def _mask_early_stops(logits: torch.Tensor, seqs: list[Sequence], ahead: list[int] | None = None) -> torch.Tensor:
     """Forbid EOS and stop ids until min_tokens output tokens exist."""
     vocab = logits.shape[1]
     rows: list[int] = []
     cols: list[int] = []
     for i, seq in enumerate(seqs):
         params = seq.params
-        if seq.num_output_tokens >= params.min_tokens:
+        if seq.num_output_tokens + (ahead[i] if ahead is not None else 0) >= params.min_tokens:
             continue
         stop_ids = list(params.stop_token_ids)
         # A grammar's EOS ends its request even under ignore_eos, so it is held back all the same.
@@ -193,7 +204,7 @@ def _allows_other_tokens(row: torch.Tensor, stop_ids: list[int]) -> bool:
     return bool(allowed.any())
 
 
-def _sample(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+def _sample(logits: torch.Tensor, seqs: list[Sequence], ahead: list[int] | None = None) -> torch.Tensor:
     """Temperature, top-k, top-p, min-p, then an exponential race per row (see the module docstring).
 
     Each filter keeps the row's most likely tokens, so the kept set is a mask over token ids. Only
@@ -217,7 +228,7 @@ def _sample(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     if any(p.min_p > 0.0 for p in params):
         min_p = param_column([p.min_p for p in params], logits)
         kept &= probs >= min_p * probs.amax(dim=-1, keepdim=True)
-    score = probs / race_noise(seqs, probs.shape[1], probs.device)
+    score = probs / race_noise(seqs, probs.shape[1], probs.device, ahead)
     return score.masked_fill_(~kept, -1.0).argmax(dim=-1)
 
 

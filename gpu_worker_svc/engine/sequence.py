@@ -12,6 +12,7 @@ from shardline.structured_output import DEAD_END
 
 if TYPE_CHECKING:
     from gpu_worker_svc.engine.grammar import GrammarMatcher
+    from gpu_worker_svc.engine.ngram_proposer import NgramIndex
     from gpu_worker_svc.engine.sampler import TokenLogprobs
 
 
@@ -77,6 +78,10 @@ class Sequence:
     # With params.structured_output: the grammar's state after output_token_ids, advanced by append_token.
     grammar: GrammarMatcher | None = None
     error: str | None = None  # why it failed (FINISHED_ERROR), for the client
+    # N-gram speculation: the tokens the engine guesses come after all_token_ids, for the scheduler
+    # to run in its next decode; and the index of its n-grams they are looked up in.
+    draft_token_ids: list[int] = field(default_factory=list)
+    ngram_index: NgramIndex | None = None
     _all_token_ids: list[int] = field(init=False, repr=False, default_factory=list)
 
     def __post_init__(self) -> None:

@@ -28,27 +28,42 @@ class StepBatch:
     # [B] long: how many leading new tokens of each sequence also need their logits (prompt
     # logprobs); every rank takes part in the LM head's gather for them. None: none do.
     prompt_logits: torch.Tensor | None = None
+    # [B] long: how many trailing new tokens of each sequence give logits to sample from: 1, or with
+    # n-gram speculation 1 + its draft tokens. None: 1 each.
+    num_logits: torch.Tensor | None = None
 
     def pack(self) -> torch.Tensor:
         """One int64 tensor: a 4-int header, then the arrays back to back."""
         b, m = self.block_tables.shape
         header = torch.tensor([self.token_ids.numel(), b, m, self.step], dtype=torch.long)
         prompt = self.prompt_logits if self.prompt_logits is not None else torch.zeros(b, dtype=torch.long)
-        return torch.cat([header, self.token_ids, self.num_computed, self.num_new, prompt,
+        logits = self.num_logits if self.num_logits is not None else torch.ones(b, dtype=torch.long)
+        return torch.cat([header, self.token_ids, self.num_computed, self.num_new, prompt, logits,
                           self.block_tables.flatten()])
 
     @staticmethod
     def packed_size(header: torch.Tensor) -> int:
         t, b, m = (int(x) for x in header[:3])
-        return 4 + t + 3 * b + b * m
+        return 4 + t + 4 * b + b * m
 
     @classmethod
     def unpack(cls, packed: torch.Tensor) -> StepBatch:
         t, b, m, step = (int(x) for x in packed[:4])
         body = packed[4:]
         prompt = body[t + 2 * b : t + 3 * b]
-        return cls(body[:t], body[t : t + b], body[t + b : t + 2 * b], body[t + 3 * b :].view(b, m), step,
-                   prompt if bool(prompt.any()) else None)
+        logits = body[t + 3 * b : t + 4 * b]
+        return cls(body[:t], body[t : t + b], body[t + b : t + 2 * b], body[t + 4 * b :].view(b, m), step,
+                   prompt if bool(prompt.any()) else None, logits if bool((logits != 1).any()) else None)
+
+    def logit_rows(self) -> torch.Tensor:
+        """Flat-batch rows whose logits are sampled: each sequence's last num_logits rows, in order."""
+        ends = torch.cumsum(self.num_new, 0) - 1
+        if self.num_logits is None:
+            return ends
+        counts = self.num_logits
+        first = torch.repeat_interleave(ends - counts + 1, counts)
+        within = torch.arange(first.numel()) - torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
+        return first + within
 
     def prompt_logit_rows(self) -> torch.Tensor:
         """Flat-batch rows whose logits `prompt_logits` asks for, in batch order."""
@@ -66,10 +81,12 @@ class AttentionMetadata:
     prefill_bounds: list[tuple[int, int]]  # [start, end) of each multi-token chunk in the flat batch
     prefill_gather: list[torch.Tensor | None]  # slots of positions [0, context) when a prefix is cached, else None
     prefill_mask: list[torch.Tensor | None]  # [n, context] bool causal mask of such a chunk, shared by every layer
-    decode_index: torch.Tensor | None  # [B_decode] flat-batch index of each single-token chunk
+    # [B_decode] flat-batch index of each single-token chunk. With draft tokens (decode_queries > 1):
+    # the flat-batch rows of every decode query, in order.
+    decode_index: torch.Tensor | None
     decode_gather: torch.Tensor | None  # [B_decode, L] slots of each decode's context, padded
-    # [B_decode, 1, 1, L] bool: True where a key is attended. None when every decode's context is
-    # L long (always at batch 1): SDPA is then cheaper, and its result is bitwise the same.
+    # [B_decode, 1, Q, L] bool: True where a key is attended. None when every decode's context is
+    # L long and Q is 1 (always so at batch 1): SDPA is then cheaper, and its result is bitwise the same.
     decode_mask: torch.Tensor | None
     # On CPU, decodes whose contexts differ widely, split into groups each padded only to its own
     # longest; empty: one group, the two fields above (always so on CUDA, whose graphs take one).
@@ -77,6 +94,11 @@ class AttentionMetadata:
     # Batch-invariant attention (layers/invariant_attention.py): every chunk and decode gathers its
     # context from the cache, padded to a multiple of its TILE keys, and has a mask.
     invariant: bool = False
+    # N-gram speculation: a decode with draft tokens has a query for its last token and one per
+    # draft, all attended in one call with the plain decodes, each padded to Q queries:
+    decode_queries: int = 1  # Q, the most queries of one decode
+    decode_query_rows: torch.Tensor | None = None  # [B_decode * Q] flat-batch rows (padding repeats the last)
+    decode_valid: torch.Tensor | None = None  # places in [B_decode * Q] of the real queries, as decode_index
     # What the first layer derives from the fields above for all of them (invariant: the gathers' rows).
     derived: dict[str, Any] = field(default_factory=dict)
 
@@ -98,9 +120,14 @@ DECODE_GROUP_SPREAD = 2
 
 def build_step(batch: StepBatch, block_size: int, device: torch.device | str = "cpu", invariant: bool = False
                ) -> tuple[torch.Tensor, AttentionMetadata]:
-    """Positions [T] and attention metadata for a step; `invariant` lays it out for invariant_attention."""
+    """Positions [T] and attention metadata for a step; `invariant` lays it out for invariant_attention.
+
+    A sequence's chunk of draft tokens (num_logits > 1) is attended as a decode of several queries;
+    under `invariant` as a chunk of its own, like a prefill's.
+    """
     num_computed = batch.num_computed.tolist()
     num_new = batch.num_new.tolist()
+    num_logits = batch.num_logits.tolist() if batch.num_logits is not None and not invariant else [1] * len(num_new)
     bt = batch.block_tables
     positions = torch.cat([torch.arange(c, c + n) for c, n in zip(num_computed, num_new)]) if num_new else \
         torch.empty(0, dtype=torch.long)
@@ -113,7 +140,7 @@ def build_step(batch: StepBatch, block_size: int, device: torch.device | str = "
     decodes: list[int] = []  # sequence index of each single-token chunk
     start = 0
     for i, (c, n) in enumerate(zip(num_computed, num_new)):
-        if n == 1:
+        if n == num_logits[i]:  # a decode, with its drafts if it has any
             decodes.append(i)
         else:
             bounds.append((start, start + n))
@@ -127,22 +154,33 @@ def build_step(batch: StepBatch, block_size: int, device: torch.device | str = "
                 masks.append(torch.ones(n, len(pos), dtype=torch.bool, device=device).tril(c))
         start += n
 
-    decode_index = decode_gather = decode_mask = None
+    decode_index = decode_gather = decode_mask = query_rows = valid = None
     groups: list[DecodeGroup] = []
+    queries = 1
     if decodes:
         rows = torch.tensor(decodes)
         ends = torch.cumsum(batch.num_new, 0) - 1
-        ctx = batch.num_computed[rows] + 1
-        decode_index = ends[rows].to(device)
+        n = batch.num_new[rows]
+        ctx = batch.num_computed[rows] + n  # keys: the context through the decode's last query
+        queries = int(n.max())
+        if queries == 1:
+            decode_index = ends[rows].to(device)
+        else:
+            j = torch.arange(queries)
+            padded = (ends[rows] - n + 1)[:, None] + torch.minimum(j[None, :], (n - 1)[:, None])
+            real = (j[None, :] < n[:, None]).flatten()
+            query_rows, valid = padded.flatten().to(device), real.nonzero().flatten().to(device)
+            decode_index = padded.flatten()[real].to(device)
         split = _by_context(ctx.tolist()) if str(device) == "cpu" else []
         if len(split) > 1:
             groups = [DecodeGroup(torch.tensor(g).to(device),
-                                  *_decode_context(bt[rows[g]], ctx[g], block_size, device, invariant))
+                                  *_decode_context(bt[rows[g]], ctx[g], block_size, device, invariant, n[g], queries))
                       for g in split]
         else:
-            decode_gather, decode_mask = _decode_context(bt[rows], ctx, block_size, device, invariant)
+            decode_gather, decode_mask = _decode_context(bt[rows], ctx, block_size, device, invariant, n, queries)
     meta = AttentionMetadata(slot_mapping.to(device), bounds, gathers, masks, decode_index, decode_gather, decode_mask,
-                             groups, invariant)
+                             groups, invariant, decode_queries=queries, decode_query_rows=query_rows,
+                             decode_valid=valid)
     return positions.to(device), meta
 
 
@@ -155,13 +193,21 @@ def _padded(length: int, invariant: bool) -> torch.Tensor:
 
 
 def _decode_context(tables: torch.Tensor, ctx: torch.Tensor, block_size: int, device: torch.device | str,
-                    invariant: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Slots of each decode's context, padded to the longest, and the mask of the padding (None: none)."""
+                    invariant: bool = False, num_queries: torch.Tensor | None = None, queries: int = 1
+                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Slots of each decode's context, padded to the longest, and the mask of the padding (None: none).
+
+    With `queries` > 1, decode i has num_queries[i] of them, the last at position ctx[i] - 1: query j
+    sees the keys up to its own position (a padded query, the keys of the decode's last one)."""
     pos = _padded(int(ctx.max()), invariant)
     gather = (tables[:, pos // block_size] * block_size + pos % block_size).to(device)
-    if int(ctx.min()) == len(pos) and not invariant:
-        return gather, None
-    return gather, (torch.arange(len(pos))[None, :] < ctx[:, None])[:, None, None, :].to(device)
+    if queries == 1:
+        if int(ctx.min()) == len(pos) and not invariant:
+            return gather, None
+        return gather, (torch.arange(len(pos))[None, :] < ctx[:, None])[:, None, None, :].to(device)
+    assert num_queries is not None
+    seen = torch.minimum(ctx[:, None] - num_queries[:, None] + 1 + torch.arange(queries)[None, :], ctx[:, None])
+    return gather, (torch.arange(len(pos))[None, None, :] < seen[:, :, None])[:, None].to(device)
 
 
 def _by_context(lengths: list[int]) -> list[list[int]]:

@@ -25,6 +25,7 @@ import torch
 from gpu_worker_svc.engine.batch_scheduler import SchedulerConfig
 from gpu_worker_svc.engine.llm_engine import EngineConfig, LLMEngine
 from gpu_worker_svc.engine.model_runner import RunnerConfig
+from gpu_worker_svc.engine.ngram_proposer import SpeculativeConfig
 from gpu_worker_svc.model.dummy import is_dummy
 from gpu_worker_svc.model.layers.quantize import QUANTIZATIONS
 from gpu_worker_svc.model.loader import parse_dtype
@@ -76,6 +77,8 @@ def parse_args(argv: list[str] | None) -> WorkerSettings:
                    help="CPU float32: keep torch's F.linear instead of oneDNN-packed weights")
     p.add_argument("--batch-invariant", dest="batch_invariant", action="store_true",
                    help="CPU, int8 or fp32: tokens bitwise independent of batching, prefix caching and resumes (slower)")
+    p.add_argument("--num-speculative-tokens", dest="num_speculative_tokens", type=int,
+                   help="n-gram speculation: draft tokens per decode, looked up in the request's own text (0: off)")
     p.add_argument("--torch-threads", dest="torch_threads", type=int)
     p.add_argument("--metrics-port", dest="metrics_port", type=int)
     p.add_argument("--no-tracing", dest="tracing", action="store_false")
@@ -92,7 +95,7 @@ def engine_config(s: WorkerSettings) -> EngineConfig:
                           trace_instance=s.resolved_worker_id if s.tracing else None, quantization=s.quantization,
                           onednn_weights=s.onednn_weights, batch_invariant=s.batch_invariant)
     return EngineConfig(runner, SchedulerConfig(s.max_num_seqs, s.max_num_batched_tokens),
-                        s.enable_prefix_caching)
+                        s.enable_prefix_caching, SpeculativeConfig(s.num_speculative_tokens))
 
 
 def build_engine(s: WorkerSettings) -> LLMEngine:

@@ -63,6 +63,9 @@ class StepTelemetry:
             generated = sum(len(o.new_token_ids) for o in out.outputs)
             tokens_per_s = generated / stats.step_time_s if stats.step_time_s > 0 else 0.0
             metrics.TOKENS_PER_SECOND.set(tokens_per_s)
+            if stats.num_draft_tokens:
+                metrics.SPEC_DRAFT_TOKENS.inc(stats.num_draft_tokens)
+                metrics.SPEC_ACCEPTED_TOKENS.inc(stats.num_accepted_tokens)
             if self._enabled:
                 self._step_span(step, stats, tokens_per_s, start_ns, end_ns)
         if self._enabled:
@@ -74,7 +77,8 @@ class StepTelemetry:
         span = self._tracer.start_span("engine_step", start_time=start_ns, attributes={
             attr.STEP: step, attr.BATCH_SIZE: stats.batch_size, attr.NUM_TOKENS: stats.num_tokens,
             attr.PREFIX_CACHE_HITS: stats.prefix_cache_hit_tokens, attr.KV_BLOCKS_USED: stats.kv_blocks_used,
-            attr.TOKENS_PER_S: tokens_per_s, attr.MFU: mfu, attr.MBU: mbu})
+            attr.TOKENS_PER_S: tokens_per_s, attr.MFU: mfu, attr.MBU: mbu,
+            attr.DRAFT_TOKENS: stats.num_draft_tokens, attr.ACCEPTED_TOKENS: stats.num_accepted_tokens})
         span.end(end_time=end_ns)
 
     def _request_events(self, out: StepOutput, start_ns: int, end_ns: int) -> None:

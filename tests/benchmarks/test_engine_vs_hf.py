@@ -26,3 +26,16 @@ def test_engine_vs_hf_alternates_rounds_and_reports_medians(tmp_path, capsys):
         low, high = row["ratio_range"]
         assert low <= row["ratio"] <= high
     assert "medians of 2 alternating rounds" in capsys.readouterr().out
+
+
+def test_speculation_settings_each_get_a_row_on_the_same_prompts(tmp_path):
+    out = tmp_path / "r.json"
+    assert main(["--model", "dummy:smollm2-135m", "--concurrency", "2", "--input-len", "24", "--output-len", "6",
+                 "--rounds", "2", "--num-speculative-tokens", "0", "3", "--no-hf", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["concurrency"], r["num_speculative_tokens"]) for r in rows] == [(2, 0), (2, 3)]
+    assert rows[0]["acceptance"] is None
+    for off, on in zip(rows[0]["rounds"], rows[1]["rounds"]):  # the same prompts, run twice: no cache hits
+        assert off["shardline"]["prefix_cache_hit_tokens"] == on["shardline"]["prefix_cache_hit_tokens"] == 0
+        assert off["shardline"]["tokens"] == on["shardline"]["tokens"] == 12
+        assert off["shardline"]["draft_tokens"] == 0

@@ -29,6 +29,21 @@ def test_generate_and_stream_agree(grpc_target):
     assert chunks[-1].usage.completion_tokens == 12
 
 
+def test_drafted_tokens_reach_the_client_several_a_step(grpc_target):
+    """The test stack's worker runs n-gram speculation (conftest): text that repeats its prompt keeps
+    drafts, and a step's several tokens travel as one delta, through to the client and Redis."""
+    prompt = "Repeat after me. " + "red green blue yellow, " * 6
+    with ShardlineClient(grpc_target) as client:
+        whole = client.generate(prompt, max_tokens=40, temperature=0.0, ignore_eos=True)
+        chunks = list(client.stream(prompt, max_tokens=40, temperature=0.0, ignore_eos=True))
+        info = client.get_request(whole.request_id)
+    assert [t for c in chunks for t in c.token_ids] == whole.token_ids == info.output_token_ids
+    assert len(whole.token_ids) == 40
+    assert max(len(c.token_ids) for c in chunks) > 1
+    offsets = [(c.offset, len(c.token_ids)) for c in chunks if c.token_ids]
+    assert all(o + n == next_o for (o, n), (next_o, _) in zip(offsets, offsets[1:]))
+
+
 def test_async_client_and_resume(grpc_target):
     async def run() -> tuple[list[int], list[int], list[int]]:
         async with AsyncShardlineClient(grpc_target) as client:

@@ -27,7 +27,7 @@ class PagedAttention(nn.Module):
 
         if meta.invariant:
             return self._invariant(q, k_cache, v_cache, meta)
-        if not meta.prefill_bounds:  # the common step: the batch is the decodes, in order
+        if not meta.prefill_bounds and meta.decode_queries == 1:  # the common step: the decodes, in order
             return self._decode(q, k_cache, v_cache, meta)
         out = torch.empty_like(q)
         runs = meta.derived.get("self_attending")
@@ -40,7 +40,11 @@ class PagedAttention(nn.Module):
             if gather is not None:  # the chunk's queries sit at the end of a longer context
                 out[start:end] = self._sdpa(q[start:end], k_cache.index_select(0, gather),
                                             v_cache.index_select(0, gather), mask, causal=False)
-        if meta.decode_index is not None:
+        if meta.decode_index is not None and meta.decode_queries > 1:  # decodes with draft tokens
+            queries = q.index_select(0, meta.decode_query_rows).unflatten(0, (-1, meta.decode_queries))
+            decodes = self._decode(queries, k_cache, v_cache, meta).flatten(0, 1).index_select(0, meta.decode_valid)
+            out.flatten(1).index_copy_(0, meta.decode_index, decodes)
+        elif meta.decode_index is not None:
             decodes = self._decode(q.index_select(0, meta.decode_index), k_cache, v_cache, meta)
             out.flatten(1).index_copy_(0, meta.decode_index, decodes)  # far cheaper than index_put on CPU
         return out.flatten(1)
@@ -77,10 +81,11 @@ class PagedAttention(nn.Module):
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
-        """The single-token queries q [B, Hq, D] against their cached contexts → [B, Hq * D]."""
+        """The single-token queries q [B, Hq, D] against their cached contexts → [B, Hq * D];
+        or each decode's Q queries, q [B, Q, Hq, D] → [B, Q, Hq * D]."""
         if not meta.decode_groups:
             return self._attend(q, k_cache, v_cache, meta.decode_gather, meta.decode_mask)
-        out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+        out = q.new_empty(*q.shape[:-2], q.shape[-2] * q.shape[-1])
         for group in meta.decode_groups:  # contexts of widely different lengths, each group padded apart
             attended = self._attend(q.index_select(0, group.rows), k_cache, v_cache, group.gather, group.mask)
             out.index_copy_(0, group.rows, attended)
@@ -93,8 +98,11 @@ class PagedAttention(nn.Module):
         flat = gather.flatten()
         kd = k_cache.index_select(0, flat).view(b, length, *k_cache.shape[1:]).transpose(1, 2)  # [B, Hkv, L, D]
         vd = v_cache.index_select(0, flat).view(b, length, *v_cache.shape[1:]).transpose(1, 2)
-        od = F.scaled_dot_product_attention(q.unsqueeze(2), kd, vd, attn_mask=mask,
-                                            enable_gqa=self.num_heads != self.num_kv_heads)
+        gqa = self.num_heads != self.num_kv_heads
+        if q.dim() == 4:  # [B, Q, Hq, D]: a decode's token and its drafts
+            od = F.scaled_dot_product_attention(q.transpose(1, 2), kd, vd, attn_mask=mask, enable_gqa=gqa)
+            return od.transpose(1, 2).flatten(2)
+        od = F.scaled_dot_product_attention(q.unsqueeze(2), kd, vd, attn_mask=mask, enable_gqa=gqa)
         return od.flatten(1)
 
     def _sdpa_batch(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, count: int) -> torch.Tensor:

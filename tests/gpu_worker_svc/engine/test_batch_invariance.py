@@ -13,6 +13,7 @@ import pytest
 from gpu_worker_svc.engine.batch_scheduler import SchedulerConfig
 from gpu_worker_svc.engine.llm_engine import EngineConfig, LLMEngine
 from gpu_worker_svc.engine.model_runner import RunnerConfig
+from gpu_worker_svc.engine.ngram_proposer import SpeculativeConfig
 from gpu_worker_svc.engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -42,7 +43,7 @@ def _run(engine: LLMEngine, requests, resume_from: list[list[int]] | None = None
     for i, (prompt, params) in enumerate(requests):
         engine.add_request(str(i), prompt, params, output_token_ids=resume_from[i] if resume_from else None)
     results: dict[str, tuple[list, list]] = {str(i): ([], []) for i in range(len(requests))}
-    counts = {"preempted": 0, "cached": 0}
+    counts = {"preempted": 0, "cached": 0, "accepted": 0}
     while engine.has_unfinished:
         step = engine.step()
         for out in step.outputs:
@@ -51,6 +52,7 @@ def _run(engine: LLMEngine, requests, resume_from: list[list[int]] | None = None
         if step.stats is not None:
             counts["preempted"] += step.stats.num_preempted
             counts["cached"] += step.stats.prefix_cache_hit_tokens
+            counts["accepted"] += step.stats.num_accepted_tokens
     return results, counts
 
 
@@ -67,3 +69,20 @@ def test_int8_tokens_and_logprobs_are_bitwise_the_same_however_run(engine):
     for i in range(len(requests)):
         assert resumed[str(i)][0] == batched[str(i)][0][RESUME_AT:], f"request {i}"
         assert resumed[str(i)][1] == batched[str(i)][1][RESUME_AT:], f"request {i}"
+
+
+def test_int8_drafts_change_no_bit_of_tokens_or_logprobs(engine):
+    """N-gram speculation computes a decode and its drafts as one chunk: under batch invariance its
+    tokens and logprobs are bitwise those of decoding one token a step."""
+    rng = random.Random(9)
+    phrase = [rng.randrange(100, 49000) for _ in range(9)]
+    requests = _requests()[:4] + [(phrase * 6, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True,
+                                                             logprobs=2))]
+    one_by_one, _ = _run(engine, requests)
+    engine.config.speculative = SpeculativeConfig(num_speculative_tokens=4)
+    try:
+        drafted, counts = _run(engine, requests)
+    finally:
+        engine.config.speculative = SpeculativeConfig()
+    assert counts["accepted"] > 0
+    assert drafted == one_by_one

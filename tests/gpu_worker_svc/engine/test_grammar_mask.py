@@ -85,7 +85,7 @@ def test_the_sampler_never_picks_a_forbidden_token_even_when_the_allowed_ones_no
     seq = _seq("forced", StructuredOutputSpec("choice", ("true",)), backend, [ids[b"t"]])
     seq.params.temperature, seq.params.seed = 1.0, 5
 
-    def infinite_for_allowed(seqs, vocab, device):
+    def infinite_for_allowed(seqs, vocab, device, ahead=None):
         noise = torch.ones(len(seqs), vocab)
         noise[:, ids[b"r"]] = float("inf")
         return noise

@@ -14,6 +14,7 @@ import torch
 from gpu_worker_svc.engine.batch_scheduler import SchedulerConfig
 from gpu_worker_svc.engine.llm_engine import EngineConfig, LLMEngine
 from gpu_worker_svc.engine.model_runner import RunnerConfig
+from gpu_worker_svc.engine.ngram_proposer import SpeculativeConfig
 from gpu_worker_svc.engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -165,11 +166,17 @@ def test_tp3_matches_tp1(engine, prompts):
     # Prompt logprobs on half of them: every rank joins the LM head's gather for their rows.
     params = [dataclasses.replace(GREEDY, prompt_logprobs=2 if i % 2 else None) for i in range(4)]
     expected = engine.generate(prompts[:4], params)
+    phrase = prompts[5][:9]
+    repeating = [phrase * 4]  # its drafts hit: every rank computes the LM head for them too
+    expected_drafted = engine.generate(repeating, GREEDY)
     tp3 = _engine(tp=3)
     try:
         got = tp3.generate(prompts[:4], params)
+        tp3.config.speculative = SpeculativeConfig(num_speculative_tokens=4)
+        drafted = tp3.generate(repeating, GREEDY)
     finally:
         tp3.shutdown()
+    assert [r.token_ids for r in drafted] == [r.token_ids for r in expected_drafted]
     assert [r.token_ids for r in got] == [r.token_ids for r in expected]
     for r, e in zip(got[1::2], expected[1::2]):
         assert [lp.token_id for lp in r.prompt_logprobs] == [lp.token_id for lp in e.prompt_logprobs]

@@ -16,6 +16,10 @@ def test_flags_override_the_environment_and_unset_flags_leave_it(monkeypatch):
     assert not s.batch_invariant and parse_args(["--batch-invariant"]).batch_invariant
     monkeypatch.setenv("SHARDLINE_BATCH_INVARIANT", "1")
     assert engine_config(parse_args([])).runner.batch_invariant
+    assert not engine_config(s).speculative.enabled
+    assert engine_config(parse_args(["--num-speculative-tokens", "4"])).speculative.num_speculative_tokens == 4
+    monkeypatch.setenv("SHARDLINE_NUM_SPECULATIVE_TOKENS", "3")
+    assert engine_config(parse_args([])).speculative.num_speculative_tokens == 3
 
 
 def test_defaults_resolve_from_the_port_and_device(monkeypatch):
