@@ -8,9 +8,10 @@ and none is free, the lowest-priority, newest running sequence is preempted
 by recompute: it loses its blocks and goes back to waiting.
 
 With n-gram speculation a decode also carries its sequence's draft tokens
-(seq.draft_token_ids), as far as the budget allows after one token for each
-running sequence behind it, and free blocks allow: drafts are dropped, never
-a reason to preempt.
+(seq.draft_token_ids), but only from what the step leaves over: after every
+running sequence has its tokens and the waiting ones are admitted, within the
+rest of the budget and the free blocks. A guess never preempts, delays or
+shrinks real work.
 """
 
 import bisect
@@ -161,14 +162,12 @@ class BatchScheduler:
         scheduled: dict[str, ScheduledSeq] = {}
         preempted_ids: list[str] = []
 
-        running = list(self._running)
-        for index, seq in enumerate(running):
+        for seq in list(self._running):
             if budget == 0:
                 break
             if seq.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            drafts = self._fitting_drafts(seq, num_new, budget - num_new - (len(running) - index - 1))
             while not self._allocate_slots(seq, num_new):
                 victim = self._pick_victim()
                 self._preempt(victim)
@@ -180,8 +179,8 @@ class BatchScheduler:
                     break
             if seq.status != RequestStatus.RUNNING:
                 continue
-            scheduled[seq.request_id] = self._scheduled(seq, num_new + len(drafts), drafts)
-            budget -= num_new + len(drafts)
+            scheduled[seq.request_id] = self._scheduled(seq, num_new)
+            budget -= num_new
 
         num_prefix_cached = 0
         # A preempted sequence would otherwise be readmitted at once, only to
@@ -198,6 +197,14 @@ class BatchScheduler:
                 scheduled[item.seq.request_id] = item
                 budget -= item.num_new_tokens
                 num_prefix_cached += item.seq.num_cached_tokens
+
+        for seq in self._running:  # drafts are for this step only: used now, or dropped
+            drafts, seq.draft_token_ids = seq.draft_token_ids, []
+            item = scheduled.get(seq.request_id)
+            if drafts and budget > 0 and item is not None and self._is_decode(item):
+                item.draft_token_ids = self._fitting_drafts(seq, drafts[:budget])
+                item.num_new_tokens += len(item.draft_token_ids)
+                budget -= len(item.draft_token_ids)
 
         items = list(scheduled.values())
         return SchedulerOutput(
@@ -248,19 +255,21 @@ class BatchScheduler:
                 finished.append(seq)
         return StepUpdate(new_tokens=new_tokens, finished=finished)
 
-    def _scheduled(self, seq: Sequence, num_new: int, drafts: list[int] | None = None) -> ScheduledSeq:
-        needs_sample = bool(drafts) or seq.num_computed_tokens + num_new == seq.num_tokens
-        return ScheduledSeq(seq=seq, num_new_tokens=num_new, needs_sample=needs_sample,
-                            draft_token_ids=list(drafts or []))
+    def _scheduled(self, seq: Sequence, num_new: int) -> ScheduledSeq:
+        needs_sample = seq.num_computed_tokens + num_new == seq.num_tokens
+        return ScheduledSeq(seq=seq, num_new_tokens=num_new, needs_sample=needs_sample)
 
-    def _fitting_drafts(self, seq: Sequence, num_new: int, room: int) -> list[int]:
-        """The sequence's drafts that fit this step: only on a decode, within `room` tokens, and
-        with a block for each (a guess is dropped rather than preempt anyone for it). Drafts are
-        for one step: the sequence's are used up here."""
-        drafts, seq.draft_token_ids = seq.draft_token_ids[: max(room, 0)], []
-        if not drafts or num_new != 1 or seq.num_tokens - seq.num_computed_tokens != 1:
-            return []
-        return drafts if self._allocate_slots(seq, 1 + len(drafts)) else []
+    @staticmethod
+    def _is_decode(item: ScheduledSeq) -> bool:
+        """A sequence's one new token after its prompt: the step samples its next output token."""
+        seq = item.seq
+        return item.num_new_tokens == 1 and item.needs_sample and seq.num_computed_tokens >= seq.num_prompt_tokens
+
+    def _fitting_drafts(self, seq: Sequence, drafts: list[int]) -> list[int]:
+        """The leading drafts that the sequence's blocks, and the free ones, have slots for."""
+        slots = (len(seq.block_ids) + self.block_pool.num_free_blocks) * self.block_size
+        drafts = drafts[: max(0, slots - seq.num_tokens)]  # its next token takes position num_tokens - 1
+        return drafts if drafts and self._allocate_slots(seq, 1 + len(drafts)) else []
 
     def _admit(self, seq: Sequence, budget: int) -> ScheduledSeq | None:
         """Give a waiting sequence its blocks and first chunk, or None if it can't fit."""
@@ -314,6 +323,7 @@ class BatchScheduler:
         seq.num_computed_tokens = 0
         seq.num_cached_tokens = 0
         seq.status = RequestStatus.PREEMPTED
+        seq.draft_token_ids = []
         self._enqueue(seq)
 
     def _release_blocks(self, seq: Sequence) -> None:

@@ -193,14 +193,13 @@ class LLMEngine:
         for seq in self.scheduler.running:
             seq.draft_token_ids = []
             params = seq.params
-            # Penalties, biases and grammars would have to run ahead over the drafts: such requests
-            # decode a token a step. The bonus token after the drafts counts toward max_tokens, and
-            # the drafts' positions must fit the context.
-            if (seq.num_tokens - seq.num_computed_tokens != 1 or params.has_penalties or params.logit_bias
+            # Penalties and grammars would have to run ahead over the drafts: such requests decode a
+            # token a step (a logit bias is the same at every index). The token sampled after the
+            # drafts counts toward max_tokens too.
+            if (seq.num_tokens - seq.num_computed_tokens != 1 or not seq.output_token_ids or params.has_penalties
                     or seq.grammar is not None):
                 continue
-            k = min(spec.num_speculative_tokens, params.max_tokens - seq.num_output_tokens - 1,
-                    self.max_model_len - seq.num_tokens)
+            k = min(spec.num_speculative_tokens, params.max_tokens - seq.num_output_tokens - 1)
             if k <= 0:
                 continue
             if seq.ngram_index is None:

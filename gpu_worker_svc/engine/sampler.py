@@ -89,15 +89,15 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence], ahead: list[int] | None = None) -> SamplerOutput:
         """One token per row. `ahead[r]` > 0: row r follows that many draft tokens of its sequence
         (n-gram speculation), and samples its output token num_output_tokens + ahead[r], with that
-        index's random draw, as the unbroken run would. Such rows carry no penalties, logit bias
-        or grammar, whose state would need the drafts; the engine drafts for no such request."""
+        index's random draw, as the unbroken run would. Such rows carry no penalties or grammar,
+        whose state would need the drafts; the engine drafts for no such request."""
         if logits.dim() != 2 or logits.shape[0] != len(seqs):
             raise ValueError(
                 f"logits must be [{len(seqs)}, vocab], got {list(logits.shape)}"
             )
-        if ahead is not None and any(k and (seqs[r].params.has_penalties or seqs[r].params.logit_bias
-                                            or seqs[r].grammar is not None) for r, k in enumerate(ahead)):
-            raise ValueError("rows after draft tokens cannot take penalties, logit_bias or a grammar")
+        if ahead is not None and any(k and (seqs[r].params.has_penalties or seqs[r].grammar is not None)
+                                     for r, k in enumerate(ahead)):
+            raise ValueError("rows after draft tokens cannot take penalties or a grammar")
         logits = logits.float()
         # Logprobs describe the model's own distribution, so they are taken
         # before penalties and temperature reshape it.

@@ -242,3 +242,22 @@ def test_a_requests_bias_is_kept_between_steps_and_rebuilt_for_a_new_request_of_
     again = make_seq(seed=None, temperature=0.0, logit_bias={12: 100.0})  # same request id, new request
     assert again.request_id == first.request_id
     assert sampler(logits, [again]).token_ids == [12]
+
+
+def test_a_row_ahead_of_its_sequence_samples_as_the_sequence_would_there():
+    """n-gram speculation: a row after k draft tokens draws the noise of output index
+    num_output_tokens + k, and min_tokens counts the drafts, as for the sequence k tokens on."""
+    logits = random_logits(4, seed=3)
+    logits[:, EOS] = 50.0  # EOS wins wherever it is allowed
+    seq = make_seq(seed=9, output=[11, 12], temperature=1.0, min_tokens=4)
+    drafts = [13, 14]
+    ahead = Sampler()(logits[:3], [seq, seq, seq], ahead=[0, 1, 2]).token_ids
+    for k in range(3):
+        further = make_seq(seed=9, output=[11, 12, *drafts[:k]], temperature=1.0, min_tokens=4)
+        assert ahead[k] == Sampler()(logits[k : k + 1], [further]).token_ids[0]
+    assert EOS not in ahead[:2] and ahead[2] == EOS  # index 4 is the first that may stop
+    noise = race_noise([seq, seq], VOCAB, torch.device("cpu"), ahead=[0, 2])
+    assert torch.equal(noise[1], race_noise([make_seq(seed=9, output=[11, 12, 13, 14])], VOCAB,
+                                            torch.device("cpu"))[0])
+    with pytest.raises(ValueError, match="penalties or a grammar"):
+        Sampler()(logits[:2], [make_seq(repetition_penalty=1.2)] * 2, ahead=[0, 1])

@@ -54,22 +54,48 @@ def test_a_stop_among_confirmed_drafts_ends_the_request_there(create_scheduler, 
     assert update.finished == [a] and a.block_ids == []
 
 
-def test_drafts_leave_every_running_decode_its_token(create_scheduler, create_requests):
+def test_drafts_take_only_the_budget_left_after_every_running_decode(create_scheduler, create_requests):
     sched, seqs = _decoding(create_scheduler, create_requests, n=3, max_num_seqs=3)
     sched.config.max_num_batched_tokens = 6
     seqs[0].draft_token_ids = [7, 8, 9, 10, 11]
     seqs[1].draft_token_ids = [7, 8]
-    # 6 tokens: the first decode may take 3 drafts (1 + 3, leaving 1 each for the two behind it),
-    # the second then none (one token left for itself, one for the third).
-    assert plan(sched.schedule()) == [("req0", 4, True), ("req1", 1, True), ("req2", 1, True)]
-
-
-def test_drafts_without_free_blocks_are_dropped_not_paid_for_by_preemption(create_scheduler, create_requests):
-    sched, (a, b) = _decoding(create_scheduler, create_requests, num_blocks=5)  # each holds 2; 1 is free
-    a.draft_token_ids = [7, 8, 9, 10, 11, 12]  # positions up to 12 would need 2 more blocks
+    # 6 tokens: one for each decode, then the first one's drafts take the 3 left, the second's none.
     out = sched.schedule()
-    assert plan(out) == [("req0", 1, True), ("req1", 1, True)] and not out.preempted_ids
-    assert len(a.block_ids) == 2
+    assert plan(out) == [("req0", 4, True), ("req1", 1, True), ("req2", 1, True)]
+    assert out.scheduled[1].draft_token_ids == [] and seqs[1].draft_token_ids == []  # used up or dropped
+
+
+def test_drafts_never_take_the_block_a_later_decode_needs(create_scheduler, create_requests):
+    """5 blocks of 4: a (6-token prompt) and b (8) hold 2 each after their first token; b's next
+    position needs the last free block. a's drafts must not take it and make someone be preempted."""
+    sched = create_scheduler(num_blocks=5)
+    a, b = create_requests(2, max_tokens=12, prompts=[list(range(100, 106)), list(range(200, 208))])
+    sched.add(a)
+    sched.add(b)
+    step(sched)
+    assert sched.block_pool.num_free_blocks == 1
+    a.draft_token_ids = [7, 8, 9]
+    out = sched.schedule()
+    # b takes the free block; a's drafts fit where its own last block has room: one slot.
+    assert plan(out) == [("req0", 2, True), ("req1", 1, True)] and not out.preempted_ids
+    assert out.scheduled[0].draft_token_ids == [7]
+    assert len(a.block_ids) == 2 and len(b.block_ids) == 3
+
+
+def test_drafts_never_delay_an_admission(create_scheduler, create_requests):
+    """Without chunked prefill a prompt needs its whole length of budget: drafts come after it."""
+    sched = create_scheduler(max_num_batched_tokens=16, enable_chunked_prefill=False, max_num_seqs=2)
+    a, b = create_requests(2, max_tokens=1, prompts=[list(range(100, 106)), list(range(200, 215))])
+    a.params.max_tokens = 10  # prompt + max_tokens within the budget, as add() requires here
+    sched.add(a)
+    step(sched)
+    sched.add(b)
+    a.draft_token_ids = [7, 8]
+    out = sched.schedule()
+    assert plan(out) == [("req0", 1, True), ("req1", 15, True)]
+    a.draft_token_ids = [7, 8]
+    sched.update(out, [3, 4])
+    assert plan(sched.schedule()) == [("req0", 3, True)]  # alone again: its drafts have the room
 
 
 def test_a_prefill_chunk_never_takes_drafts(create_scheduler, create_requests):

@@ -113,22 +113,28 @@ def test_each_request_alone_and_resumed_gives_the_same_tokens(engine, one_by_one
     assert all(resumed[str(i)] == plain_tokens[str(i)][cut:] for i in range(len(requests)))
 
 
-def test_penalties_and_biases_decode_without_drafts(engine):
+def test_penalties_decode_without_drafts_and_a_logit_bias_with_them(engine):
     prompt = _prompts()[0]
-    requests = [(prompt, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, presence_penalty=0.5)),
-                (prompt, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, logit_bias={500: 2.0}))]
-    tokens, _, counts = _run(engine, 4, requests)
+    penalised = [(prompt, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, presence_penalty=0.5))]
+    tokens, _, counts = _run(engine, 4, penalised)
     assert counts["drafts"] == 0
-    assert tokens == _run(engine, 0, requests)[0]
+    assert tokens == _run(engine, 0, penalised)[0]
+    biased = [(prompt, SamplingParams(max_tokens=20, temperature=0.7, seed=4, ignore_eos=True,
+                                      logit_bias={prompt[2]: 1.5, 500: 2.0}))]
+    tokens, _, counts = _run(engine, 4, biased)
+    assert counts["accepted"] > 0
+    assert tokens == _run(engine, 0, biased)[0]
 
 
 def test_speculation_under_kv_pressure_preempts_and_still_gives_the_same_tokens(one_by_one):
     tiny = _engine(num_blocks=14)  # about 3 of these requests at once
     try:
         requests = list(zip(_prompts(), PARAMS))
+        plain, _, plain_counts = _run(tiny, 0, requests)
         tokens, _, counts = _run(tiny, 4, requests)
         assert counts["preempted"] > 0 and counts["accepted"] > 0
-        assert tokens == one_by_one[0]
+        assert counts["preempted"] <= plain_counts["preempted"]  # drafts take only blocks left free
+        assert tokens == plain == one_by_one[0]
         assert tiny.block_pool.num_used_blocks == 0
     finally:
         tiny.shutdown()
