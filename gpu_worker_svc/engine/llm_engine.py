@@ -193,11 +193,9 @@ class LLMEngine:
         for seq in self.scheduler.running:
             seq.draft_token_ids = []
             params = seq.params
-            # Penalties and grammars would have to run ahead over the drafts: such requests decode a
-            # token a step (a logit bias is the same at every index). The token sampled after the
-            # drafts counts toward max_tokens too.
-            if (seq.num_tokens - seq.num_computed_tokens != 1 or not seq.output_token_ids or params.has_penalties
-                    or seq.grammar is not None):
+            # A grammar's matcher would have to run ahead over the drafts: such requests decode a
+            # token a step. The token sampled after the drafts counts toward max_tokens too.
+            if seq.num_tokens - seq.num_computed_tokens != 1 or not seq.output_token_ids or seq.grammar is not None:
                 continue
             k = min(spec.num_speculative_tokens, params.max_tokens - seq.num_output_tokens - 1)
             if k <= 0:
@@ -247,14 +245,14 @@ class LLMEngine:
     def _postprocess(self, sched: SchedulerOutput, logits: torch.Tensor) -> list[RequestOutput]:
         # Logits rows: one per scheduled sequence, and one more per draft token (after each draft).
         rows: list[int] = []
-        ahead: list[int] = []
+        ahead: list[list[int]] = []  # per row: the drafts it follows
         owners: list[int] = []
         row = 0
         for i, s in enumerate(sched.scheduled):
             n = 1 + len(s.draft_token_ids)
             if s.needs_sample:
                 rows += range(row, row + n)
-                ahead += range(n)
+                ahead += [s.draft_token_ids[:k] for k in range(n)]
                 owners += [i] * n
             row += n
         sampled: list[int | list[int] | None] = [None] * len(sched.scheduled)
@@ -262,7 +260,8 @@ class LLMEngine:
         if rows:
             seqs = [sched.scheduled[i].seq for i in owners]
             result = self.sampler(select_rows(logits, rows), seqs, ahead if any(ahead) else None)
-            for i, seq, k, tok, lp in zip(owners, seqs, ahead, result.token_ids, result.logprobs):
+            for i, seq, before, tok, lp in zip(owners, seqs, ahead, result.token_ids, result.logprobs):
+                k = len(before)
                 if k == 0:
                     sampled[i], sample_logprobs[seq.request_id] = [tok], [lp]
                     continue

@@ -32,9 +32,12 @@ class PenaltyState:
     def __init__(self) -> None:
         self._rows: dict[str, _PenaltyRow] = {}
 
-    def apply(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    def apply(self, logits: torch.Tensor, seqs: list[Sequence], drafts: list[list[int]] | None = None
+              ) -> torch.Tensor:
         """Repetition (HF/vLLM) over prompt + output, presence/frequency (OpenAI) over output.
 
+        `drafts[r]`: draft tokens row r follows (n-gram speculation), counted as output of its
+        own. A sequence may have several rows; its statistics are kept once.
         Returns logits unchanged (the same tensor) when no row has a penalty,
         else a new tensor; rows without penalties keep their exact values.
         """
@@ -43,14 +46,23 @@ class PenaltyState:
             self._rows.clear()
             return logits
         pen_seqs = [seqs[i] for i in pen_rows]
-        states = [self._row(seq, logits) for seq in pen_seqs]
+        places: dict[int, int] = {}  # id(seq) -> its state's place in `states`
+        states: list[_PenaltyRow] = []
+        for seq in pen_seqs:
+            if id(seq) not in places:
+                places[id(seq)] = len(states)
+                states.append(self._row(seq, logits))
         self._rows = {state.seq.request_id: state for state in states}
         counts = self._advance_counts(states, logits)
+        prompt_seen = torch.stack([state.prompt_seen for state in states])
+        if len(states) < len(pen_rows) or (drafts is not None and any(drafts[i] for i in pen_rows)):
+            counts, prompt_seen = self._with_drafts(counts, prompt_seen, [places[id(seq)] for seq in pen_seqs],
+                                                    [drafts[i] if drafts else [] for i in pen_rows])
         rows = torch.tensor(pen_rows, dtype=torch.long, device=logits.device)
         sub = logits[rows]
 
         if any(s.params.repetition_penalty != 1.0 for s in pen_seqs):
-            seen = torch.stack([state.prompt_seen for state in states]) | (counts > 0)
+            seen = prompt_seen | (counts > 0)
             rep = param_column([s.params.repetition_penalty for s in pen_seqs], sub)
             sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
         if any(s.params.presence_penalty or s.params.frequency_penalty for s in pen_seqs):
@@ -76,6 +88,19 @@ class PenaltyState:
         prompt_seen[prompt_ids] = True
         counts = torch.zeros(vocab, device=like.device)
         return _PenaltyRow(seq=seq, prompt_seen=prompt_seen, counts=counts, num_counted=0)
+
+    @staticmethod
+    def _with_drafts(counts: torch.Tensor, prompt_seen: torch.Tensor, places: list[int], drafts: list[list[int]]
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per row: its sequence's statistics (row places[r] of counts, prompt_seen) plus its drafts."""
+        index = torch.tensor(places, dtype=torch.long, device=counts.device)
+        counts, prompt_seen = counts[index], prompt_seen[index]  # copies: the sequences' own stay as they are
+        rows = [r for r, d in enumerate(drafts) for _ in d]
+        if rows:
+            tokens = torch.tensor([t for d in drafts for t in d], dtype=torch.long, device=counts.device)
+            counts.index_put_((torch.tensor(rows, dtype=torch.long, device=counts.device), tokens),
+                              torch.ones(len(rows), device=counts.device), accumulate=True)
+        return counts, prompt_seen
 
     @staticmethod
     def _advance_counts(states: list[_PenaltyRow], like: torch.Tensor) -> torch.Tensor:

@@ -86,18 +86,19 @@ class Sampler:
         self._penalties = PenaltyState()
         self._logit_bias = LogitBias()
 
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence], ahead: list[int] | None = None) -> SamplerOutput:
-        """One token per row. `ahead[r]` > 0: row r follows that many draft tokens of its sequence
-        (n-gram speculation), and samples its output token num_output_tokens + ahead[r], with that
-        index's random draw, as the unbroken run would. Such rows carry no penalties or grammar,
-        whose state would need the drafts; the engine drafts for no such request."""
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence], drafts: list[list[int]] | None = None
+                 ) -> SamplerOutput:
+        """One token per row. `drafts[r]`: draft tokens that row r follows beyond its sequence's
+        output (n-gram speculation). The row samples as the sequence would with them appended: its
+        output index, random draw, min_tokens and penalties count them. Such rows take no grammar,
+        whose matcher would have to run ahead over them; the engine drafts for no such request."""
         if logits.dim() != 2 or logits.shape[0] != len(seqs):
             raise ValueError(
                 f"logits must be [{len(seqs)}, vocab], got {list(logits.shape)}"
             )
-        if ahead is not None and any(k and (seqs[r].params.has_penalties or seqs[r].grammar is not None)
-                                     for r, k in enumerate(ahead)):
-            raise ValueError("rows after draft tokens cannot take penalties or a grammar")
+        ahead = [len(d) for d in drafts] if drafts is not None else None
+        if ahead is not None and any(k and seqs[r].grammar is not None for r, k in enumerate(ahead)):
+            raise ValueError("rows after draft tokens cannot take a grammar")
         logits = logits.float()
         # Logprobs describe the model's own distribution, so they are taken
         # before penalties and temperature reshape it.
@@ -107,7 +108,7 @@ class Sampler:
             raw_logprobs = torch.log_softmax(select_rows(logits, lp_rows), dim=-1)
 
         logits = self._logit_bias.apply(logits, seqs)
-        logits = self._penalties.apply(logits, seqs)
+        logits = self._penalties.apply(logits, seqs, drafts)
         logits = mask_logits(logits, seqs)  # structured output: after the biases, so none re-allows a token
         logits = _mask_early_stops(logits, seqs, ahead)
 

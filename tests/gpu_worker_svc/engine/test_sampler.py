@@ -251,7 +251,7 @@ def test_a_row_ahead_of_its_sequence_samples_as_the_sequence_would_there():
     logits[:, EOS] = 50.0  # EOS wins wherever it is allowed
     seq = make_seq(seed=9, output=[11, 12], temperature=1.0, min_tokens=4)
     drafts = [13, 14]
-    ahead = Sampler()(logits[:3], [seq, seq, seq], ahead=[0, 1, 2]).token_ids
+    ahead = Sampler()(logits[:3], [seq, seq, seq], drafts=[[], drafts[:1], drafts]).token_ids
     for k in range(3):
         further = make_seq(seed=9, output=[11, 12, *drafts[:k]], temperature=1.0, min_tokens=4)
         assert ahead[k] == Sampler()(logits[k : k + 1], [further]).token_ids[0]
@@ -259,5 +259,19 @@ def test_a_row_ahead_of_its_sequence_samples_as_the_sequence_would_there():
     noise = race_noise([seq, seq], VOCAB, torch.device("cpu"), ahead=[0, 2])
     assert torch.equal(noise[1], race_noise([make_seq(seed=9, output=[11, 12, 13, 14])], VOCAB,
                                             torch.device("cpu"))[0])
-    with pytest.raises(ValueError, match="penalties or a grammar"):
-        Sampler()(logits[:2], [make_seq(repetition_penalty=1.2)] * 2, ahead=[0, 1])
+
+
+def test_a_row_ahead_counts_its_drafts_in_its_penalties():
+    logits = random_logits(3, seed=4)
+    params = dict(temperature=0.0, repetition_penalty=1.5, frequency_penalty=0.7, presence_penalty=0.3)
+    seq = make_seq(seed=2, output=[11, 12], **params)
+    logits[:, 13] = logits[:, 14] = logits.max() + 0.5  # the drafts' tokens lead until penalised
+    drafts = [13, 13]
+    sampler = Sampler()
+    penalised = sampler._penalties.apply(logits, [seq, seq, seq], [[], drafts[:1], drafts])
+    for k in range(3):
+        further = make_seq(seed=2, output=[11, 12, *drafts[:k]], **params)
+        assert torch.equal(penalised[k], Sampler()._penalties.apply(logits[k : k + 1], [further])[0])
+    # The sequence's own statistics are untouched by its rows' drafts: the next step starts from them.
+    assert torch.equal(sampler._penalties.apply(logits[:1], [seq])[0], penalised[0])
+    assert sampler(logits, [seq, seq, seq], drafts=[[], drafts[:1], drafts]).token_ids[0] in (13, 14)

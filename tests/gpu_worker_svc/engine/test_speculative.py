@@ -50,7 +50,7 @@ PARAMS = [
     SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, stop_token_ids=[1000]),
     SamplingParams(max_tokens=29, temperature=0.6, seed=3, ignore_eos=True),
     SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True),
-    SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, repetition_penalty=1.3),  # decodes one by one
+    SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, repetition_penalty=1.3),
 ]
 
 
@@ -113,17 +113,16 @@ def test_each_request_alone_and_resumed_gives_the_same_tokens(engine, one_by_one
     assert all(resumed[str(i)] == plain_tokens[str(i)][cut:] for i in range(len(requests)))
 
 
-def test_penalties_decode_without_drafts_and_a_logit_bias_with_them(engine):
+def test_penalties_and_logit_biases_count_the_drafts(engine):
     prompt = _prompts()[0]
-    penalised = [(prompt, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, presence_penalty=0.5))]
-    tokens, _, counts = _run(engine, 4, penalised)
-    assert counts["drafts"] == 0
-    assert tokens == _run(engine, 0, penalised)[0]
-    biased = [(prompt, SamplingParams(max_tokens=20, temperature=0.7, seed=4, ignore_eos=True,
-                                      logit_bias={prompt[2]: 1.5, 500: 2.0}))]
-    tokens, _, counts = _run(engine, 4, biased)
-    assert counts["accepted"] > 0
-    assert tokens == _run(engine, 0, biased)[0]
+    for params in (SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, repetition_penalty=1.05),
+                   SamplingParams(max_tokens=24, temperature=0.7, seed=4, ignore_eos=True, presence_penalty=0.2,
+                                  frequency_penalty=0.1),
+                   SamplingParams(max_tokens=24, temperature=0.7, seed=4, ignore_eos=True,
+                                  logit_bias={prompt[2]: 1.5, 500: 2.0})):
+        tokens, _, counts = _run(engine, 4, [(prompt, params)])
+        assert counts["accepted"] > 0, params
+        assert tokens == _run(engine, 0, [(prompt, params)])[0], params
 
 
 def test_speculation_under_kv_pressure_preempts_and_still_gives_the_same_tokens(one_by_one):
