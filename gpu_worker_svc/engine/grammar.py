@@ -45,12 +45,29 @@ class GrammarMatcher:
         """The output is complete and its EOS accepted: the request must stop."""
         return self._matcher.is_terminated()
 
-    def fill(self, bitmask: torch.Tensor, row: int) -> None:
-        """Write the tokens allowed next into row `row` of an int32 bitmask (none after the end)."""
+    def fill(self, bitmask: torch.Tensor, row: int, ahead: Seq[int] = ()) -> None:
+        """Write the tokens allowed next into row `row` of an int32 bitmask (none after the end);
+        with `ahead`, those allowed after these tokens (which valid_prefix() vouched for)."""
+        for token_id in ahead:
+            if not self._matcher.accept_token(token_id):
+                raise ValueError(f"draft token {token_id} is not allowed by the grammar")
         if self._matcher.is_terminated():  # xgrammar raises here; the request is ending anyway
             bitmask[row] = 0
         else:
             self._matcher.fill_next_token_bitmask(bitmask, row)
+        if ahead:
+            self._matcher.rollback(len(ahead))
+
+    def valid_prefix(self, token_ids: Seq[int]) -> int:
+        """How many leading tokens of `token_ids` the grammar allows from here (it stays where it is)."""
+        n = 0
+        for token_id in token_ids:
+            if self._matcher.is_terminated() or not self._matcher.accept_token(token_id):
+                break
+            n += 1
+        if n:
+            self._matcher.rollback(n)
+        return n
 
 
 class GrammarBackend:
@@ -132,8 +149,9 @@ class GrammarBackend:
         return matcher
 
 
-def mask_logits(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+def mask_logits(logits: torch.Tensor, seqs: list[Sequence], drafts: list[list[int]] | None = None) -> torch.Tensor:
     """`logits` with every token that the rows' grammars forbid set to -inf; other rows unchanged.
+    `drafts[r]`: draft tokens row r follows (n-gram speculation): its mask is the one after them.
 
     The bitmask is unpacked a byte at a time, through a table of the 256 bytes' 8 additive masks
     (0 or -inf): one embedding lookup and one add for the step. At 16 rows of 49k tokens that is
@@ -145,7 +163,7 @@ def mask_logits(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     vocab = logits.shape[1]
     bitmask = torch.full((len(rows), (vocab + _BITS - 1) // _BITS), -1, dtype=torch.int32)
     for k, i in enumerate(rows):
-        seqs[i].grammar.fill(bitmask, k)
+        seqs[i].grammar.fill(bitmask, k, drafts[i] if drafts is not None else ())
     # Little-endian words: byte j of a row holds tokens 8j .. 8j + 7, token 8j + b at bit b.
     codes = bitmask.view(torch.uint8).to(logits.device).long()  # widened on the device: 8x fewer bytes copied
     add = F.embedding(codes, _byte_masks(logits.device, logits.dtype)).view(len(rows), -1)[:, :vocab]

@@ -193,16 +193,18 @@ class LLMEngine:
         for seq in self.scheduler.running:
             seq.draft_token_ids = []
             params = seq.params
-            # A grammar's matcher would have to run ahead over the drafts: such requests decode a
-            # token a step. The token sampled after the drafts counts toward max_tokens too.
-            if seq.num_tokens - seq.num_computed_tokens != 1 or not seq.output_token_ids or seq.grammar is not None:
+            # The token sampled after the drafts counts toward max_tokens too.
+            if seq.num_tokens - seq.num_computed_tokens != 1 or not seq.output_token_ids or seq.error is not None:
                 continue
             k = min(spec.num_speculative_tokens, params.max_tokens - seq.num_output_tokens - 1)
             if k <= 0:
                 continue
             if seq.ngram_index is None:
                 seq.ngram_index = NgramIndex(spec.prompt_lookup_min, spec.prompt_lookup_max)
-            seq.draft_token_ids = seq.ngram_index.propose(seq.all_token_ids, k)
+            drafts = seq.ngram_index.propose(seq.all_token_ids, k)
+            if drafts and seq.grammar is not None:  # a draft the grammar refuses could never be kept
+                drafts = drafts[: seq.grammar.valid_prefix(drafts)]
+            seq.draft_token_ids = drafts
 
     def _step_batch(self, sched: SchedulerOutput) -> tuple[StepBatch, PromptLogits | None]:
         ids: list[int] = []

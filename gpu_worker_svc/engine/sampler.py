@@ -90,15 +90,12 @@ class Sampler:
                  ) -> SamplerOutput:
         """One token per row. `drafts[r]`: draft tokens that row r follows beyond its sequence's
         output (n-gram speculation). The row samples as the sequence would with them appended: its
-        output index, random draw, min_tokens and penalties count them. Such rows take no grammar,
-        whose matcher would have to run ahead over them; the engine drafts for no such request."""
+        output index, random draw, min_tokens, penalties and grammar mask count them."""
         if logits.dim() != 2 or logits.shape[0] != len(seqs):
             raise ValueError(
                 f"logits must be [{len(seqs)}, vocab], got {list(logits.shape)}"
             )
         ahead = [len(d) for d in drafts] if drafts is not None else None
-        if ahead is not None and any(k and seqs[r].grammar is not None for r, k in enumerate(ahead)):
-            raise ValueError("rows after draft tokens cannot take a grammar")
         logits = logits.float()
         # Logprobs describe the model's own distribution, so they are taken
         # before penalties and temperature reshape it.
@@ -109,7 +106,7 @@ class Sampler:
 
         logits = self._logit_bias.apply(logits, seqs)
         logits = self._penalties.apply(logits, seqs, drafts)
-        logits = mask_logits(logits, seqs)  # structured output: after the biases, so none re-allows a token
+        logits = mask_logits(logits, seqs, drafts)  # structured output: after the biases, so none re-allows a token
         logits = _mask_early_stops(logits, seqs, ahead)
 
         sampled_rows = [i for i, seq in enumerate(seqs) if not seq.params.is_greedy]

@@ -92,3 +92,20 @@ def test_the_sampler_never_picks_a_forbidden_token_even_when_the_allowed_ones_no
 
     monkeypatch.setattr(sampler_module, "race_noise", infinite_for_allowed)
     assert Sampler()(torch.randn(1, WIDTH), [seq]).token_ids == [ids[b"r"]]
+
+
+def test_rows_after_drafts_get_the_grammars_mask_after_them(backend):
+    """n-gram speculation: a draft the grammar refuses is cut off at proposal (valid_prefix), and a
+    row after drafts gets the mask of its request advanced over them; the matcher stays put."""
+    ids = {token: i for i, token in enumerate(VOCAB)}
+    schema = StructuredOutputSpec("json_schema", json.dumps({"type": "object", "properties": {"a": {"type": "boolean"}},
+                                                             "required": ["a"]}))
+    seq = _seq("s", schema, backend, [])
+    drafts = [ids[b'{"'], ids[b"a"], ids[b'":'], ids[b"7"], ids[b"true"]]
+    assert seq.grammar.valid_prefix(drafts) == 3  # a 7 is no boolean
+    logits = torch.randn(4, WIDTH)
+    masked = mask_logits(logits, [seq] * 4, [drafts[:k] for k in range(4)])
+    for k in range(4):
+        further = _seq(f"s{k}", schema, backend, drafts[:k])
+        assert torch.equal(masked[k], mask_logits(logits[k : k + 1], [further])[0]), k
+    assert torch.equal(mask_logits(logits[:1], [seq])[0], masked[0])  # back where it was

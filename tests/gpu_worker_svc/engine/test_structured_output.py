@@ -169,3 +169,35 @@ def test_min_tokens_holds_a_structured_output_open_until_its_grammar_must_end(en
     # ignore_eos does not let the grammar's EOS through early either: it would still end the request.
     [ignoring] = engine.generate([prompt], _with(GREEDY, *spec, max_tokens=20, min_tokens=4, ignore_eos=True))
     assert ignoring.token_ids == held.token_ids and ignoring.finish_reason == "stop"
+
+
+def test_drafts_under_a_grammar_give_the_same_output(engine, tokenizer, chat):
+    """n-gram speculation on constrained requests: drafts the grammar refuses are cut at proposal,
+    each row's mask is the grammar's after the drafts it follows, and the output is the same."""
+    from gpu_worker_svc.engine.ngram_proposer import SpeculativeConfig
+
+    rows_schema = {"type": "array", "minItems": 4, "maxItems": 4,
+                   "items": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                                              "age": {"type": "integer"}},
+                             "required": ["name", "age"], "additionalProperties": False}}
+    requests = [(chat("List four people with their ages as JSON."), _with(GREEDY, "json_schema", json.dumps(rows_schema))),
+                (chat("Is water wet? Answer in JSON."), _with(SEEDED, "json_schema", json.dumps(ANSWER_SCHEMA))),
+                (chat("Say red five times."), _with(GREEDY, "regex", "(red, ){4}red"))]
+    plain = engine.generate([p for p, _ in requests], [q for _, q in requests])
+    engine.config.speculative = SpeculativeConfig(num_speculative_tokens=4)
+    try:
+        for i, (prompt, params) in enumerate(requests):
+            engine.add_request(str(i), prompt, params)
+        tokens: dict[str, list[int]] = {str(i): [] for i in range(len(requests))}
+        accepted = 0
+        while engine.has_unfinished:
+            step = engine.step()
+            accepted += step.stats.num_accepted_tokens if step.stats else 0
+            for out in step.outputs:
+                assert out.error is None
+                tokens[out.request_id] += out.new_token_ids
+    finally:
+        engine.config.speculative = SpeculativeConfig()
+    assert accepted > 0
+    assert [tokens[str(i)] for i in range(len(requests))] == [r.token_ids for r in plain]
+    json.loads(tokenizer.decode(tokens["0"]))
