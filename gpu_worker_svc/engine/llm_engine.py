@@ -188,10 +188,10 @@ class LLMEngine:
         return out
 
     def _propose_drafts(self) -> None:
-        """Each running decode's draft tokens for this step (n-gram lookup), where it may have any."""
+        """Each running decode's draft tokens for this step (n-gram lookup), where it may have any.
+        Every other running sequence has none: schedule() uses up or drops a step's drafts."""
         spec = self.config.speculative
         for seq in self.scheduler.running:
-            seq.draft_token_ids = []
             params = seq.params
             # The token sampled after the drafts counts toward max_tokens too.
             if seq.num_tokens - seq.num_computed_tokens != 1 or not seq.output_token_ids or seq.error is not None:
@@ -247,22 +247,22 @@ class LLMEngine:
     def _postprocess(self, sched: SchedulerOutput, logits: torch.Tensor) -> list[RequestOutput]:
         # Logits rows: one per scheduled sequence, and one more per draft token (after each draft).
         rows: list[int] = []
-        ahead: list[list[int]] = []  # per row: the drafts it follows
+        follows: list[list[int]] = []  # per row: the drafts it follows
         owners: list[int] = []
         row = 0
         for i, s in enumerate(sched.scheduled):
             n = 1 + len(s.draft_token_ids)
             if s.needs_sample:
                 rows += range(row, row + n)
-                ahead += [s.draft_token_ids[:k] for k in range(n)]
+                follows += [s.draft_token_ids[:k] for k in range(n)]
                 owners += [i] * n
             row += n
         sampled: list[int | list[int] | None] = [None] * len(sched.scheduled)
         sample_logprobs: dict[str, list[TokenLogprobs | None]] = {}
         if rows:
             seqs = [sched.scheduled[i].seq for i in owners]
-            result = self.sampler(select_rows(logits, rows), seqs, ahead if any(ahead) else None)
-            for i, seq, before, tok, lp in zip(owners, seqs, ahead, result.token_ids, result.logprobs):
+            result = self.sampler(select_rows(logits, rows), seqs, follows if any(follows) else None)
+            for i, seq, before, tok, lp in zip(owners, seqs, follows, result.token_ids, result.logprobs):
                 k = len(before)
                 if k == 0:
                     sampled[i], sample_logprobs[seq.request_id] = [tok], [lp]

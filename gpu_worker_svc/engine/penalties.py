@@ -54,15 +54,16 @@ class PenaltyState:
                 states.append(self._row(seq, logits))
         self._rows = {state.seq.request_id: state for state in states}
         counts = self._advance_counts(states, logits)
-        prompt_seen = torch.stack([state.prompt_seen for state in states])
+        place = None  # each row's state, where a sequence has several rows or a row follows drafts
         if len(states) < len(pen_rows) or (drafts is not None and any(drafts[i] for i in pen_rows)):
-            counts, prompt_seen = self._with_drafts(counts, prompt_seen, [places[id(seq)] for seq in pen_seqs],
-                                                    [drafts[i] if drafts else [] for i in pen_rows])
+            place = torch.tensor([places[id(seq)] for seq in pen_seqs], dtype=torch.long, device=logits.device)
+            counts = self._with_drafts(counts, place, [drafts[i] if drafts else [] for i in pen_rows])
         rows = torch.tensor(pen_rows, dtype=torch.long, device=logits.device)
         sub = logits[rows]
 
         if any(s.params.repetition_penalty != 1.0 for s in pen_seqs):
-            seen = prompt_seen | (counts > 0)
+            prompt_seen = torch.stack([state.prompt_seen for state in states])
+            seen = (prompt_seen if place is None else prompt_seen[place]) | (counts > 0)
             rep = param_column([s.params.repetition_penalty for s in pen_seqs], sub)
             sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
         if any(s.params.presence_penalty or s.params.frequency_penalty for s in pen_seqs):
@@ -90,17 +91,15 @@ class PenaltyState:
         return _PenaltyRow(seq=seq, prompt_seen=prompt_seen, counts=counts, num_counted=0)
 
     @staticmethod
-    def _with_drafts(counts: torch.Tensor, prompt_seen: torch.Tensor, places: list[int], drafts: list[list[int]]
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per row: its sequence's statistics (row places[r] of counts, prompt_seen) plus its drafts."""
-        index = torch.tensor(places, dtype=torch.long, device=counts.device)
-        counts, prompt_seen = counts[index], prompt_seen[index]  # copies: the sequences' own stay as they are
+    def _with_drafts(counts: torch.Tensor, place: torch.Tensor, drafts: list[list[int]]) -> torch.Tensor:
+        """Per row: its sequence's output counts (row place[r] of counts) plus its drafts."""
+        counts = counts[place]  # a copy: the sequences' own counts stay as they are for the next step
         rows = [r for r, d in enumerate(drafts) for _ in d]
         if rows:
             tokens = torch.tensor([t for d in drafts for t in d], dtype=torch.long, device=counts.device)
             counts.index_put_((torch.tensor(rows, dtype=torch.long, device=counts.device), tokens),
                               torch.ones(len(rows), device=counts.device), accumulate=True)
-        return counts, prompt_seen
+        return counts
 
     @staticmethod
     def _advance_counts(states: list[_PenaltyRow], like: torch.Tensor) -> torch.Tensor:

@@ -98,10 +98,10 @@ class PagedAttention(nn.Module):
         flat = gather.flatten()
         kd = k_cache.index_select(0, flat).view(b, length, *k_cache.shape[1:]).transpose(1, 2)  # [B, Hkv, L, D]
         vd = v_cache.index_select(0, flat).view(b, length, *v_cache.shape[1:]).transpose(1, 2)
-        gqa = self.num_heads != self.num_kv_heads
         if q.dim() == 4:  # [B, Q, Hq, D]: a decode's token and its drafts
             return self._attend_queries(q, kd, vd, mask)
-        od = F.scaled_dot_product_attention(q.unsqueeze(2), kd, vd, attn_mask=mask, enable_gqa=gqa)
+        od = F.scaled_dot_product_attention(q.unsqueeze(2), kd, vd, attn_mask=mask,
+                                            enable_gqa=self.num_heads != self.num_kv_heads)
         return od.flatten(1)
 
     def _attend_queries(self, q: torch.Tensor, kd: torch.Tensor, vd: torch.Tensor, mask: torch.Tensor
