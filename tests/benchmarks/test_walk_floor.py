@@ -1,0 +1,25 @@
+"""benchmarks.walk_floor: the request's walk through bare services, on real processes, gRPC and Redis."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks.walk_floor import main
+
+
+def test_walk_floor_times_both_hops_of_every_burst(tmp_path, capsys):
+    out = tmp_path / "walk.json"
+    assert main(["--bursts", "3", "--concurrency", "4", "--input-len", "8", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert len(result["bursts"]) == 3
+    for burst in result["bursts"]:
+        # Each burst's step left the worker after its first send, and reached the client after that.
+        assert burst["last_dispatch_ms"] > 0 and burst["relay_ms"] > 0
+        assert burst["ttft_p50_ms"] == pytest.approx(burst["last_dispatch_ms"] + burst["relay_ms"])
+    # Every request went through the scheduler's Redis write: the warm-up burst's and the timed ones.
+    assert result["requests_persisted"] == 4 * 4
+    summary = result["summary"]["ttft_p50_ms"]
+    assert summary["min"] <= summary["median"] <= summary["max"]
+    assert "3 bursts of 4 streams" in capsys.readouterr().out
