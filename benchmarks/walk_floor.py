@@ -165,22 +165,25 @@ def _run_gateway(scheduler_port: int, ports: mp.Queue) -> None:
 
 
 async def _bursts(port: int, stamps: mp.Queue, bursts: int, concurrency: int, input_len: int) -> list[dict[str, float]]:
-    """Each burst's hops, in ms from the first send: the last dispatch, and the client's first chunks."""
+    """Each burst's hops: the last dispatch (from the burst's first send), the relay (the worker's
+    send to the median stream's first chunk), and TTFT p50 with each request timed from just before
+    its own send, as `shardline bench` times it."""
     async with AsyncShardlineClient(f"127.0.0.1:{port}", retries=0) as client:
-        async def first_chunk(start: float) -> float:
+        async def first_chunk() -> tuple[float, float]:
+            start = time.time()
             async for _ in client.stream(list(range(100, 100 + input_len)), max_tokens=1):
-                return 1000 * (time.time() - start)
+                return start, time.time()
             raise RuntimeError("the stream ended without a chunk")
 
-        await asyncio.gather(*(first_chunk(time.time()) for _ in range(concurrency)))  # warm-up, not timed
+        await asyncio.gather(*(first_chunk() for _ in range(concurrency)))  # warm-up, not timed
         stamps.get(timeout=60)
         results = []
         for _ in range(bursts):
-            start = time.time()
-            ttfts = await asyncio.gather(*(first_chunk(start) for _ in range(concurrency)))
-            dispatched = 1000 * (stamps.get(timeout=60) - start)
-            results.append({"last_dispatch_ms": dispatched, "ttft_p50_ms": statistics.median(ttfts),
-                            "relay_ms": statistics.median(ttfts) - dispatched})
+            times = await asyncio.gather(*(first_chunk() for _ in range(concurrency)))
+            first_send, sent = min(start for start, _ in times), stamps.get(timeout=60)
+            results.append({"last_dispatch_ms": 1000 * (sent - first_send),
+                            "relay_ms": 1000 * (statistics.median(end for _, end in times) - sent),
+                            "ttft_p50_ms": 1000 * statistics.median(end - start for start, end in times)})
         return results
 
 
@@ -219,11 +222,11 @@ def main(argv: list[str] | None = None) -> int:
                      "max": max(b[key] for b in bursts)} for key in ("last_dispatch_ms", "relay_ms", "ttft_p50_ms")}
     work = "no work" if args.no_redis else "no work but one Redis write per request"
     print(f"bare services ({work}), {args.bursts} bursts of {args.concurrency} "
-          f"streams, {args.input_len}-token prompts; ms from the burst's first send")
+          f"streams, {args.input_len}-token prompts; ms")
     print(f"  {'hop':<44}{'min':>8}{'median':>8}{'max':>8}")
     for key, label in (("last_dispatch_ms", "last of the burst reaches the worker"),
                        ("relay_ms", "worker's step -> client (median stream)"),
-                       ("ttft_p50_ms", "TTFT p50 of the burst (the floor)")):
+                       ("ttft_p50_ms", "TTFT p50 (each from its own send)")):
         s = summary[key]
         print(f"  {label:<44}{s['min']:>8.1f}{s['median']:>8.1f}{s['max']:>8.1f}")
     args.out.parent.mkdir(parents=True, exist_ok=True)

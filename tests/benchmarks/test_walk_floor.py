@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 
-import pytest
-
 from benchmarks.walk_floor import main
 
 
@@ -15,9 +13,10 @@ def test_walk_floor_times_both_hops_of_every_burst(tmp_path, capsys):
     result = json.loads(out.read_text())
     assert len(result["bursts"]) == 3
     for burst in result["bursts"]:
-        # Each burst's step left the worker after its first send, and reached the client after that.
+        # Each burst's step left the worker after its first send, and reached the client after that;
+        # a request's timer starts at its own send, no sooner than the burst's first.
         assert burst["last_dispatch_ms"] > 0 and burst["relay_ms"] > 0
-        assert burst["ttft_p50_ms"] == pytest.approx(burst["last_dispatch_ms"] + burst["relay_ms"])
+        assert 0 < burst["ttft_p50_ms"] <= burst["last_dispatch_ms"] + burst["relay_ms"] + 1e-6
     # Every request went through the scheduler's Redis write: the warm-up burst's and the timed ones.
     assert result["requests_persisted"] == 4 * 4
     summary = result["summary"]["ttft_p50_ms"]
