@@ -20,7 +20,12 @@ measures is grpc, protobuf, asyncio and one Redis write. The client is the SDK's
 stack can add to the engine's TTFT p50 on this machine; `benchmarks.request_walk` measures the
 same hops through the real services.
 
+Two variants bound other designs: `--streamed-submit` sends the gateway's requests to the scheduler
+on one stream (and their tokens back on it) instead of a unary Submit each, and `--no-redis`
+leaves the Redis write out.
+
     python -m benchmarks.walk_floor
+    python -m benchmarks.walk_floor --streamed-submit --no-redis
 """
 
 from __future__ import annotations
@@ -48,9 +53,10 @@ from shardline.request_store import PREFIX, RequestStore
 _LENGTH = sampling_pb2.FINISH_REASON_LENGTH
 
 
-async def _serve(servicer_adder, servicer, ports: mp.Queue) -> grpc.aio.Server:
+async def _serve(servicer_adder, servicer, ports: mp.Queue, *more) -> grpc.aio.Server:
     server = grpc.aio.server(options=CHANNEL_OPTIONS)
-    servicer_adder(servicer, server)
+    for adder, added in ((servicer_adder, servicer), *more):
+        adder(added, server)
     ports.put(server.add_insecure_port("127.0.0.1:0"))
     await server.start()
     return server
@@ -89,28 +95,54 @@ class _Scheduler(scheduler_pb2_grpc.SchedulerServicer):
     def __init__(self, store: RequestStore | None) -> None:
         self._store = store
         self._commands: asyncio.Queue[worker_pb2.WorkerCommand] = asyncio.Queue()
-        self._subscribers: dict[str, asyncio.Queue[scheduler_pb2.TokenBatch]] = {}
+        self._subscribers: dict[str, asyncio.Queue[worker_pb2.StepOutput]] = {}
 
     async def relay(self, worker_port: int) -> None:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{worker_port}", options=CHANNEL_OPTIONS) as channel:
             session = worker_pb2_grpc.WorkerStub(channel).Session(_drain(self._commands))
             async for step in session:
                 for queue in self._subscribers.values():
-                    queue.put_nowait(scheduler_pb2.TokenBatch(worker_id="w", step=step.step, deltas=step.deltas))
+                    queue.put_nowait(step)
+
+    async def submit(self, request_id: str, prompt_token_ids, params: sampling_pb2.SamplingParameters) -> None:
+        if self._store is not None:
+            record = RequestRecord(request_id=request_id, model="m", params={"max_tokens": 1}, gateway_id="g")
+            await self._store.create(record, prompt_token_ids)
+        self._commands.put_nowait(worker_pb2.WorkerCommand(add=[worker_pb2.NewRequest(
+            request_id=request_id, prompt_token_ids=prompt_token_ids, params=params)]))
 
     async def Submit(self, request, context):
-        if self._store is not None:
-            record = RequestRecord(request_id=request.request_id, model=request.model, params={"max_tokens": 1},
-                                   gateway_id=request.gateway_id)
-            await self._store.create(record, request.prompt_token_ids)
-        self._commands.put_nowait(worker_pb2.WorkerCommand(add=[worker_pb2.NewRequest(
-            request_id=request.request_id, prompt_token_ids=request.prompt_token_ids, params=request.params)]))
+        await self.submit(request.request_id, request.prompt_token_ids, request.params)
         return scheduler_pb2.SubmitResponse(queue_position=1)
 
     async def Subscribe(self, request, context):
         queue = self._subscribers[request.gateway_id] = asyncio.Queue()
         while True:
-            yield await queue.get()
+            step = await queue.get()
+            yield scheduler_pb2.TokenBatch(worker_id="w", step=step.step, deltas=step.deltas)
+
+
+class _StreamedSubmit(worker_pb2_grpc.WorkerServicer):
+    """--streamed-submit: the gateway's requests come in on one stream (the Session RPC's shape,
+    WorkerCommand in and StepOutput out) instead of a unary Submit each, and the steps go back on it."""
+
+    def __init__(self, scheduler: _Scheduler) -> None:
+        self._scheduler = scheduler
+
+    async def Session(self, request_iterator, context):
+        queue = self._scheduler._subscribers["g"] = asyncio.Queue()
+
+        async def submit_all() -> None:
+            async for command in request_iterator:
+                for add in command.add:
+                    await self._scheduler.submit(add.request_id, add.prompt_token_ids, add.params)
+
+        submitting = asyncio.create_task(submit_all())
+        try:
+            while True:
+                yield await queue.get()
+        finally:
+            submitting.cancel()
 
 
 async def _drain(queue: asyncio.Queue):
@@ -121,7 +153,8 @@ async def _drain(queue: asyncio.Queue):
 def _run_scheduler(worker_port: int, redis_url: str | None, ports: mp.Queue) -> None:
     async def main() -> None:
         scheduler = _Scheduler(RequestStore(redis_url) if redis_url else None)
-        server = await _serve(scheduler_pb2_grpc.add_SchedulerServicer_to_server, scheduler, ports)
+        server = await _serve(scheduler_pb2_grpc.add_SchedulerServicer_to_server, scheduler, ports,
+                              (worker_pb2_grpc.add_WorkerServicer_to_server, _StreamedSubmit(scheduler)))
         await scheduler.relay(worker_port)
         await server.wait_for_termination()
 
@@ -131,29 +164,39 @@ def _run_scheduler(worker_port: int, redis_url: str | None, ports: mp.Queue) -> 
 class _Gateway(generation_pb2_grpc.GenerationServicer):
     """Submits each stream's request and answers it from the gateway's one Subscribe stream."""
 
-    def __init__(self, channel: grpc.aio.Channel) -> None:
+    def __init__(self, channel: grpc.aio.Channel, streamed_submit: bool) -> None:
         self._scheduler = scheduler_pb2_grpc.SchedulerStub(channel)
+        self._session = worker_pb2_grpc.WorkerStub(channel) if streamed_submit else None
+        self._submits: asyncio.Queue[worker_pb2.WorkerCommand] = asyncio.Queue()
         self._waiting: dict[str, asyncio.Future[common_pb2.RequestDelta]] = {}
 
     async def relay(self) -> None:
-        async for batch in self._scheduler.Subscribe(scheduler_pb2.SubscribeRequest(gateway_id="g")):
+        if self._session is not None:
+            batches = self._session.Session(_drain(self._submits))
+        else:
+            batches = self._scheduler.Subscribe(scheduler_pb2.SubscribeRequest(gateway_id="g"))
+        async for batch in batches:
             for delta in batch.deltas:
                 self._waiting.pop(delta.request_id).set_result(delta)
 
     async def GenerateStream(self, request, context):
         done = self._waiting[request.request_id] = asyncio.get_running_loop().create_future()
-        await self._scheduler.Submit(scheduler_pb2.SubmitRequest(
-            request_id=request.request_id, gateway_id="g", model="m", prompt_token_ids=request.prompt_token_ids.ids,
-            params=request.params))
+        if self._session is not None:
+            self._submits.put_nowait(worker_pb2.WorkerCommand(add=[worker_pb2.NewRequest(
+                request_id=request.request_id, prompt_token_ids=request.prompt_token_ids.ids, params=request.params)]))
+        else:
+            await self._scheduler.Submit(scheduler_pb2.SubmitRequest(
+                request_id=request.request_id, gateway_id="g", model="m",
+                prompt_token_ids=request.prompt_token_ids.ids, params=request.params))
         delta = await done
         yield generation_pb2.GenerateStreamResponse(request_id=request.request_id, token_ids=delta.token_ids,
                                                     finish_reason=delta.finish_reason)
 
 
-def _run_gateway(scheduler_port: int, ports: mp.Queue) -> None:
+def _run_gateway(scheduler_port: int, streamed_submit: bool, ports: mp.Queue) -> None:
     async def main() -> None:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{scheduler_port}", options=CHANNEL_OPTIONS) as channel:
-            gateway = _Gateway(channel)
+            gateway = _Gateway(channel, streamed_submit)
             relay = asyncio.create_task(gateway.relay())
             server = await _serve(generation_pb2_grpc.add_GenerationServicer_to_server, gateway, ports)
             await asyncio.sleep(0.5)  # the Subscribe stream is open before the first request comes
@@ -193,6 +236,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--no-redis", action="store_true", help="leave out the Redis write (to see its share)")
+    ap.add_argument("--streamed-submit", action="store_true",
+                    help="the gateway submits on one stream to the scheduler, not a unary call per request")
     ap.add_argument("--out", type=Path, default=Path("results/walk_floor.json"))
     args = ap.parse_args(argv)
     ctx = mp.get_context("spawn")
@@ -209,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             worker = start(_run_worker, args.concurrency, stamps)
             scheduler = start(_run_scheduler, worker, None if args.no_redis else redis.url)
-            gateway = start(_run_gateway, scheduler)
+            gateway = start(_run_gateway, scheduler, args.streamed_submit)
             ports.get(timeout=60)  # the gateway is subscribed
             bursts = asyncio.run(_bursts(gateway, stamps, args.bursts, args.concurrency, args.input_len))
             persisted = 0 if args.no_redis else sum(
@@ -220,7 +265,8 @@ def main(argv: list[str] | None = None) -> int:
                 child.join()
     summary = {key: {"median": statistics.median(b[key] for b in bursts), "min": min(b[key] for b in bursts),
                      "max": max(b[key] for b in bursts)} for key in ("last_dispatch_ms", "relay_ms", "ttft_p50_ms")}
-    work = "no work" if args.no_redis else "no work but one Redis write per request"
+    work = ("no work" if args.no_redis else "no work but one Redis write per request") + (
+        "; requests submitted on one stream" if args.streamed_submit else "")
     print(f"bare services ({work}), {args.bursts} bursts of {args.concurrency} "
           f"streams, {args.input_len}-token prompts; ms")
     print(f"  {'hop':<44}{'min':>8}{'median':>8}{'max':>8}")
