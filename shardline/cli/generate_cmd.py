@@ -8,8 +8,10 @@ import sys
 from collections.abc import Callable, Iterator
 
 import grpc
+from pydantic import ValidationError
 
 from shardline.cli.arg_types import at_least_one, non_negative, probability
+from shardline.service_main import settings_problems
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
@@ -83,6 +85,9 @@ def _friendly(command: str, run: Callable[[argparse.Namespace], int]) -> Callabl
             code = exc.code()
             print(f"shardline {command}: {code.name}: {exc.details()}", file=sys.stderr)
             return 2 if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND) else 1
+        except ValidationError as exc:  # a bad SHARDLINE_* variable, which the in-process engine reads
+            print(f"shardline {command}: bad settings: {settings_problems(exc)}", file=sys.stderr)
+            return 2
         except (ValueError, OSError) as exc:  # a bad model path or config, a value the engine refuses
             print(f"shardline {command}: {exc}", file=sys.stderr)
             return 2 if isinstance(exc, (ValueError, FileNotFoundError)) else 1

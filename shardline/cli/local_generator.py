@@ -5,9 +5,9 @@ from __future__ import annotations
 import uuid
 from collections.abc import Iterator
 
-from gpu_worker_svc.engine.llm_engine import EngineConfig, LLMEngine
-from gpu_worker_svc.engine.model_runner import RunnerConfig
 from gpu_worker_svc.engine.sampling_params import SamplingParams
+from gpu_worker_svc.server.main import build_engine
+from gpu_worker_svc.server.settings import WorkerSettings
 from shardline.model_path import resolve_model_path
 from tokenizer_svc.chat_template import ChatTemplate
 from tokenizer_svc.detokenizer import IncrementalDetokenizer
@@ -22,7 +22,9 @@ class LocalGenerator:
         self.tokenizer = Tokenizer.from_model_path(path)
         self.template = ChatTemplate(self.tokenizer.chat_template or "", self.tokenizer.bos_token,
                                      self.tokenizer.eos_token) if self.tokenizer.chat_template else None
-        self.engine = LLMEngine(EngineConfig(runner=RunnerConfig(model=str(path), tp_size=tp)))
+        # The engine a worker would run: its SHARDLINE_* settings (quantization, speculation, KV
+        # budget, device...) apply here too, so `generate` without --url matches the stack.
+        self.engine = build_engine(WorkerSettings(model=str(path), tp_size=tp, tracing=False))
 
     def stream(self, prompt: str | None = None, messages: list[dict[str, str]] | None = None,
                **params: object) -> Iterator[str]:

@@ -31,3 +31,43 @@ def test_sdk_request_building_takes_what_callers_pass():
     assert dict(build_request("hi", logit_bias={"5": -100, 7: 2.5}).params.logit_bias) == {5: -100.0, 7: 2.5}
     with pytest.raises(ValueError, match="timeout"):
         build_request("hi", timeout=0)
+
+
+def test_bad_worker_settings_are_one_line(monkeypatch, capsys):
+    # In-process, the engine is the one a worker runs, from the same SHARDLINE_* variables.
+    monkeypatch.setenv("SHARDLINE_NUM_SPECULATIVE_TOKENS", "many")
+    assert main(["generate", "hi", "--max-tokens", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("shardline generate: bad settings: SHARDLINE_NUM_SPECULATIVE_TOKENS") and err.count("\n") == 1
+
+
+def test_in_process_generation_runs_the_workers_engine(monkeypatch, capsys):
+    """Greedy text from the real model, in-process; with the worker's speculation setting on, the
+    same text (drafts never change greedy tokens), from an engine that drafted."""
+    from shardline.cli import local_generator
+
+    engines, accepted = [], []
+    build_engine = local_generator.build_engine
+
+    def build(settings):
+        engine = build_engine(settings)
+        step = engine.step
+
+        def counted_step():
+            out = step()
+            accepted.append(out.stats.num_accepted_tokens if out.stats else 0)
+            return out
+
+        engine.step = counted_step
+        engines.append(engine)
+        return engine
+
+    monkeypatch.setattr(local_generator, "build_engine", build)
+    args = ["generate", "Count: 1, 2, 3, 4, 5,", "--max-tokens", "12", "--temperature", "0"]
+    assert main(args) == 0
+    plain = capsys.readouterr().out
+    assert plain.strip().startswith("6, 7") and sum(accepted) == 0
+    monkeypatch.setenv("SHARDLINE_NUM_SPECULATIVE_TOKENS", "4")
+    assert main(args) == 0
+    assert capsys.readouterr().out == plain
+    assert [e.config.speculative.num_speculative_tokens for e in engines] == [0, 4] and sum(accepted) > 0
