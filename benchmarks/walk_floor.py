@@ -115,8 +115,13 @@ class _Scheduler(scheduler_pb2_grpc.SchedulerServicer):
         await self.submit(request.request_id, request.prompt_token_ids, request.params)
         return scheduler_pb2.SubmitResponse(queue_position=1)
 
+    def subscribe(self, gateway_id: str) -> asyncio.Queue[worker_pb2.StepOutput]:
+        """The queue of the worker's steps for one gateway."""
+        queue = self._subscribers[gateway_id] = asyncio.Queue()
+        return queue
+
     async def Subscribe(self, request, context):
-        queue = self._subscribers[request.gateway_id] = asyncio.Queue()
+        queue = self.subscribe(request.gateway_id)
         while True:
             step = await queue.get()
             yield scheduler_pb2.TokenBatch(worker_id="w", step=step.step, deltas=step.deltas)
@@ -130,7 +135,7 @@ class _StreamedSubmit(worker_pb2_grpc.WorkerServicer):
         self._scheduler = scheduler
 
     async def Session(self, request_iterator, context):
-        queue = self._scheduler._subscribers["g"] = asyncio.Queue()
+        queue = self._scheduler.subscribe("g")
 
         async def submit_all() -> None:
             async for command in request_iterator:
@@ -260,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
             persisted = 0 if args.no_redis else sum(
                 1 for _ in redis_py.Redis.from_url(redis.url).scan_iter(f"{PREFIX}req:*", count=1000, _type="HASH"))
         finally:
-            for child in children:
+            for child in reversed(children):  # the gateway first: a child whose peer died first would complain
                 child.kill()
                 child.join()
     summary = {key: {"median": statistics.median(b[key] for b in bursts), "min": min(b[key] for b in bursts),
