@@ -6,6 +6,7 @@ import secrets
 from collections.abc import AsyncIterator
 
 import grpc
+from google.protobuf import duration_pb2
 from opentelemetry import trace
 
 from gateway.backends import RPC_TIMEOUT_S, upstream
@@ -93,6 +94,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
     async def Cancel(
         self, request: common_pb2.CancelRequest, context: grpc.aio.ServicerContext
     ) -> common_pb2.CancelResponse:
+        require_id(request.request_id, "request_id")  # here, naming the field, not in the scheduler's answer
         with upstream("scheduler"):
             return await self._scheduler.Cancel(request, timeout=RPC_TIMEOUT_S)
 
@@ -100,8 +102,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         self, request: generation_pb2.ResumeRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[generation_pb2.GenerateStreamResponse]:
         """Replay the output from `offset` out of the request's record, then follow it live if it still runs."""
-        if not request.request_id:
-            raise InvalidArgument("request_id", "is required")
+        require_id(request.request_id, "request_id")
         output = None
         if request.HasField("tools"):
             if request.offset:
@@ -142,6 +143,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
     async def GetRequest(
         self, request: common_pb2.GetRequestRequest, context: grpc.aio.ServicerContext
     ) -> common_pb2.RequestInfo:
+        require_id(request.request_id, "request_id")
         with upstream("scheduler"):
             return await self._scheduler.GetRequest(request, timeout=RPC_TIMEOUT_S)
 
@@ -169,9 +171,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             request_id = require_id(request.request_id, "request_id", MAX_REQUEST_ID_LENGTH)
         else:
             request_id = f"{'chatcmpl' if kind == 'messages' else 'cmpl'}-{secrets.token_hex(16)}"
-        timeout_s = request.timeout.ToTimedelta().total_seconds() if request.HasField("timeout") else None
-        if timeout_s is not None and timeout_s <= 0:
-            raise InvalidArgument("timeout", "must be positive")
+        timeout_s = _positive_seconds(request.timeout, "timeout") if request.HasField("timeout") else None
         tools = tools_from_grpc(request.tools) if request.HasField("tools") else None
         structured_output_field = "params.structured_output"
         if tools is not None:
@@ -186,6 +186,18 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             request_id=request_id, model=request.model, prompt=prompt, params=request.params,
             default_max_tokens=self._runner.settings.default_max_tokens, priority=request.priority,
             timeout_s=timeout_s, field_prefix="params.", structured_output_field=structured_output_field), tools
+
+
+def _positive_seconds(duration: duration_pb2.Duration, field: str) -> float:
+    """A Duration's seconds, checked as protobuf defines it. Not ToTimedelta(), which overflows (a
+    server error) on seconds beyond timedelta's range; a budget over the gateway's own is cut to it."""
+    nanos, seconds = duration.nanos, duration.seconds
+    if not -999_999_999 <= nanos <= 999_999_999 or (seconds and nanos and (seconds < 0) != (nanos < 0)):
+        raise InvalidArgument(field, f"is not a valid Duration (seconds={seconds}, nanos={nanos})")
+    total = seconds + nanos / 1e9
+    if total <= 0:
+        raise InvalidArgument(field, "must be positive")
+    return total
 
 
 def _chat(messages: generation_pb2.ChatMessages) -> tokenizer_pb2.ApplyChatTemplateRequest:

@@ -14,6 +14,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from gateway.auth import ApiKeys, http_auth_middleware
 from gateway.backends import HEALTH_TIMEOUT_S
@@ -160,7 +161,9 @@ class OpenAIHttpApi:
         with self._tracer.start_as_current_span("stream_out", attributes={attr.REQUEST_ID: request_id}):
             async for index, chunk in merged_chunks(choices):
                 if (failure := chunk.failure()) is not None:
-                    events = [error_body(failure.http_status, str(failure))]
+                    # The same body a whole response's error has: the field at fault, OpenAI's code.
+                    events = [error_body(failure.http_status, str(failure), getattr(failure, "field", None),
+                                         getattr(failure, "openai_code", None))]
                 else:
                     events = formatters[index].choice_events(chunk)
                 if chunk.finish_reason:
@@ -219,6 +222,12 @@ async def _json_body(request: web.Request) -> Any:
         raw = await asyncio.wait_for(request.read(), BODY_TIMEOUT_S)
     except TimeoutError:
         raise BodyTimeout(f"the request body did not arrive within {BODY_TIMEOUT_S:g} s") from None
+    except web.HTTPException:
+        raise  # a body over client_max_size: aiohttp's own 413
+    except (web.RequestPayloadError, HttpProcessingError) as exc:
+        # A Content-Encoding the body does not decode under (a gzip header on plain text), or a
+        # broken chunked transfer: the client's mistake, not a server fault.
+        raise InvalidArgument("body", f"could not be read ({exc.__class__.__name__}: {exc})") from exc
     try:
         body = json.loads(raw)
         if _SURROGATE_ESCAPE.search(raw):

@@ -127,7 +127,7 @@ def _turns(body: dict[str, Any]) -> list[sampling_pb2.ChatMessage]:
         if not isinstance(message, dict):
             raise InvalidArgument(field, "must be an object with role and content")
         role = message.get("role")
-        if role not in _ROLES:
+        if not isinstance(role, str) or role not in _ROLES:  # a list or object is unhashable: no dict lookup
             raise InvalidArgument(f"{field}.role", f"must be one of {', '.join(_ROLES)}")
         content = message.get("content")
         if content is None and role == "assistant":

@@ -121,8 +121,14 @@ def resolve_max_tokens(
                 f"model's context length ({limits.max_context_length})")
         return
     if default is None and limits.max_tokens_limit >= room:
+        if params.min_tokens > room:
+            raise InvalidArgument(prefix + "min_tokens", f"must not exceed the room the prompt ({prompt_tokens} "
+                                                         f"tokens) leaves in the model's context ({room} tokens)")
         return
     params.max_tokens = max(1, min(room if default is None else default, room, limits.max_tokens_limit))
+    if params.min_tokens > params.max_tokens:  # checked here, not by the worker: it would fail it as its own fault
+        raise InvalidArgument(prefix + "min_tokens", f"must not exceed {max_tokens_field}, which is "
+                                                     f"{params.max_tokens} when not given")
 
 
 def sampling_from_openai(body: dict[str, Any], chat: bool) -> tuple[sampling_pb2.SamplingParameters, int, str, int]:

@@ -14,6 +14,9 @@ _ID_PATTERN = re.compile(r"[!-~]+")
 def require_id(value: str, field: str, max_length: int = MAX_ID_LENGTH) -> str:
     """`value` if it is 1 to `max_length` printable ASCII characters without spaces; else INVALID_ARGUMENT."""
     if not (0 < len(value) <= max_length and _ID_PATTERN.fullmatch(value)):
+        # Only the start of a long value: the whole would be echoed into gRPC's error trailer, whose
+        # size clients cap (16 KB), and the caller would get RESOURCE_EXHAUSTED instead of this.
+        shown = repr(value) if len(value) <= max_length else f"{value[:32]!r}... ({len(value)} characters)"
         raise InvalidArgument(field, f"must be 1 to {max_length} printable ASCII characters without spaces, "
-                                     f"got {value!r}")
+                                     f"got {shown}")
     return value

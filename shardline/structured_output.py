@@ -27,6 +27,10 @@ DEAD_END = "structured_output: its grammar allows no token"
 # each property with a pattern, took 40 s here), which is why workers compile off their step thread.
 MAX_SPEC_CHARS = 64 * 1024
 MAX_CHOICES = 256
+# Nesting of a JSON schema document (objects and arrays). Compile time grows about as its fourth
+# power: objects nested 150 deep (301 levels) compiled in 0.6 s here, 300 deep in 10-13 s and 480
+# deep in 27 s; 49 deep (99 levels, within this bound) in 0.02 s. Real schemas stay far below.
+MAX_SCHEMA_DEPTH = 100
 # xgrammar's errors start with a log prefix: "[23:05:18] /project/cpp/regex_converter.cc:94: ".
 _LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
 
@@ -92,6 +96,10 @@ class StructuredOutputSpec:
                 raise ValueError(f"structured_output: json_schema is not valid JSON ({exc})") from None
             if not isinstance(schema, dict):
                 raise ValueError("structured_output: json_schema must be a JSON object")
+            depth = _nesting(schema)
+            if depth > MAX_SCHEMA_DEPTH:
+                raise ValueError(f"structured_output: json_schema is nested {depth} levels deep (objects and "
+                                 f"arrays); at most {MAX_SCHEMA_DEPTH}")
 
     def grammar(self) -> Any:
         """The xgrammar Grammar; ValueError (naming structured_output) when it does not compile."""
@@ -111,6 +119,19 @@ class StructuredOutputSpec:
             return xgr.Grammar.from_ebnf(self.value)
         except RuntimeError as exc:
             raise compile_error(self.kind, exc) from None
+
+
+def _nesting(value: Any) -> int:
+    """How deeply objects and arrays nest in a decoded JSON value (a scalar: 0), without recursion."""
+    deepest, pending = 0, [(value, 1)]
+    while pending:
+        item, depth = pending.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is None:
+            continue
+        deepest = max(deepest, depth)
+        pending.extend((child, depth + 1) for child in children)
+    return deepest
 
 
 def compile_error(kind: str, exc: Exception) -> ValueError:

@@ -192,8 +192,9 @@ def build_request(prompt: str | list[int] | None = None, *, messages: list[dict[
                   add_generation_prompt: bool | None = None, **params: Any) -> generation_pb2.GenerateRequest:
     """A GenerateRequest from a prompt (text or token ids) or chat messages plus sampling parameters.
 
-    Messages are OpenAI's: {"role", "content"}, an assistant's earlier "tool_calls" (OpenAI's
-    shape, or ToolCall objects) and a tool's answer with its "tool_call_id". `tools` are OpenAI tool
+    Messages are OpenAI's: {"role", "content"} (role "system", "developer", "user", "assistant" or
+    "tool"), an assistant's earlier "tool_calls" (OpenAI's shape, or ToolCall objects) and a tool's
+    answer with its "tool_call_id". `tools` are OpenAI tool
     definitions; `tool_choice` is "auto" (the default), "none", "required", a function's name, or
     OpenAI's {"type": "function", "function": {"name": ...}}. `chat_template_kwargs` (variables for
     the template), `continue_final_message` and `add_generation_prompt` are vLLM's chat options."""
@@ -272,7 +273,9 @@ def build_tools(tools: list[dict[str, Any]] | None, tool_choice: str | dict[str,
 
 
 def _chat_message(m: dict[str, Any]) -> sampling_pb2.ChatMessage:
-    message = sampling_pb2.ChatMessage(role=m["role"], content=m.get("content") or "",
+    # OpenAI's newer "developer" turn is the system turn, as the HTTP API takes it.
+    role = "system" if m["role"] == "developer" else m["role"]
+    message = sampling_pb2.ChatMessage(role=role, content=m.get("content") or "",
                                        tool_call_id=m.get("tool_call_id") or "", name=m.get("name") or "")
     for call in m.get("tool_calls") or ():
         if isinstance(call, ToolCall):

@@ -28,6 +28,7 @@ class Script:
     hold_after: int | None = None  # emit this many tokens, then wait for `release()` or a cancel
     logprobs: bool = False  # attach made-up logprobs with two alternatives per token
     cached_tokens: int = 0  # prompt tokens the "worker" found cached, in the first and last deltas' usage
+    error: str = "worker-0 failed"  # a FINISH_REASON_ERROR's message
 
 
 @dataclass
@@ -188,7 +189,7 @@ class ScriptedScheduler(scheduler_pb2_grpc.SchedulerServicer):
         record.status, record.finish_reason = status, reason
         delta.finish_reason = reason
         if reason == sampling_pb2.FINISH_REASON_ERROR:
-            delta.error = "worker-0 failed"
+            delta.error = record.script.error
         delta.usage.CopyFrom(self._usage(record))
         return delta
 

@@ -9,8 +9,10 @@ import aiohttp
 import grpc
 import openai
 import pytest
+from google.protobuf import duration_pb2
 
-from shardline.proto import generation_pb2, sampling_pb2
+from shardline.proto import common_pb2, generation_pb2, sampling_pb2
+from shardline.structured_output import DEAD_END
 from tests.gateway.harness import Stack, run_on_stack
 from tests.gateway.scripted_scheduler import MODEL, Script
 
@@ -120,6 +122,11 @@ BAD_BODIES = [
     ("chat/completions", {"max_completion_tokens": 0}, "max_completion_tokens"),
     ("chat/completions", {"max_completion_tokens": 8190, "max_tokens": 5}, "max_completion_tokens"),
     ("chat/completions", {"messages": [{"role": "user", "content": None}]}, "messages[0].content"),
+    # Unhashable: once a 500 (a dict lookup of a list).
+    ("chat/completions", {"messages": [{"role": ["user"], "content": "x"}]}, "messages[0].role"),
+    ("chat/completions", {"messages": [{"role": {"a": 1}, "content": "x"}]}, "messages[0].role"),
+    # Over the default max_tokens (16 for completions): once a 500, from the worker.
+    ("completions", {"min_tokens": 20}, "min_tokens"),
 ]
 
 
@@ -135,6 +142,11 @@ def test_every_bad_parameter_is_a_400_naming_its_field(tokenizer_address, text_i
             for raw in (b"{not json", b"[" * 100_000 + b"]" * 100_000):  # the second overflows the parser's stack
                 async with http.post(f"{stack.base_url}/v1/completions", data=raw) as response:
                     assert response.status == 400 and (await response.json())["error"]["param"] == "body"
+            # A body that does not decode under its Content-Encoding: once a 500.
+            async with http.post(f"{stack.base_url}/v1/completions", data=b'{"prompt": "x"}',
+                                 headers={"Content-Encoding": "gzip", "Content-Type": "application/json"}) as response:
+                error = (await response.json())["error"]
+                assert response.status == 400 and error["param"] == "body", error
         assert stack.scheduler.submitted == []
         with pytest.raises(openai.BadRequestError) as caught:
             await openai.AsyncOpenAI(base_url=f"{stack.base_url}/v1", api_key="x").completions.create(
@@ -180,11 +192,22 @@ def test_invalid_arguments_over_grpc(tokenizer_address, text_ids) -> None:
         # Accepted here once, then refused by the scheduler with its own rule: now one rule for both.
         (generation_pb2.GenerateRequest(prompt="hi", request_id="café-1"), "request_id"),
         (generation_pb2.GenerateRequest(prompt_token_ids={"ids": [49152]}), "prompt_token_ids"),
-        (generation_pb2.GenerateRequest(messages={"messages": [{"role": "", "content": "x"}]}), "messages[0].role"),
+        (generation_pb2.GenerateRequest(messages={"messages": [{"role": "", "content": "x"}]}),
+         "messages.messages[0].role"),
+        (generation_pb2.GenerateRequest(messages={"messages": [{"role": "user", "content": "x"}, {"role": "bot"}]}),
+         "messages.messages[1].role"),
         (generation_pb2.GenerateRequest(prompt="hi", params=sampling_pb2.SamplingParameters(
             structured_output=sampling_pb2.StructuredOutput(regex="[a-"))), "params.structured_output"),
         (generation_pb2.GenerateRequest(prompt="hi", params=sampling_pb2.SamplingParameters(
             structured_output=sampling_pb2.StructuredOutput())), "params.structured_output"),
+        # Once INTERNAL: min_tokens over the default max_tokens, which the worker refused.
+        (generation_pb2.GenerateRequest(prompt="hi", params=sampling_pb2.SamplingParameters(min_tokens=2**32 - 1)),
+         "params.min_tokens"),
+        (generation_pb2.GenerateRequest(prompt="hi", timeout=duration_pb2.Duration(seconds=1, nanos=-5)), "timeout"),
+        (generation_pb2.GenerateRequest(prompt="hi", timeout=duration_pb2.Duration(nanos=2 * 10**9)), "timeout"),
+        (generation_pb2.GenerateRequest(prompt="hi", timeout=duration_pb2.Duration(seconds=-1)), "timeout"),
+        # Echoed whole, a 100k-character id made the error's trailer too big: RESOURCE_EXHAUSTED.
+        (generation_pb2.GenerateRequest(prompt="hi", request_id="r" * 100_000), "request_id"),
     ]
 
     async def body(stack: Stack) -> None:
@@ -194,6 +217,15 @@ def test_invalid_arguments_over_grpc(tokenizer_address, text_ids) -> None:
                     await call
                 assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (field, caught.value.details())
                 assert caught.value.details().startswith(f"{field}:"), caught.value.details()
+        for lookup in (stack.generation.GetRequest(common_pb2.GetRequestRequest(request_id="r" * 100_000)),
+                       stack.generation.Cancel(common_pb2.CancelRequest(request_id="r" * 100_000))):
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await lookup
+            assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and len(caught.value.details()) < 300
+        # A timeout past what timedelta holds (once INTERNAL, an OverflowError) is the gateway's own limit.
+        reply = await stack.generation.Generate(generation_pb2.GenerateRequest(
+            prompt="hi", timeout=duration_pb2.Duration(seconds=2**62)))
+        assert reply.text
         # Bytes that are no GenerateRequest: grpc would answer UNKNOWN, with a Python exception's text.
         for method, call in (("Generate", stack.channel.unary_unary), ("GenerateStream", stack.channel.unary_stream)):
             raw = call(f"/shardline.v1.Generation/{method}", request_serializer=None, response_deserializer=None)
@@ -292,6 +324,24 @@ def test_scheduler_unavailable_is_503(tokenizer_address, text_ids) -> None:
                 assert (await response.json())["error"]["code"] == "method_not_allowed"
 
     run_on_stack(tokenizer_address, Script(text_ids), body)
+
+
+def test_a_streamed_failure_names_the_field_at_fault(tokenizer_address, text_ids) -> None:
+    """A constraint that left the worker no token is the client's error, streamed or not: the
+    same param and code either way."""
+    async def body(stack: Stack) -> None:
+        async with aiohttp.ClientSession() as http:
+            async with http.post(f"{stack.base_url}/v1/completions", json=COMPLETION) as response:
+                whole = (await response.json())["error"]
+                assert response.status == 400
+            async with http.post(f"{stack.base_url}/v1/completions", json={**COMPLETION, "stream": True}) as response:
+                lines = [line async for line in response.content if line.startswith(b"data: ")]
+        streamed = json.loads(lines[-2].removeprefix(b"data: "))["error"]
+        assert lines[-1] == b"data: [DONE]\n"
+        assert streamed == whole and whole["param"] == "structured_output", whole
+
+    run_on_stack(tokenizer_address, Script(text_ids[:3], finish_reason=sampling_pb2.FINISH_REASON_ERROR,
+                                           error=DEAD_END + " after 2 output tokens"), body)
 
 
 def test_a_failed_generation_is_reported(tokenizer_address, text_ids) -> None:

@@ -33,6 +33,18 @@ def test_unset_fields_are_resolved_for_the_workers() -> None:
     assert caught.value.field == "params.max_tokens"
 
 
+@pytest.mark.parametrize("default, prompt_tokens", [(16, 100), (None, 8100)])
+def test_min_tokens_must_fit_the_max_tokens_it_gets(default, prompt_tokens) -> None:
+    """Without max_tokens, min_tokens is checked against the default, or the room the prompt leaves
+    (a worker would fail the request as its own fault)."""
+    params = validate_sampling(sampling_pb2.SamplingParameters(min_tokens=100), LIMITS)
+    with pytest.raises(InvalidArgument) as caught:
+        resolve_max_tokens(params, prompt_tokens, LIMITS, default=default, prefix="params.")
+    assert caught.value.field == "params.min_tokens"
+    fits = validate_sampling(sampling_pb2.SamplingParameters(min_tokens=16), LIMITS)
+    resolve_max_tokens(fits, 100, LIMITS, default=default)
+
+
 def test_openai_fields_map_onto_sampling_parameters() -> None:
     params, priority, max_tokens_field, n = sampling_from_openai({
         "max_completion_tokens": 12, "max_tokens": 99, "temperature": 0.7, "top_k": -1, "seed": -1,
