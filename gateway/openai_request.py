@@ -66,7 +66,7 @@ def parse_request(body: Any, chat: bool) -> OpenAIRequest:
     options = json_field(body, "stream_options", dict)
     if options is not None and not stream:
         raise InvalidArgument("stream_options", "is only allowed when stream is true")
-    include_usage = bool(json_field(options or {}, "include_usage", bool))
+    include_usage = bool(json_field(options or {}, "include_usage", bool, "stream_options.include_usage"))
     echo = not chat and bool(json_field(body, "echo", bool))
     echo_only = echo and params.HasField("max_tokens") and params.max_tokens == 0
     if echo_only:

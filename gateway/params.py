@@ -230,16 +230,17 @@ _JSON_TYPES = {float: "a number", int: "an integer", bool: "a boolean", str: "a 
                dict: "an object"}
 
 
-def json_field(body: dict[str, Any], name: str, kind: type) -> Any:
-    """body[name] when present and not null, checked to be of JSON type `kind`."""
+def json_field(body: dict[str, Any], name: str, kind: type, path: str | None = None) -> Any:
+    """body[name] when present and not null, checked to be of JSON type `kind`; errors name `path`
+    (where `body` is itself a field: "stream_options.include_usage"), or `name`."""
     value = body.get(name)
     if value is None:
         return None
     numeric = kind in (int, float)
     ok = isinstance(value, (int, float) if kind is float else kind) and not (numeric and isinstance(value, bool))
     if not ok:
-        raise InvalidArgument(name, f"must be {_JSON_TYPES[kind]}")
-    return _as_float(value, name) if kind is float else value
+        raise InvalidArgument(path or name, f"must be {_JSON_TYPES[kind]}")
+    return _as_float(value, path or name) if kind is float else value
 
 
 def _as_float(value: int | float, field: str) -> float:

@@ -127,6 +127,7 @@ BAD_BODIES = [
     ("chat/completions", {"messages": [{"role": {"a": 1}, "content": "x"}]}, "messages[0].role"),
     # Over the default max_tokens (16 for completions): once a 500, from the worker.
     ("completions", {"min_tokens": 20}, "min_tokens"),
+    ("completions", {"stream": True, "stream_options": {"include_usage": "yes"}}, "stream_options.include_usage"),
 ]
 
 
