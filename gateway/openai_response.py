@@ -19,6 +19,7 @@ _ERROR_KINDS = {
     404: ("invalid_request_error", "not_found"),
     405: ("invalid_request_error", "method_not_allowed"),
     408: ("timeout_error", "request_timeout"),
+    409: ("invalid_request_error", "conflict"),
     413: ("invalid_request_error", "request_too_large"),
     429: ("rate_limit_error", "rate_limit_exceeded"),
     503: ("service_unavailable_error", "service_unavailable"),

@@ -25,7 +25,7 @@ from gateway.record_delta import record_delta
 from gateway.request_stream import RequestStream, StreamChunk, StreamTiming
 from gateway.resume_state import restore_held_back, tail
 from gateway.stop_search import StopSearch, find_stop_tokens
-from shardline.errors import InvalidArgument, ShardlineError
+from shardline.errors import FailedPrecondition, ShardlineError
 from shardline.proto import common_pb2, sampling_pb2, scheduler_pb2, tokenizer_pb2
 
 logger = logging.getLogger(__name__)
@@ -78,7 +78,7 @@ class StreamHub:
     def register(self, stream: RequestStream) -> None:
         """Start routing `stream.request_id`'s deltas to `stream.queue`; call before Submit or Attach."""
         if stream.request_id in self._streams:
-            raise InvalidArgument("request_id", f"{stream.request_id} is already streaming from this gateway")
+            raise FailedPrecondition("request_id", f"{stream.request_id} is already streaming from this gateway")
         self._streams[stream.request_id] = stream
 
     def release(self, request_id: str, cancel: bool = True, grace_s: float = 0.0) -> None:

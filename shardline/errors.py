@@ -27,6 +27,18 @@ class InvalidArgument(ShardlineError):
         self.field = field
 
 
+class FailedPrecondition(ShardlineError):
+    """A valid request that the state it acts on does not allow now (a request already streaming
+    from this gateway); the message names the field."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+    http_status = 409
+
+    def __init__(self, field: str, problem: str) -> None:
+        super().__init__(f"{field}: {problem}")
+        self.field = field
+
+
 class Unauthenticated(ShardlineError):
     code = grpc.StatusCode.UNAUTHENTICATED
     http_status = 401

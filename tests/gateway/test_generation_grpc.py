@@ -99,6 +99,12 @@ def test_a_client_that_lost_its_connection_resumes_within_the_grace(tokenizer_ad
         await asyncio.sleep(0.2)
         resume = stack.generation.Resume(generation_pb2.ResumeRequest(request_id=first.request_id, offset=1))
         replayed = await resume.read()
+        # A second stream of it from this gateway is refused while the first holds it: the request is
+        # well formed, its state is what forbids it.
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await stack.generation.Resume(generation_pb2.ResumeRequest(request_id=first.request_id)).read()
+        assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert caught.value.details().startswith("request_id: ") and "already streaming" in caught.value.details()
         await asyncio.sleep(0.5)  # past the grace: the resumed stream holds the request, so no cancel
         assert first.request_id not in stack.scheduler.cancelled
         stack.scheduler.release()
