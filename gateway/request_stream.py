@@ -7,9 +7,14 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from gateway.stop_matcher import StopMatcher
-from shardline.errors import DeadlineExceeded, InvalidArgument, ShardlineError
+from shardline.errors import DeadlineExceeded, InvalidArgument, ShardlineError, Unavailable
 from shardline.structured_output import DEAD_END
 from shardline.proto import common_pb2, sampling_pb2
+
+
+# The error of a stream the gateway could not detokenize because the tokenizer stayed unreachable:
+# the request itself runs on, so the client gets UNAVAILABLE (retry or resume), not INTERNAL.
+TOKENIZER_DOWN = "the tokenizer is unavailable"
 
 
 @dataclass(slots=True)
@@ -39,6 +44,8 @@ class StreamChunk:
 def failure_of(finish_reason: str | None, error: str) -> ShardlineError | None:
     if finish_reason == "error" and error.startswith(DEAD_END):  # the client's own constraint is at fault
         return InvalidArgument("structured_output", error.removeprefix("structured_output: "))
+    if finish_reason == "error" and error.startswith(TOKENIZER_DOWN):
+        return Unavailable(error)
     if finish_reason == "error":
         return ShardlineError(f"generation failed: {error}")
     if finish_reason == "abort" and error:

@@ -22,10 +22,10 @@ import grpc
 from gateway.backends import RPC_TIMEOUT_S, Backends, upstream
 from gateway.delta_stops import DeltaWork, Overshot, match_stops, unarmed_tokens
 from gateway.record_delta import record_delta
-from gateway.request_stream import RequestStream, StreamChunk, StreamTiming
+from gateway.request_stream import TOKENIZER_DOWN, RequestStream, StreamChunk, StreamTiming
 from gateway.resume_state import restore_held_back, tail
 from gateway.stop_search import StopSearch, find_stop_tokens
-from shardline.errors import FailedPrecondition, ShardlineError
+from shardline.errors import FailedPrecondition, ShardlineError, Unavailable
 from shardline.proto import common_pb2, sampling_pb2, scheduler_pb2, tokenizer_pb2
 
 logger = logging.getLogger(__name__)
@@ -38,6 +38,8 @@ FINISH_REASONS = {
 }
 _FIRST_BACKOFF_S = 0.05
 _MAX_BACKOFF_S = 2.0
+# How long a Detokenize is retried while the tokenizer is unreachable before its streams fail.
+TOKENIZER_OUTAGE_S = 30.0
 
 
 class StreamHub:
@@ -235,15 +237,18 @@ class StreamHub:
                 skip_special_tokens=w.stream.skip_special_tokens))
         start_ns = time.time_ns()
         try:
-            tokenizer = await self._backends.tokenizer_info()
-            with upstream("tokenizer"):
-                reply = await self._backends.tokenizer.Detokenize(
-                    tokenizer_pb2.DetokenizeRequest(items=items), timeout=RPC_TIMEOUT_S)
+            tokenizer, reply = await self._detokenize_call(tokenizer_pb2.DetokenizeRequest(items=items))
         except ShardlineError as exc:
             logger.error("detokenize failed for %d requests: %s", len(work), exc)
             for w in work:
-                chunk = StreamChunk("", w.new, w.offset, error=f"detokenize failed: {exc}")
-                self._finish(w.stream, chunk, "error", cancel=not w.final)
+                # The tokenizer is still down: this gateway cannot turn the tokens into text, but the
+                # requests run on and are recorded, so each client may Resume from its offset then.
+                # Any other failure is this gateway's: the request is ended upstream too.
+                down = isinstance(exc, Unavailable)
+                error = (f"{TOKENIZER_DOWN}: the request runs on; resume it at offset {w.offset}" if down
+                         else f"detokenize failed: {exc}")
+                self._finish(w.stream, StreamChunk("", w.new, w.offset, error=error), "error",
+                             cancel=not w.final and not down)
             return
         end_ns, now = time.time_ns(), time.perf_counter()
         named_results = reply.results[len(work) : len(work) + len(named)]
@@ -286,6 +291,28 @@ class StreamHub:
                 stream.queue.put_nowait(chunk)
         if overshot:
             await self._cut_after_stops(overshot)
+
+    async def _detokenize_call(self, request: tokenizer_pb2.DetokenizeRequest) -> tuple[
+            tokenizer_pb2.TokenizerInfo, tokenizer_pb2.DetokenizeReply]:
+        """Detokenize, retried while the tokenizer is unreachable: `shardline up` or compose restarts a
+        dead one in seconds, and failing every live stream for that would be worse than a pause (the
+        stateless call is safe to repeat). Raises Unavailable once TOKENIZER_OUTAGE_S has passed."""
+        deadline = time.monotonic() + TOKENIZER_OUTAGE_S
+        backoff = _FIRST_BACKOFF_S
+        while True:
+            try:
+                tokenizer = await self._backends.tokenizer_info()
+                with upstream("tokenizer"):
+                    # wait_for_ready: a call made while the channel reconnects waits for it, not fails.
+                    reply = await self._backends.tokenizer.Detokenize(
+                        request, timeout=max(0.1, deadline - time.monotonic()), wait_for_ready=True)
+                return tokenizer, reply
+            except Unavailable as exc:
+                if time.monotonic() + backoff >= deadline:
+                    raise
+                logger.warning("detokenize failed (%s); retrying in %.2f s", exc, backoff)
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, _MAX_BACKOFF_S)
 
     async def _cut_after_stops(self, overshot: list[Overshot]) -> None:
         """Ends requests whose stop string completed inside a delta of several tokens, keeping the

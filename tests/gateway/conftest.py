@@ -40,17 +40,26 @@ def text_ids(tokenizer: Tokenizer) -> list[int]:
 def tokenizer_address() -> Iterator[str]:
     """host:port of a real `python -m tokenizer_svc.main` serving the default model."""
     port = free_port()
+    process = start_tokenizer(port)
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
+
+def start_tokenizer(port: int) -> subprocess.Popen:
+    """A real tokenizer service on `port`, returned once it serves."""
     env = {**os.environ, "SHARDLINE_TRACING": "0"}
     process = subprocess.Popen(
         [sys.executable, "-m", "tokenizer_svc.main", "--port", str(port)], cwd=REPO, env=env,
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    address = f"127.0.0.1:{port}"
     try:
-        _wait_serving(address, process)
-        yield address
-    finally:
-        process.terminate()
-        process.wait(timeout=30)
+        _wait_serving(f"127.0.0.1:{port}", process)
+    except BaseException:
+        process.kill()
+        raise
+    return process
 
 
 def _wait_serving(address: str, process: subprocess.Popen, timeout_s: float = 60.0) -> None:
