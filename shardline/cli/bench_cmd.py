@@ -14,6 +14,7 @@ from pathlib import Path
 from shardline.bench.load import LoadSpec, run_load
 from shardline.bench.metrics import Slos, median_of_rounds, summarize
 from shardline.cli.arg_types import at_least_one
+from shardline.cli.one_line_errors import one_line_errors
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -41,7 +42,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "(on a shared machine either side's speed drifts from minute to minute)")
     p.add_argument("--out", type=Path, default=Path("results/bench.json"))
     p.add_argument("-v", "--verbose", action="store_true")
-    p.set_defaults(func=run)
+    p.set_defaults(func=one_line_errors("bench", run))
 
 
 async def _measure(makers: dict[str, Callable[[], object]], spec: LoadSpec, args: argparse.Namespace

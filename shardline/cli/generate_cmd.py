@@ -3,15 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-from collections.abc import Callable, Iterator
-
-import grpc
-from pydantic import ValidationError
+from collections.abc import Iterator
 
 from shardline.cli.arg_types import at_least_one, non_negative, probability
-from shardline.service_main import settings_problems
+from shardline.cli.one_line_errors import one_line_errors
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
@@ -69,38 +65,14 @@ class _Backend:
             self.client.close()
 
 
-def _friendly(command: str, run: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
-    """`run` with its failures as one line on stderr (exit 2 for a bad value, 1 otherwise), not a traceback."""
-
-    def wrapped(args: argparse.Namespace) -> int:
-        try:
-            return run(args)
-        except KeyboardInterrupt:
-            print(file=sys.stderr)
-            return 130
-        except BrokenPipeError:  # `| head`: the reader is gone; say nothing more
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-            return 0
-        except grpc.RpcError as exc:
-            code = exc.code()
-            print(f"shardline {command}: {code.name}: {exc.details()}", file=sys.stderr)
-            return 2 if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND) else 1
-        except ValidationError as exc:  # a bad SHARDLINE_* variable, which the in-process engine reads
-            print(f"shardline {command}: bad settings: {settings_problems(exc)}", file=sys.stderr)
-            return 2
-        except (ValueError, OSError) as exc:  # a bad model path or config, a value the engine refuses
-            print(f"shardline {command}: {exc}", file=sys.stderr)
-            return 2 if isinstance(exc, (ValueError, FileNotFoundError)) else 1
-
-    return wrapped
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    return _friendly("generate", _generate)(args)
+    return one_line_errors("generate", _generate)(args)
 
 
 def run_chat(args: argparse.Namespace) -> int:
-    return _friendly("chat", _chat)(args)
+    return one_line_errors("chat", _chat)(args)
 
 
 def _generate(args: argparse.Namespace) -> int:

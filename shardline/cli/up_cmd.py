@@ -54,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
     except StartInterrupted:
         print("shardline: interrupted while starting; stopped", file=sys.stderr)
         return 130
-    except (RuntimeError, TimeoutError) as exc:
+    except (RuntimeError, TimeoutError, OSError) as exc:  # OSError: a data or log folder it cannot write
         print(f"shardline: failed to start: {exc}", file=sys.stderr)
         return 1
     traces = (f"\n  traces        http://127.0.0.1:{config.dashboard_port}/   (dashboard; OTLP on :{config.otlp_port})"

@@ -1,0 +1,46 @@
+"""CLI failures a user can cause end in one line on stderr and a non-zero exit, never a traceback."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from shardline.ports import free_port
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _shardline(*args: str, timeout_s: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "shardline.cli.main", *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=timeout_s)
+
+
+def test_up_with_a_data_dir_it_cannot_create_says_so_in_one_line(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    done = _shardline("up", "--http-port", str(free_port()), "--grpc-port", str(free_port()),
+                      "--data-dir", str(blocker / "data"), "--log-dir", str(tmp_path / "logs"))
+    assert done.returncode == 1, done
+    assert "Traceback" not in done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert lines == [f"shardline: failed to start: [Errno 20] Not a directory: '{blocker / 'data' / 'redis'}'"], done.stderr
+
+
+def test_up_with_a_log_dir_it_cannot_create_says_so_in_one_line(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    done = _shardline("up", "--http-port", str(free_port()), "--grpc-port", str(free_port()),
+                      "--data-dir", str(tmp_path / "data"), "--log-dir", str(blocker / "logs"))
+    assert done.returncode == 1, done
+    assert "Traceback" not in done.stderr
+    assert done.stderr.strip().splitlines()[-1] == (
+        f"shardline: failed to start: [Errno 20] Not a directory: '{blocker / 'logs'}'"), done.stderr
+
+
+def test_bench_against_no_stack_says_so_in_one_line():
+    done = _shardline("bench", "--url", f"127.0.0.1:{free_port()}", "--num-prompts", "2")
+    assert done.returncode == 1, done
+    assert "Traceback" not in done.stderr
+    assert done.stderr.startswith("shardline bench: UNAVAILABLE: "), done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
