@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from shardline.cli.arg_types import at_least_one
+from shardline.cli.arg_types import at_least_one, tcp_port
 from shardline.service_main import redacted
 from shardline.signals import STOP_SIGNALS
 from shardline.stack import LocalStack, StackConfig, StartInterrupted
@@ -21,8 +21,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="HF folder or .gguf file (default: $SHARDLINE_MODEL, else SmolLM2-135M-Instruct)")
     p.add_argument("--workers", type=at_least_one, default=1, help="number of GPU worker services")
     p.add_argument("--tp", type=at_least_one, default=1, help="tensor-parallel size of each worker")
-    p.add_argument("--http-port", type=int, default=8000)
-    p.add_argument("--grpc-port", type=int, default=50051)
+    p.add_argument("--http-port", type=tcp_port, default=8000)
+    p.add_argument("--grpc-port", type=tcp_port, default=50051)
     p.add_argument("--redis-url", default=None, help="external Redis (default: an embedded redis-server)")
     p.add_argument("--data-dir", type=Path, default=Path(".shardline"), help="embedded Redis data (AOF)")
     p.add_argument("--tracing", action="store_true", help="start the tracing service and export spans to it")
@@ -31,6 +31,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.http_port == args.grpc_port:  # else the gateway, started last, would fail to bind
+        print(f"shardline up: --http-port and --grpc-port are both {args.http_port}; give two ports",
+              file=sys.stderr)
+        return 2
     config = StackConfig(model=args.model, workers=args.workers, tp_size=args.tp, http_port=args.http_port,
                          grpc_port=args.grpc_port, redis_url=args.redis_url, data_dir=args.data_dir,
                          tracing=args.tracing, log_dir=args.log_dir)

@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from shardline.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -44,3 +46,16 @@ def test_bench_against_no_stack_says_so_in_one_line():
     assert "Traceback" not in done.stderr
     assert done.stderr.startswith("shardline bench: UNAVAILABLE: "), done.stderr
     assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+
+
+@pytest.mark.parametrize("flags, error", [
+    (["--http-port", "0"], "argument --http-port: must be a port from 1 to 65535, got 0"),
+    (["--grpc-port", "70000"], "argument --grpc-port: must be a port from 1 to 65535, got 70000"),
+    (["--http-port", "18123", "--grpc-port", "18123"],
+     "shardline up: --http-port and --grpc-port are both 18123; give two ports"),
+])
+def test_up_refuses_bad_ports_before_starting_anything(tmp_path, flags, error):
+    done = _shardline("up", *flags, "--data-dir", str(tmp_path / "data"))
+    assert done.returncode == 2, done
+    assert done.stderr.strip().splitlines()[-1].endswith(error), done.stderr
+    assert not (tmp_path / "data").exists()  # nothing started
