@@ -11,12 +11,15 @@ from torch import nn
 
 from gpu_worker_svc.model.attention_metadata import AttentionMetadata, DecodeGroup
 from gpu_worker_svc.model.layers.invariant_attention import InvariantContext, invariant_attention
+from gpu_worker_svc.model.layers.kernels import cpu_build
 
 
 class PagedAttention(nn.Module):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        # The shapes kernels/decode_attention.cpp takes (all of Llama's and Qwen2's).
+        self.cpu_kernel_fits = head_dim % 16 == 0 and head_dim <= 256 and num_heads // num_kv_heads <= 16
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -83,6 +86,15 @@ class PagedAttention(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         """The single-token queries q [B, Hq, D] against their cached contexts → [B, Hq * D];
         or each decode's Q queries, q [B, Q, Hq, D] → [B, Q, Hq * D]."""
+        kernel = self._cpu_kernel(q, k_cache)
+        if kernel is not None:  # one call for all the decodes: it needs no padding to one length
+            lengths = meta.derived.get("decode_lengths")
+            if lengths is None:  # the first layer works them out; the others reuse them
+                lengths = meta.derived["decode_lengths"] = _decode_lengths(meta)
+            slots, lengths, order = lengths
+            out = kernel(q if order is None else q.index_select(0, order), k_cache, v_cache, slots, lengths,
+                         self.head_dim ** -0.5)
+            return out if order is None else torch.empty_like(out).index_copy_(0, order, out)
         if not meta.decode_groups:
             return self._attend(q, k_cache, v_cache, meta.decode_gather, meta.decode_mask)
         out = q.new_empty(*q.shape[:-2], q.shape[-2] * q.shape[-1])
@@ -90,6 +102,13 @@ class PagedAttention(nn.Module):
             attended = self._attend(q.index_select(0, group.rows), k_cache, v_cache, group.gather, group.mask)
             out.index_copy_(0, group.rows, attended)
         return out
+
+    def _cpu_kernel(self, q: torch.Tensor, k_cache: torch.Tensor):
+        """kernels/decode_attention.cpp, for single-token decodes on CPU in float32; else None."""
+        if q.dim() != 3 or not self.cpu_kernel_fits or q.device.type != "cpu" or q.dtype != torch.float32 \
+                or k_cache.dtype != torch.float32:
+            return None
+        return cpu_build.paged_decode_attention()
 
     def _attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, gather: torch.Tensor,
                 mask: torch.Tensor | None) -> torch.Tensor:
@@ -155,3 +174,20 @@ def _self_attending_runs(meta: AttentionMetadata) -> list[tuple[int, int, int]]:
             runs.append((start, end - start, 1))
     return runs
 
+
+
+def _decode_lengths(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """For the CPU kernel: every decode's context slots [B, L] and length [B], and, where the decodes
+    come in groups, the order of their rows in that one table (None: the step's own order)."""
+    groups = meta.decode_groups or [None]
+    tables, lengths = [], []
+    for group in groups:
+        gather, mask = (meta.decode_gather, meta.decode_mask) if group is None else (group.gather, group.mask)
+        b, width = gather.shape
+        tables.append(gather)
+        lengths.append(torch.full((b,), width, dtype=torch.long) if mask is None else mask.view(b, width).sum(1))
+    if not meta.decode_groups:
+        return tables[0].contiguous(), lengths[0], None
+    width = max(t.shape[1] for t in tables)
+    slots = torch.cat([F.pad(t, (0, width - t.shape[1])) for t in tables])  # slot 0 as padding: never read
+    return slots, torch.cat(lengths), torch.cat([g.rows for g in groups])

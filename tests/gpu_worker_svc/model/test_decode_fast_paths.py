@@ -10,6 +10,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from gpu_worker_svc.model.attention_metadata import StepBatch, _decode_context, build_step
 from gpu_worker_svc.model.layers.attention import PagedAttention
+from gpu_worker_svc.model.layers.kernels import cpu_build
 from gpu_worker_svc.model.layers.layernorm import RMSNorm
 
 BLOCK = 16
@@ -22,6 +23,16 @@ def decode_batch(contexts: list[int], num_blocks: int = 64) -> StepBatch:
     return StepBatch(torch.zeros(n, dtype=torch.long), torch.tensor(contexts), torch.ones(n, dtype=torch.long), tables)
 
 
+@pytest.fixture(params=["kernel", "torch"])
+def decode_path(request, monkeypatch) -> str:
+    """Decode attention by kernels/decode_attention.cpp, or by the torch path it replaces on CPU."""
+    if request.param == "torch":
+        monkeypatch.setattr(cpu_build, "paged_decode_attention", lambda: None)
+    elif cpu_build.paged_decode_attention() is None:
+        pytest.skip("the CPU kernels cannot be built on this machine")
+    return request.param
+
+
 def test_decodes_of_one_length_need_no_mask():
     _, meta = build_step(decode_batch([40, 40, 40]), BLOCK)
     assert meta.decode_mask is None
@@ -30,7 +41,7 @@ def test_decodes_of_one_length_need_no_mask():
     assert meta.decode_mask[1, 0, 0].tolist() == [True] * 26 + [False] * 15
 
 
-def test_a_long_context_is_attended_apart_from_short_ones():
+def test_a_long_context_is_attended_apart_from_short_ones(decode_path):
     """One long context must not make every short decode of the step gather and attend over its
     length in every layer: decodes split into groups within 2x of each other, with the same result."""
     torch.manual_seed(0)
@@ -52,7 +63,7 @@ def test_a_long_context_is_attended_apart_from_short_ones():
     torch.testing.assert_close(grouped, attention(q, k, v, cache, one_group), rtol=1e-5, atol=1e-6)
 
 
-def test_unmasked_decode_attention_is_bitwise_the_masked_one():
+def test_unmasked_decode_attention_is_bitwise_the_masked_one(decode_path):
     torch.manual_seed(0)
     heads, kv_heads, dim, n = 9, 3, 64, 4
     attention = PagedAttention(heads, kv_heads, dim)

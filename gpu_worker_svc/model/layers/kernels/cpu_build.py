@@ -1,0 +1,79 @@
+"""Shardline's own C++ CPU kernels: compiled once per machine, loaded by every process that uses them.
+
+They are compiled for the CPU they run on (-march=native), so the build folder is named by
+this CPU's feature flags and the torch version: a home folder shared by machines of two
+kinds never hands one the other's code. `scripts/setup.sh` builds them (`python -m
+gpu_worker_svc.model.layers.kernels.cpu_build`); a process that finds them unbuilt builds
+them itself (about 10 s on two cores), one process at a time. Where they cannot be built
+(no C++ compiler, as in the slim Docker image), callers fall back to the torch path, slower
+on CPU, and say so once in the log.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import functools
+import hashlib
+import logging
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCES = [Path(__file__).with_name("decode_attention.cpp")]
+_NAME = "shardline_cpu_kernels"
+_FLAGS = ["-O3", "-march=native", "-fopenmp"]  # -fopenmp: at::parallel_for runs on torch's own OpenMP pool
+
+
+def build_dir() -> Path:
+    cpu = ""
+    try:
+        cpu = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
+    except OSError:
+        pass
+    key = hashlib.sha256(f"{torch.__version__}\n{cpu}".encode()).hexdigest()[:12]
+    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return root / "shardline" / "kernels" / key
+
+
+def load() -> None:
+    """Compile the kernels if this machine has no current build, and load them into torch.ops.shardline_cpu."""
+    from torch.utils import cpp_extension
+
+    folder = build_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    # torch's build runs ninja, which may sit beside this interpreter (the venv) rather than on PATH.
+    bin_dir = str(Path(sys.executable).parent)
+    if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = os.pathsep.join([os.environ.get("PATH", ""), bin_dir])
+    # One builder at a time, under a lock the kernel releases when its holder dies: torch's own
+    # lock is a file that a builder killed midway leaves behind, and every later build would then
+    # wait for it forever. Under this lock, nobody else holds torch's: its file is removed.
+    with open(folder / "build.flock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        (folder / "lock").unlink(missing_ok=True)
+        cpp_extension.load(name=_NAME, sources=[str(s) for s in SOURCES], extra_cflags=_FLAGS,
+                           extra_ldflags=["-fopenmp"], build_directory=str(folder), is_python_module=False,
+                           verbose=False)
+
+
+@functools.cache
+def paged_decode_attention() -> Callable | None:
+    """torch.ops.shardline_cpu.paged_decode_attention, or None where the kernels cannot be built here."""
+    try:
+        load()
+    except Exception as exc:  # noqa: BLE001 - any failure to build means the torch path, not a dead worker
+        logger.warning("Shardline's CPU kernels could not be built here (%s): decode attention takes the torch "
+                       "path, which is slower on CPU", str(exc).strip().splitlines()[-1] if str(exc).strip() else exc)
+        return None
+    return torch.ops.shardline_cpu.paged_decode_attention.default
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    op = paged_decode_attention()
+    print(f"Shardline CPU kernels: {'built in ' + str(build_dir()) if op is not None else 'not built; torch path'}")

@@ -1,0 +1,159 @@
+// Decode attention on CPU, read straight from the paged KV cache.
+//
+// The torch path gathers each decode's context out of the cache into a dense copy and runs
+// SDPA on it: a write and a re-read of the whole context, every layer. Here each task, one
+// (decode, KV head) pair, walks the decode's slots in place: scores for the G query heads
+// that share the KV head, their softmax, and the weighted sum of values, in one pass.
+//
+// Every reduction has a fixed order that depends only on the decode's own context length,
+// never on its batch-mates or the padding of the step's slot table: a decode's output is
+// the same bits however it is batched, which the engine's determinism rests on.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <vector>
+
+namespace {
+
+// GCC vector extensions: 16 floats, compiled to AVX-512, or to two AVX2 registers.
+typedef float v16 __attribute__((vector_size(64)));
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v4 __attribute__((vector_size(16)));
+typedef int i16 __attribute__((vector_size(64)));
+
+constexpr int64_t W = 16;          // floats per vector
+constexpr int64_t MAX_DIM = 256;   // head_dim
+constexpr int64_t MAX_GROUP = 16;  // query heads per KV head
+
+inline v16 load(const float* p) { v16 r; __builtin_memcpy(&r, p, sizeof r); return r; }
+inline void store(float* p, v16 v) { __builtin_memcpy(p, &v, sizeof v); }
+
+// The sum of the 16 lanes as a fixed tree.
+inline float hsum(v16 v) {
+  v8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+         __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+// exp(x) for x <= 0 (a softmax's scores less their max), vectorized: 2^(x log2 e), split into
+// an integer power of two and 2^f for f in [0, 1) by a degree-6 polynomial (relative error
+// ~2e-7, that of float32's own expf to within a few ulps). Below -87 it is 0, as float32's.
+inline v16 exp_nonpositive(v16 x) {
+  v16 t = x * 1.44269504088896341f;
+  t = t < -126.0f ? (v16){} - 127.0f : t;  // -inf and underflow: 2^-127 x p, flushed to 0 below
+  v16 whole;
+  for (int64_t j = 0; j < W; ++j) whole[j] = __builtin_floorf(t[j]);
+  const v16 f = t - whole;
+  v16 p = (v16){} + 1.535336188319500e-4f;
+  p = p * f + 1.339887440266574e-3f;
+  p = p * f + 9.618437357674640e-3f;
+  p = p * f + 5.550332471162809e-2f;
+  p = p * f + 2.402264791363012e-1f;
+  p = p * f + 6.931472028550421e-1f;
+  p = p * f + 1.0f;
+  const i16 bits = (__builtin_convertvector(whole, i16) + 127) << 23;
+  v16 power;
+  __builtin_memcpy(&power, &bits, sizeof power);
+  const v16 r = p * power;
+  return t < -126.0f ? (v16){} : r;
+}
+
+// One (decode b, KV head h) task. `scores` holds G rows of the context length rounded up to W.
+void attend_one(const float* q, int64_t q_head_stride, const float* k_cache, const float* v_cache,
+                const int64_t* slots, int64_t length, int64_t kv_heads, int64_t head, int64_t group,
+                int64_t dim, float scale, float* scores, float* out) {
+  const int64_t vecs = dim / W, padded = (length + W - 1) / W * W;
+  v16 qv[MAX_GROUP][MAX_DIM / W];
+  for (int64_t g = 0; g < group; ++g)
+    for (int64_t d = 0; d < vecs; ++d) qv[g][d] = load(q + (head * group + g) * q_head_stride + d * W) * scale;
+
+  float top[MAX_GROUP];
+  for (int64_t g = 0; g < group; ++g) top[g] = -INFINITY;
+  for (int64_t t = 0; t < length; ++t) {
+    const float* k = k_cache + (slots[t] * kv_heads + head) * dim;
+    v16 kv[MAX_DIM / W];
+    for (int64_t d = 0; d < vecs; ++d) kv[d] = load(k + d * W);
+    for (int64_t g = 0; g < group; ++g) {
+      v16 acc = qv[g][0] * kv[0];
+      for (int64_t d = 1; d < vecs; ++d) acc += qv[g][d] * kv[d];
+      const float s = hsum(acc);
+      scores[g * padded + t] = s;
+      top[g] = s > top[g] ? s : top[g];
+    }
+  }
+  float inverse_total[MAX_GROUP];
+  for (int64_t g = 0; g < group; ++g) {
+    float* row = scores + g * padded;
+    for (int64_t t = length; t < padded; ++t) row[t] = -INFINITY;
+    v16 total = {};
+    for (int64_t t = 0; t < padded; t += W) {
+      const v16 e = exp_nonpositive(load(row + t) - top[g]);
+      store(row + t, e);
+      total += e;
+    }
+    inverse_total[g] = 1.0f / hsum(total);
+  }
+  v16 acc[MAX_GROUP][MAX_DIM / W];
+  for (int64_t g = 0; g < group; ++g)
+    for (int64_t d = 0; d < vecs; ++d) acc[g][d] = v16{};
+  for (int64_t t = 0; t < length; ++t) {
+    const float* v = v_cache + (slots[t] * kv_heads + head) * dim;
+    v16 vv[MAX_DIM / W];
+    for (int64_t d = 0; d < vecs; ++d) vv[d] = load(v + d * W);
+    for (int64_t g = 0; g < group; ++g) {
+      const float p = scores[g * padded + t];
+      for (int64_t d = 0; d < vecs; ++d) acc[g][d] += p * vv[d];
+    }
+  }
+  for (int64_t g = 0; g < group; ++g)
+    for (int64_t d = 0; d < vecs; ++d) store(out + (head * group + g) * dim + d * W, acc[g][d] * inverse_total[g]);
+}
+
+// q [B, Hq, D] (rows may be strided), caches [slots, Hkv, D], slots [B, L], lengths [B] -> [B, Hq * D].
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                  const at::Tensor& slots, const at::Tensor& lengths, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3 && slots.dim() == 2 && lengths.dim() == 1,
+              "paged_decode_attention: q [B, Hq, D], caches [slots, Hkv, D], slots [B, L], lengths [B]");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
+                  v_cache.scalar_type() == at::kFloat,
+              "paged_decode_attention: float32 only");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && lengths.scalar_type() == at::kLong,
+              "paged_decode_attention: int64 slots and lengths");
+  const int64_t batch = q.size(0), heads = q.size(1), dim = q.size(2), kv_heads = k_cache.size(1);
+  TORCH_CHECK(dim % W == 0 && dim <= MAX_DIM, "paged_decode_attention: head_dim must be a multiple of 16, <= 256");
+  TORCH_CHECK(heads % kv_heads == 0 && heads / kv_heads <= MAX_GROUP, "paged_decode_attention: bad GQA group");
+  TORCH_CHECK(q.stride(2) == 1 && k_cache.is_contiguous() && v_cache.is_contiguous() && slots.is_contiguous() &&
+                  lengths.is_contiguous() && slots.size(0) == batch && lengths.size(0) == batch,
+              "paged_decode_attention: layout");
+  const int64_t group = heads / kv_heads, width = slots.size(1);
+  auto out = at::empty({batch, heads * dim}, q.options());
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k_cache.data_ptr<float>();
+  const float* vp = v_cache.data_ptr<float>();
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  const int64_t* lp = lengths.data_ptr<int64_t>();
+  float* op = out.data_ptr<float>();
+  const int64_t q_row = q.stride(0), q_head = q.stride(1);
+  for (int64_t b = 0; b < batch; ++b)
+    TORCH_CHECK(lp[b] >= 1 && lp[b] <= width, "paged_decode_attention: a length outside [1, L]");
+  at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(group * ((width + W - 1) / W * W));
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / kv_heads, h = task % kv_heads;
+      attend_one(qp + b * q_row, q_head, kp, vp, sp + b * width, lp[b], kv_heads, h, group, dim,
+                 static_cast<float>(scale), scores.data(), op + b * heads * dim);
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(shardline_cpu, m) {
+  m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slots, Tensor lengths, "
+        "float scale) -> Tensor");
+  m.impl("paged_decode_attention", c10::DispatchKey::CPU, &paged_decode_attention);
+}

@@ -1,0 +1,145 @@
+"""kernels/decode_attention.cpp: decode attention read in place from the paged KV cache, on CPU."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from gpu_worker_svc.model.attention_metadata import build_step
+from gpu_worker_svc.model.layers import attention as attention_module
+from gpu_worker_svc.model.layers.attention import PagedAttention
+from gpu_worker_svc.model.layers.kernels import cpu_build
+from tests.gpu_worker_svc.model.test_decode_fast_paths import BLOCK, decode_batch
+
+REPO = Path(__file__).resolve().parents[3]
+kernel = cpu_build.paged_decode_attention()
+needs_kernel = pytest.mark.skipif(kernel is None, reason="the CPU kernels cannot be built on this machine")
+
+
+def reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+              lengths: torch.Tensor) -> torch.Tensor:
+    """Softmax attention of each decode over its own slots, in float64."""
+    group = q.shape[1] // k_cache.shape[1]
+    rows = []
+    for i, n in enumerate(lengths.tolist()):
+        k = k_cache[slots[i, :n]].double().repeat_interleave(group, 1)  # [n, Hq, D]
+        v = v_cache[slots[i, :n]].double().repeat_interleave(group, 1)
+        scores = torch.einsum("hd,nhd->hn", q[i].double(), k) / q.shape[-1] ** 0.5
+        rows.append(torch.einsum("hn,nhd->hd", scores.softmax(-1), v).flatten())
+    return torch.stack(rows).float()
+
+
+def random_case(heads: int, kv_heads: int, dim: int, lengths: list[int], seed: int = 0, spread: float = 6):
+    g = torch.Generator().manual_seed(seed)
+    num_slots = sum(lengths) + 64
+    k_cache = torch.randn(num_slots, kv_heads, dim, generator=g)
+    v_cache = torch.randn(num_slots, kv_heads, dim, generator=g)
+    width = max(lengths) + 5  # padded wider than the longest, as a step's table may be
+    slots = torch.stack([torch.randperm(num_slots, generator=g)[:width] for _ in lengths])
+    # q as the model makes it: the query heads of a wider qkv row, so its rows are strided.
+    qkv = torch.randn(len(lengths), heads + 2 * kv_heads, dim, generator=g) * spread
+    return qkv[:, :heads], k_cache, v_cache, slots, torch.tensor(lengths)
+
+
+@needs_kernel
+@pytest.mark.parametrize("heads, kv_heads, dim", [(9, 3, 64), (8, 8, 64), (32, 8, 128), (4, 1, 16), (16, 1, 256)])
+def test_the_kernel_is_softmax_attention_over_each_decodes_own_slots(heads, kv_heads, dim):
+    lengths = [1, 17, 300, 16, 95]
+    q, k_cache, v_cache, slots, lens = random_case(heads, kv_heads, dim, lengths)
+    out = kernel(q, k_cache, v_cache, slots, lens, dim ** -0.5)
+    assert out.shape == (len(lengths), heads * dim)
+    torch.testing.assert_close(out, reference(q, k_cache, v_cache, slots, lens), rtol=2e-5, atol=2e-5)
+
+
+@needs_kernel
+def test_scores_far_below_the_max_underflow_to_zero_as_float32s_exp_does():
+    """Scores spread over hundreds: most weights underflow, and exp's cut-off must not make inf or NaN."""
+    q, k_cache, v_cache, slots, lens = random_case(9, 3, 64, [1, 50, 300], spread=60)
+    out = kernel(q, k_cache, v_cache, slots, lens, 0.125)
+    expected = reference(q, k_cache, v_cache, slots, lens)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+
+
+@needs_kernel
+def test_a_decode_gives_the_same_bits_alone_and_in_any_batch():
+    """The engine's determinism: a row's result may not depend on its batch-mates or the table's padding."""
+    q, k_cache, v_cache, slots, lens = random_case(9, 3, 64, [40, 211, 7, 128])
+    batched = kernel(q, k_cache, v_cache, slots, lens, 0.125)
+    for i, n in enumerate(lens.tolist()):
+        alone = kernel(q[i : i + 1], k_cache, v_cache, slots[i : i + 1, :n].contiguous(), lens[i : i + 1], 0.125)
+        assert torch.equal(alone, batched[i : i + 1])
+    reordered = kernel(q.flip(0), k_cache, v_cache, slots.flip(0).contiguous(), lens.flip(0), 0.125)
+    assert torch.equal(reordered.flip(0), batched)
+
+
+@needs_kernel
+def test_bad_inputs_are_errors_not_crashes():
+    q, k_cache, v_cache, slots, lens = random_case(9, 3, 64, [10, 20])
+    with pytest.raises(RuntimeError, match="a length outside"):
+        kernel(q, k_cache, v_cache, slots, torch.tensor([10, 999]), 0.125)
+    with pytest.raises(RuntimeError, match="float32 only"):
+        kernel(q.double(), k_cache, v_cache, slots, lens, 0.125)
+    with pytest.raises(RuntimeError, match="head_dim"):
+        kernel(q[..., :40], k_cache[..., :40].contiguous(), v_cache[..., :40].contiguous(), slots, lens, 0.125)
+
+
+@needs_kernel
+@pytest.mark.parametrize("contexts", [[150, 150, 150], [150, 3000, 160, 90, 2900], [5, 60, 33]])
+def test_the_layer_takes_the_kernel_for_decodes_and_agrees_with_the_torch_path(monkeypatch, contexts):
+    """Equal contexts (no mask), contexts of one group with a mask, and groups of widely different lengths."""
+    torch.manual_seed(0)
+    heads, kv_heads, dim = 9, 3, 64
+    layer = PagedAttention(heads, kv_heads, dim)
+    cache = torch.randn(2, 1024, BLOCK, kv_heads, dim)
+    _, meta = build_step(decode_batch(contexts, num_blocks=1024), BLOCK)
+    n = len(contexts)
+    q, k, v = torch.randn(n, heads, dim), torch.randn(n, kv_heads, dim), torch.randn(n, kv_heads, dim)
+    calls = []
+    monkeypatch.setattr(cpu_build, "paged_decode_attention", lambda: lambda *a: calls.append(1) or kernel(*a))
+    by_kernel = layer(q, k, v, cache.clone(), meta)
+    assert calls, "the decode step did not take the kernel"
+    monkeypatch.setattr(cpu_build, "paged_decode_attention", lambda: None)
+    meta.derived.clear()
+    torch.testing.assert_close(by_kernel, layer(q, k, v, cache.clone(), meta), rtol=1e-5, atol=1e-5)
+
+
+def test_a_machine_that_cannot_build_the_kernels_takes_the_torch_path(monkeypatch, caplog):
+    def no_compiler() -> None:
+        raise RuntimeError("Error building extension 'shardline_cpu_kernels'\nc++: not found")
+
+    monkeypatch.setattr(cpu_build, "load", no_compiler)
+    with caplog.at_level(logging.WARNING):
+        assert cpu_build.paged_decode_attention.__wrapped__() is None
+    assert "could not be built here (c++: not found)" in caplog.text
+    monkeypatch.setattr(attention_module.cpu_build, "paged_decode_attention", lambda: None)
+    layer = PagedAttention(9, 3, 64)
+    _, meta = build_step(decode_batch([30, 40]), BLOCK)
+    out = layer(torch.randn(2, 9, 64), torch.randn(2, 3, 64), torch.randn(2, 3, 64), torch.randn(2, 64, BLOCK, 3, 64),
+                meta)
+    assert out.shape == (2, 9 * 64) and torch.isfinite(out).all()
+
+
+@needs_kernel
+def test_a_build_lock_left_by_a_killed_builder_does_not_stall_the_next(tmp_path):
+    """torch's build lock is a file; a builder killed midway leaves it, and torch would wait on it forever.
+    (In a process of its own: a second load of the library into this one would register its ops twice.)"""
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}
+    where = subprocess.run([sys.executable, "-c", "from gpu_worker_svc.model.layers.kernels import cpu_build; "
+                            "print(cpu_build.build_dir())"], env=env, cwd=REPO, capture_output=True, text=True,
+                           check=True).stdout.strip()
+    folder = Path(where)
+    assert folder.is_relative_to(tmp_path)
+    folder.mkdir(parents=True)
+    (folder / "lock").write_text("")
+    built = subprocess.run([sys.executable, "-m", "gpu_worker_svc.model.layers.kernels.cpu_build"], env=env, cwd=REPO,
+                           capture_output=True, text=True, timeout=180)  # a fresh build here: ~10 s
+    assert built.returncode == 0 and f"built in {folder}" in built.stdout, built
+    assert not (folder / "lock").exists()
+    assert any(folder.glob("*.so"))
