@@ -19,7 +19,7 @@ class PagedAttention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         # The shapes kernels/decode_attention.cpp takes (all of Llama's and Qwen2's).
-        self.cpu_kernel_fits = head_dim % 16 == 0 and head_dim <= 256 and num_heads // num_kv_heads <= 16
+        self.cpu_kernel_fits = head_dim % 16 == 0 and head_dim <= 256
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:

@@ -84,6 +84,12 @@ def test_bad_inputs_are_errors_not_crashes():
     q, k_cache, v_cache, slots, lens = random_case(9, 3, 64, [10, 20])
     with pytest.raises(RuntimeError, match="a length outside"):
         kernel(q, k_cache, v_cache, slots, torch.tensor([10, 999]), 0.125)
+    bad_slots = slots.clone()
+    bad_slots[1, 19] = k_cache.shape[0]
+    with pytest.raises(RuntimeError, match="a slot outside the cache"):
+        kernel(q, k_cache, v_cache, bad_slots, lens, 0.125)
+    bad_slots[1, 19], bad_slots[1, 20] = 0, -5  # past the row's length: never read, so allowed
+    kernel(q, k_cache, v_cache, bad_slots, lens, 0.125)
     with pytest.raises(RuntimeError, match="float32 only"):
         kernel(q.double(), k_cache, v_cache, slots, lens, 0.125)
     with pytest.raises(RuntimeError, match="head_dim"):

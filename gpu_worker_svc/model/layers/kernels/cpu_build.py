@@ -70,6 +70,7 @@ def paged_decode_attention() -> Callable | None:
         logger.warning("Shardline's CPU kernels could not be built here (%s): decode attention takes the torch "
                        "path, which is slower on CPU", str(exc).strip().splitlines()[-1] if str(exc).strip() else exc)
         return None
+    logger.info("Shardline's CPU kernels loaded from %s", build_dir())
     return torch.ops.shardline_cpu.paged_decode_attention.default
 
 

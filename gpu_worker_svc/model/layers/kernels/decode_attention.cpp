@@ -1,9 +1,9 @@
 // Decode attention on CPU, read straight from the paged KV cache.
 //
 // The torch path gathers each decode's context out of the cache into a dense copy and runs
-// SDPA on it: a write and a re-read of the whole context, every layer. Here each task, one
-// (decode, KV head) pair, walks the decode's slots in place: scores for the G query heads
-// that share the KV head, their softmax, and the weighted sum of values, in one pass.
+// SDPA on it: a write and a re-read of the whole context, every layer. Here each task, a decode
+// and some of its KV heads, walks the decode's slots in place: scores for the query heads that
+// share those KV heads, their softmax, and the weighted sum of values.
 //
 // Every reduction has a fixed order that depends only on the decode's own context length,
 // never on its batch-mates or the padding of the step's slot table: a decode's output is
@@ -12,6 +12,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -25,7 +26,7 @@ typedef int i16 __attribute__((vector_size(64)));
 
 constexpr int64_t W = 16;          // floats per vector
 constexpr int64_t MAX_DIM = 256;   // head_dim
-constexpr int64_t MAX_GROUP = 16;  // query heads per KV head
+constexpr int64_t PREFETCH = 16;  // slots ahead to prefetch: the cache's rows come from scattered blocks
 
 inline v16 load(const float* p) { v16 r; __builtin_memcpy(&r, p, sizeof r); return r; }
 inline void store(float* p, v16 v) { __builtin_memcpy(p, &v, sizeof v); }
@@ -61,55 +62,68 @@ inline v16 exp_nonpositive(v16 x) {
   return t < -126.0f ? (v16){} : r;
 }
 
-// One (decode b, KV head h) task. `scores` holds G rows of the context length rounded up to W.
-void attend_one(const float* q, int64_t q_head_stride, const float* k_cache, const float* v_cache,
-                const int64_t* slots, int64_t length, int64_t kv_heads, int64_t head, int64_t group,
-                int64_t dim, float scale, float* scores, float* out) {
-  const int64_t vecs = dim / W, padded = (length + W - 1) / W * W;
-  v16 qv[MAX_GROUP][MAX_DIM / W];
-  for (int64_t g = 0; g < group; ++g)
-    for (int64_t d = 0; d < vecs; ++d) qv[g][d] = load(q + (head * group + g) * q_head_stride + d * W) * scale;
+// One task: decode b's KV heads [first, first + count), each with its `group` query heads; a row is
+// one query head. Slot by slot it reads the task's heads of the key (then value) row, which lie side
+// by side in the cache. `scores` holds a row per query head, the context length rounded up to W.
+void attend(const float* q, int64_t q_head_stride, const float* k_cache, const float* v_cache,
+            const int64_t* slots, int64_t length, int64_t kv_heads, int64_t first, int64_t count,
+            int64_t group, int64_t dim, float scale, float* scores, v16* qv, v16* acc, float* out) {
+  const int64_t vecs = dim / W, padded = (length + W - 1) / W * W, rows = count * group;
+  const float* q_first = q + first * group * q_head_stride;
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t d = 0; d < vecs; ++d) qv[r * vecs + d] = load(q_first + r * q_head_stride + d * W) * scale;
 
-  float top[MAX_GROUP];
-  for (int64_t g = 0; g < group; ++g) top[g] = -INFINITY;
+  std::vector<float> top(rows, -INFINITY);
   for (int64_t t = 0; t < length; ++t) {
-    const float* k = k_cache + (slots[t] * kv_heads + head) * dim;
-    v16 kv[MAX_DIM / W];
-    for (int64_t d = 0; d < vecs; ++d) kv[d] = load(k + d * W);
-    for (int64_t g = 0; g < group; ++g) {
-      v16 acc = qv[g][0] * kv[0];
-      for (int64_t d = 1; d < vecs; ++d) acc += qv[g][d] * kv[d];
-      const float s = hsum(acc);
-      scores[g * padded + t] = s;
-      top[g] = s > top[g] ? s : top[g];
+    const float* k = k_cache + (slots[t] * kv_heads + first) * dim;
+    if (t + PREFETCH < length) {
+      const char* ahead = reinterpret_cast<const char*>(k_cache + (slots[t + PREFETCH] * kv_heads + first) * dim);
+      for (int64_t line = 0; line < count * dim * 4; line += 64) __builtin_prefetch(ahead + line);
+    }
+    for (int64_t h = 0; h < count; ++h) {
+      v16 kv[MAX_DIM / W];
+      for (int64_t d = 0; d < vecs; ++d) kv[d] = load(k + h * dim + d * W);
+      for (int64_t r = h * group; r < (h + 1) * group; ++r) {
+        const v16* qr = qv + r * vecs;
+        v16 sum = qr[0] * kv[0];
+        for (int64_t d = 1; d < vecs; ++d) sum += qr[d] * kv[d];
+        const float s = hsum(sum);
+        scores[r * padded + t] = s;
+        top[r] = s > top[r] ? s : top[r];
+      }
     }
   }
-  float inverse_total[MAX_GROUP];
-  for (int64_t g = 0; g < group; ++g) {
-    float* row = scores + g * padded;
+  std::vector<float> inverse_total(rows);
+  for (int64_t r = 0; r < rows; ++r) {
+    float* row = scores + r * padded;
     for (int64_t t = length; t < padded; ++t) row[t] = -INFINITY;
     v16 total = {};
     for (int64_t t = 0; t < padded; t += W) {
-      const v16 e = exp_nonpositive(load(row + t) - top[g]);
+      const v16 e = exp_nonpositive(load(row + t) - top[r]);
       store(row + t, e);
       total += e;
     }
-    inverse_total[g] = 1.0f / hsum(total);
+    inverse_total[r] = 1.0f / hsum(total);
   }
-  v16 acc[MAX_GROUP][MAX_DIM / W];
-  for (int64_t g = 0; g < group; ++g)
-    for (int64_t d = 0; d < vecs; ++d) acc[g][d] = v16{};
+  for (int64_t i = 0; i < rows * vecs; ++i) acc[i] = v16{};
   for (int64_t t = 0; t < length; ++t) {
-    const float* v = v_cache + (slots[t] * kv_heads + head) * dim;
-    v16 vv[MAX_DIM / W];
-    for (int64_t d = 0; d < vecs; ++d) vv[d] = load(v + d * W);
-    for (int64_t g = 0; g < group; ++g) {
-      const float p = scores[g * padded + t];
-      for (int64_t d = 0; d < vecs; ++d) acc[g][d] += p * vv[d];
+    const float* v = v_cache + (slots[t] * kv_heads + first) * dim;
+    if (t + PREFETCH < length) {
+      const char* ahead = reinterpret_cast<const char*>(v_cache + (slots[t + PREFETCH] * kv_heads + first) * dim);
+      for (int64_t line = 0; line < count * dim * 4; line += 64) __builtin_prefetch(ahead + line);
+    }
+    for (int64_t h = 0; h < count; ++h) {
+      v16 vv[MAX_DIM / W];
+      for (int64_t d = 0; d < vecs; ++d) vv[d] = load(v + h * dim + d * W);
+      for (int64_t r = h * group; r < (h + 1) * group; ++r) {
+        const float p = scores[r * padded + t];
+        for (int64_t d = 0; d < vecs; ++d) acc[r * vecs + d] += p * vv[d];
+      }
     }
   }
-  for (int64_t g = 0; g < group; ++g)
-    for (int64_t d = 0; d < vecs; ++d) store(out + (head * group + g) * dim + d * W, acc[g][d] * inverse_total[g]);
+  float* out_first = out + first * group * dim;
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t d = 0; d < vecs; ++d) store(out_first + r * dim + d * W, acc[r * vecs + d] * inverse_total[r]);
 }
 
 // q [B, Hq, D] (rows may be strided), caches [slots, Hkv, D], slots [B, L], lengths [B] -> [B, Hq * D].
@@ -124,7 +138,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
               "paged_decode_attention: int64 slots and lengths");
   const int64_t batch = q.size(0), heads = q.size(1), dim = q.size(2), kv_heads = k_cache.size(1);
   TORCH_CHECK(dim % W == 0 && dim <= MAX_DIM, "paged_decode_attention: head_dim must be a multiple of 16, <= 256");
-  TORCH_CHECK(heads % kv_heads == 0 && heads / kv_heads <= MAX_GROUP, "paged_decode_attention: bad GQA group");
+  TORCH_CHECK(heads % kv_heads == 0, "paged_decode_attention: query heads must be a multiple of KV heads");
   TORCH_CHECK(q.stride(2) == 1 && k_cache.is_contiguous() && v_cache.is_contiguous() && slots.is_contiguous() &&
                   lengths.is_contiguous() && slots.size(0) == batch && lengths.size(0) == batch,
               "paged_decode_attention: layout");
@@ -137,14 +151,30 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   const int64_t* lp = lengths.data_ptr<int64_t>();
   float* op = out.data_ptr<float>();
   const int64_t q_row = q.stride(0), q_head = q.stride(1);
-  for (int64_t b = 0; b < batch; ++b)
+  // Checked here, not left to the loads: a bad slot would read outside the cache, not raise.
+  const int64_t num_slots = k_cache.size(0);
+  TORCH_CHECK(v_cache.sizes() == k_cache.sizes(), "paged_decode_attention: k and v caches differ in shape");
+  for (int64_t b = 0; b < batch; ++b) {
     TORCH_CHECK(lp[b] >= 1 && lp[b] <= width, "paged_decode_attention: a length outside [1, L]");
-  at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(group * ((width + W - 1) / W * W));
+    for (int64_t t = 0; t < lp[b]; ++t) {
+      const int64_t slot = sp[b * width + t];
+      TORCH_CHECK(slot >= 0 && slot < num_slots, "paged_decode_attention: a slot outside the cache");
+    }
+  }
+  // A task takes as many of a decode's KV heads as leaves two tasks per thread: whole rows of the
+  // cache stream in order, and a small batch still spreads over every thread.
+  const int64_t wanted = 2 * at::get_num_threads();
+  const int64_t per_task = std::max<int64_t>(1, std::min(kv_heads, (kv_heads * batch) / std::max<int64_t>(wanted, 1)));
+  const int64_t tasks_per_decode = (kv_heads + per_task - 1) / per_task;
+  at::parallel_for(0, batch * tasks_per_decode, 1, [&](int64_t begin, int64_t end) {
+    const int64_t rows = per_task * group, vecs = dim / W;
+    std::vector<float> scores(rows * ((width + W - 1) / W * W));
+    std::vector<v16> qv(rows * vecs), acc(rows * vecs);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / kv_heads, h = task % kv_heads;
-      attend_one(qp + b * q_row, q_head, kp, vp, sp + b * width, lp[b], kv_heads, h, group, dim,
-                 static_cast<float>(scale), scores.data(), op + b * heads * dim);
+      const int64_t b = task / tasks_per_decode, first = task % tasks_per_decode * per_task;
+      attend(qp + b * q_row, q_head, kp, vp, sp + b * width, lp[b], kv_heads, first,
+             std::min(per_task, kv_heads - first), group, dim, static_cast<float>(scale), scores.data(), qv.data(),
+             acc.data(), op + b * heads * dim);
     }
   });
   return out;
