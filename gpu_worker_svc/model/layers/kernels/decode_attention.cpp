@@ -62,6 +62,17 @@ inline v16 exp_nonpositive(v16 x) {
   return t < -126.0f ? (v16){} : r;
 }
 
+// The task's heads [first, first + count) of the cache row at slots[t]; the same heads of the row
+// PREFETCH slots on are prefetched, since the rows of consecutive blocks lie apart.
+inline const float* row_at(const float* cache, const int64_t* slots, int64_t t, int64_t length, int64_t kv_heads,
+                           int64_t first, int64_t count, int64_t dim) {
+  if (t + PREFETCH < length) {
+    const char* ahead = reinterpret_cast<const char*>(cache + (slots[t + PREFETCH] * kv_heads + first) * dim);
+    for (int64_t byte = 0; byte < count * dim * 4; byte += 64) __builtin_prefetch(ahead + byte);
+  }
+  return cache + (slots[t] * kv_heads + first) * dim;
+}
+
 // One task: decode b's KV heads [first, first + count), each with its `group` query heads; a row is
 // one query head. Slot by slot it reads the task's heads of the key (then value) row, which lie side
 // by side in the cache. `scores` holds a row per query head, the context length rounded up to W.
@@ -75,11 +86,7 @@ void attend(const float* q, int64_t q_head_stride, const float* k_cache, const f
 
   std::vector<float> top(rows, -INFINITY);
   for (int64_t t = 0; t < length; ++t) {
-    const float* k = k_cache + (slots[t] * kv_heads + first) * dim;
-    if (t + PREFETCH < length) {
-      const char* ahead = reinterpret_cast<const char*>(k_cache + (slots[t + PREFETCH] * kv_heads + first) * dim);
-      for (int64_t line = 0; line < count * dim * 4; line += 64) __builtin_prefetch(ahead + line);
-    }
+    const float* k = row_at(k_cache, slots, t, length, kv_heads, first, count, dim);
     for (int64_t h = 0; h < count; ++h) {
       v16 kv[MAX_DIM / W];
       for (int64_t d = 0; d < vecs; ++d) kv[d] = load(k + h * dim + d * W);
@@ -107,11 +114,7 @@ void attend(const float* q, int64_t q_head_stride, const float* k_cache, const f
   }
   for (int64_t i = 0; i < rows * vecs; ++i) acc[i] = v16{};
   for (int64_t t = 0; t < length; ++t) {
-    const float* v = v_cache + (slots[t] * kv_heads + first) * dim;
-    if (t + PREFETCH < length) {
-      const char* ahead = reinterpret_cast<const char*>(v_cache + (slots[t + PREFETCH] * kv_heads + first) * dim);
-      for (int64_t line = 0; line < count * dim * 4; line += 64) __builtin_prefetch(ahead + line);
-    }
+    const float* v = row_at(v_cache, slots, t, length, kv_heads, first, count, dim);
     for (int64_t h = 0; h < count; ++h) {
       v16 vv[MAX_DIM / W];
       for (int64_t d = 0; d < vecs; ++d) vv[d] = load(v + h * dim + d * W);
