@@ -104,8 +104,8 @@ class PagedAttention(nn.Module):
         return out
 
     def _cpu_kernel(self, q: torch.Tensor, k_cache: torch.Tensor):
-        """kernels/decode_attention.cpp, for single-token decodes on CPU in float32; else None."""
-        if q.dim() != 3 or not self.cpu_kernel_fits or q.device.type != "cpu" or q.dtype != torch.float32 \
+        """kernels/decode_attention.cpp, for decodes (with their drafts or not) on CPU in float32; else None."""
+        if not self.cpu_kernel_fits or q.device.type != "cpu" or q.dtype != torch.float32 \
                 or k_cache.dtype != torch.float32:
             return None
         return cpu_build.paged_decode_attention()
@@ -177,15 +177,20 @@ def _self_attending_runs(meta: AttentionMetadata) -> list[tuple[int, int, int]]:
 
 
 def _decode_lengths(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """For the CPU kernel: every decode's context slots [B, L] and length [B], and, where the decodes
-    come in groups, the order of their rows in that one table (None: the step's own order)."""
+    """For the CPU kernel: every decode's context slots [B, L] and length [B] (with drafts, each
+    query's [B, Q]), and, where the decodes come in groups, the order of their rows in that one
+    table (None: the step's own order)."""
     groups = meta.decode_groups or [None]
     tables, lengths = [], []
     for group in groups:
         gather, mask = (meta.decode_gather, meta.decode_mask) if group is None else (group.gather, group.mask)
         b, width = gather.shape
         tables.append(gather)
-        lengths.append(torch.full((b,), width, dtype=torch.long) if mask is None else mask.view(b, width).sum(1))
+        if mask is None:  # every context `width` long, one query each
+            lengths.append(torch.full((b,), width, dtype=torch.long))
+        else:  # mask [b, 1, Q, width]: the keys each query sees, a prefix of its decode's slots
+            seen = mask.view(b, -1, width).sum(-1)
+            lengths.append(seen if meta.decode_queries > 1 else seen.view(b))
     if not meta.decode_groups:
         return tables[0].contiguous(), lengths[0], None
     width = max(t.shape[1] for t in tables)

@@ -80,6 +80,25 @@ def test_a_decode_gives_the_same_bits_alone_and_in_any_batch():
 
 
 @needs_kernel
+def test_a_decode_with_drafts_attends_each_query_to_its_own_prefix():
+    """q [B, Q, Hq, D]: a decode's token and its drafts, query j seeing lengths[b, j] keys. Each row is
+    the same bits as that query attended alone as a plain decode of its length."""
+    heads, kv_heads, dim = 9, 3, 64
+    q3, k_cache, v_cache, slots, _ = random_case(heads, kv_heads, dim, [60, 200, 9])
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(3, 4, heads, dim, generator=g) * 6
+    lengths = torch.tensor([[57, 58, 59, 60], [200, 200, 200, 200], [6, 7, 8, 8]])  # the last: a padded query
+    out = kernel(q, k_cache, v_cache, slots, lengths, dim ** -0.5)
+    assert out.shape == (3, 4, heads * dim)
+    for j in range(4):
+        torch.testing.assert_close(out[:, j], reference(q[:, j], k_cache, v_cache, slots, lengths[:, j]),
+                                   rtol=2e-5, atol=2e-5)
+        for i in range(3):
+            alone = kernel(q[i : i + 1, j], k_cache, v_cache, slots[i : i + 1], lengths[i : i + 1, j], dim ** -0.5)
+            assert torch.equal(alone, out[i : i + 1, j])
+
+
+@needs_kernel
 def test_bad_inputs_are_errors_not_crashes():
     q, k_cache, v_cache, slots, lens = random_case(9, 3, 64, [10, 20])
     with pytest.raises(RuntimeError, match="a length outside"):

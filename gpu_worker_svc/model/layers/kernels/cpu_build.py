@@ -1,8 +1,8 @@
 """Shardline's own C++ CPU kernels: compiled once per machine, loaded by every process that uses them.
 
 They are compiled for the CPU they run on (-march=native), so the build folder is named by
-this CPU's feature flags and the torch version: a home folder shared by machines of two
-kinds never hands one the other's code. `scripts/setup.sh` builds them (`python -m
+this CPU's feature flags, the torch version and the sources: a home folder shared by machines
+of two kinds never hands one the other's code. `scripts/setup.sh` builds them (`python -m
 gpu_worker_svc.model.layers.kernels.cpu_build`); a process that finds them unbuilt builds
 them itself (about 10 s on two cores), one process at a time. Where they cannot be built
 (no C++ compiler, as in the slim Docker image), callers fall back to the torch path, slower
@@ -35,7 +35,10 @@ def build_dir() -> Path:
         cpu = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
     except OSError:
         pass
-    key = hashlib.sha256(f"{torch.__version__}\n{cpu}".encode()).hexdigest()[:12]
+    # The sources too: two checkouts of different versions on one machine then never rebuild over
+    # each other's library, which a process of the other might be loading at that moment.
+    sources = b"".join(source.read_bytes() for source in SOURCES)
+    key = hashlib.sha256(f"{torch.__version__}\n{cpu}\n".encode() + sources).hexdigest()[:12]
     root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     return root / "shardline" / "kernels" / key
 

@@ -73,37 +73,46 @@ inline const float* row_at(const float* cache, const int64_t* slots, int64_t t, 
   return cache + (slots[t] * kv_heads + first) * dim;
 }
 
-// One task: decode b's KV heads [first, first + count), each with its `group` query heads; a row is
-// one query head. Slot by slot it reads the task's heads of the key (then value) row, which lie side
-// by side in the cache. `scores` holds a row per query head, the context length rounded up to W.
-void attend(const float* q, int64_t q_head_stride, const float* k_cache, const float* v_cache,
-            const int64_t* slots, int64_t length, int64_t kv_heads, int64_t first, int64_t count,
-            int64_t group, int64_t dim, float scale, float* scores, v16* qv, v16* acc, float* out) {
-  const int64_t vecs = dim / W, padded = (length + W - 1) / W * W, rows = count * group;
-  const float* q_first = q + first * group * q_head_stride;
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t d = 0; d < vecs; ++d) qv[r * vecs + d] = load(q_first + r * q_head_stride + d * W) * scale;
+// One task: decode b's KV heads [first, first + count), each with its `group` query heads, for
+// each of the decode's `queries` queries (its token, and its draft tokens if it has any). A row is
+// one query head of one query, and attends to the first lengths[query] slots. Slot by slot the task
+// reads its heads of the key (then value) row, which lie side by side in the cache. `scores` holds
+// a row per query head, the longest length rounded up to W.
+void attend(const float* q, int64_t q_query_stride, int64_t q_head_stride, int64_t queries, const int64_t* lengths,
+            const float* k_cache, const float* v_cache, const int64_t* slots, int64_t kv_heads, int64_t first,
+            int64_t count, int64_t group, int64_t heads, int64_t dim, float scale, float* scores, v16* qv, v16* acc,
+            float* out) {
+  const int64_t vecs = dim / W, per_query = count * group, rows = queries * per_query;
+  const int64_t longest = *std::max_element(lengths, lengths + queries), padded = (longest + W - 1) / W * W;
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* row = q + r / per_query * q_query_stride + (first * group + r % per_query) * q_head_stride;
+    for (int64_t d = 0; d < vecs; ++d) qv[r * vecs + d] = load(row + d * W) * scale;
+  }
 
   std::vector<float> top(rows, -INFINITY);
-  for (int64_t t = 0; t < length; ++t) {
-    const float* k = row_at(k_cache, slots, t, length, kv_heads, first, count, dim);
+  for (int64_t t = 0; t < longest; ++t) {
+    const float* k = row_at(k_cache, slots, t, longest, kv_heads, first, count, dim);
     for (int64_t h = 0; h < count; ++h) {
       v16 kv[MAX_DIM / W];
       for (int64_t d = 0; d < vecs; ++d) kv[d] = load(k + h * dim + d * W);
-      for (int64_t r = h * group; r < (h + 1) * group; ++r) {
-        const v16* qr = qv + r * vecs;
-        v16 sum = qr[0] * kv[0];
-        for (int64_t d = 1; d < vecs; ++d) sum += qr[d] * kv[d];
-        const float s = hsum(sum);
-        scores[r * padded + t] = s;
-        top[r] = s > top[r] ? s : top[r];
+      for (int64_t query = 0; query < queries; ++query) {
+        for (int64_t r = query * per_query + h * group; r < query * per_query + (h + 1) * group; ++r) {
+          const v16* qr = qv + r * vecs;
+          v16 sum = qr[0] * kv[0];
+          for (int64_t d = 1; d < vecs; ++d) sum += qr[d] * kv[d];
+          const float s = hsum(sum);
+          scores[r * padded + t] = s;
+          if (t < lengths[query]) top[r] = s > top[r] ? s : top[r];
+        }
       }
     }
   }
+  // A row's keys past its own length weigh exactly 0 below: its result is the same bits as that
+  // query's alone, whatever the other queries' lengths.
   std::vector<float> inverse_total(rows);
   for (int64_t r = 0; r < rows; ++r) {
     float* row = scores + r * padded;
-    for (int64_t t = length; t < padded; ++t) row[t] = -INFINITY;
+    for (int64_t t = lengths[r / per_query]; t < padded; ++t) row[t] = -INFINITY;
     v16 total = {};
     for (int64_t t = 0; t < padded; t += W) {
       const v16 e = exp_nonpositive(load(row + t) - top[r]);
@@ -113,53 +122,63 @@ void attend(const float* q, int64_t q_head_stride, const float* k_cache, const f
     inverse_total[r] = 1.0f / hsum(total);
   }
   for (int64_t i = 0; i < rows * vecs; ++i) acc[i] = v16{};
-  for (int64_t t = 0; t < length; ++t) {
-    const float* v = row_at(v_cache, slots, t, length, kv_heads, first, count, dim);
+  for (int64_t t = 0; t < longest; ++t) {
+    const float* v = row_at(v_cache, slots, t, longest, kv_heads, first, count, dim);
     for (int64_t h = 0; h < count; ++h) {
       v16 vv[MAX_DIM / W];
       for (int64_t d = 0; d < vecs; ++d) vv[d] = load(v + h * dim + d * W);
-      for (int64_t r = h * group; r < (h + 1) * group; ++r) {
-        const float p = scores[r * padded + t];
-        for (int64_t d = 0; d < vecs; ++d) acc[r * vecs + d] += p * vv[d];
+      for (int64_t query = 0; query < queries; ++query) {
+        for (int64_t r = query * per_query + h * group; r < query * per_query + (h + 1) * group; ++r) {
+          const float p = scores[r * padded + t];
+          for (int64_t d = 0; d < vecs; ++d) acc[r * vecs + d] += p * vv[d];
+        }
       }
     }
   }
-  float* out_first = out + first * group * dim;
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t d = 0; d < vecs; ++d) store(out_first + r * dim + d * W, acc[r * vecs + d] * inverse_total[r]);
+  for (int64_t r = 0; r < rows; ++r) {
+    float* row = out + r / per_query * heads * dim + (first * group + r % per_query) * dim;
+    for (int64_t d = 0; d < vecs; ++d) store(row + d * W, acc[r * vecs + d] * inverse_total[r]);
+  }
 }
 
-// q [B, Hq, D] (rows may be strided), caches [slots, Hkv, D], slots [B, L], lengths [B] -> [B, Hq * D].
+// q [B, Hq, D] with lengths [B] -> [B, Hq * D]; or q [B, Q, Hq, D] with lengths [B, Q] -> [B, Q, Hq * D]
+// (a decode and its draft tokens). q's rows may be strided; caches [slots, Hkv, D]; slots [B, L].
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& slots, const at::Tensor& lengths, double scale) {
-  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3 && slots.dim() == 2 && lengths.dim() == 1,
-              "paged_decode_attention: q [B, Hq, D], caches [slots, Hkv, D], slots [B, L], lengths [B]");
+  const bool drafts = q.dim() == 4;
+  TORCH_CHECK((q.dim() == 3 || drafts) && k_cache.dim() == 3 && v_cache.dim() == 3 && slots.dim() == 2 &&
+                  lengths.dim() == q.dim() - 2,
+              "paged_decode_attention: q [B, (Q,) Hq, D], caches [slots, Hkv, D], slots [B, L], lengths [B(, Q)]");
   TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
                   v_cache.scalar_type() == at::kFloat,
               "paged_decode_attention: float32 only");
   TORCH_CHECK(slots.scalar_type() == at::kLong && lengths.scalar_type() == at::kLong,
               "paged_decode_attention: int64 slots and lengths");
-  const int64_t batch = q.size(0), heads = q.size(1), dim = q.size(2), kv_heads = k_cache.size(1);
+  const int64_t batch = q.size(0), queries = drafts ? q.size(1) : 1;
+  const int64_t heads = q.size(-2), dim = q.size(-1), kv_heads = k_cache.size(1);
   TORCH_CHECK(dim % W == 0 && dim <= MAX_DIM, "paged_decode_attention: head_dim must be a multiple of 16, <= 256");
   TORCH_CHECK(heads % kv_heads == 0, "paged_decode_attention: query heads must be a multiple of KV heads");
-  TORCH_CHECK(q.stride(2) == 1 && k_cache.is_contiguous() && v_cache.is_contiguous() && slots.is_contiguous() &&
-                  lengths.is_contiguous() && slots.size(0) == batch && lengths.size(0) == batch,
+  TORCH_CHECK(q.stride(-1) == 1 && k_cache.is_contiguous() && v_cache.is_contiguous() && slots.is_contiguous() &&
+                  lengths.is_contiguous() && slots.size(0) == batch && lengths.size(0) == batch &&
+                  (!drafts || lengths.size(1) == queries),
               "paged_decode_attention: layout");
+  TORCH_CHECK(v_cache.sizes() == k_cache.sizes(), "paged_decode_attention: k and v caches differ in shape");
   const int64_t group = heads / kv_heads, width = slots.size(1);
-  auto out = at::empty({batch, heads * dim}, q.options());
+  auto out = drafts ? at::empty({batch, queries, heads * dim}, q.options()) : at::empty({batch, heads * dim}, q.options());
   const float* qp = q.data_ptr<float>();
   const float* kp = k_cache.data_ptr<float>();
   const float* vp = v_cache.data_ptr<float>();
   const int64_t* sp = slots.data_ptr<int64_t>();
   const int64_t* lp = lengths.data_ptr<int64_t>();
   float* op = out.data_ptr<float>();
-  const int64_t q_row = q.stride(0), q_head = q.stride(1);
+  const int64_t q_row = q.stride(0), q_query = drafts ? q.stride(1) : 0, q_head = q.stride(-2);
   // Checked here, not left to the loads: a bad slot would read outside the cache, not raise.
   const int64_t num_slots = k_cache.size(0);
-  TORCH_CHECK(v_cache.sizes() == k_cache.sizes(), "paged_decode_attention: k and v caches differ in shape");
   for (int64_t b = 0; b < batch; ++b) {
-    TORCH_CHECK(lp[b] >= 1 && lp[b] <= width, "paged_decode_attention: a length outside [1, L]");
-    for (int64_t t = 0; t < lp[b]; ++t) {
+    const int64_t* own = lp + b * queries;
+    for (int64_t query = 0; query < queries; ++query)
+      TORCH_CHECK(own[query] >= 1 && own[query] <= width, "paged_decode_attention: a length outside [1, L]");
+    for (int64_t t = 0, longest = *std::max_element(own, own + queries); t < longest; ++t) {
       const int64_t slot = sp[b * width + t];
       TORCH_CHECK(slot >= 0 && slot < num_slots, "paged_decode_attention: a slot outside the cache");
     }
@@ -170,14 +189,14 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   const int64_t per_task = std::max<int64_t>(1, std::min(kv_heads, (kv_heads * batch) / std::max<int64_t>(wanted, 1)));
   const int64_t tasks_per_decode = (kv_heads + per_task - 1) / per_task;
   at::parallel_for(0, batch * tasks_per_decode, 1, [&](int64_t begin, int64_t end) {
-    const int64_t rows = per_task * group, vecs = dim / W;
+    const int64_t rows = queries * per_task * group, vecs = dim / W;
     std::vector<float> scores(rows * ((width + W - 1) / W * W));
     std::vector<v16> qv(rows * vecs), acc(rows * vecs);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / tasks_per_decode, first = task % tasks_per_decode * per_task;
-      attend(qp + b * q_row, q_head, kp, vp, sp + b * width, lp[b], kv_heads, first,
-             std::min(per_task, kv_heads - first), group, dim, static_cast<float>(scale), scores.data(), qv.data(),
-             acc.data(), op + b * heads * dim);
+      attend(qp + b * q_row, q_query, q_head, queries, lp + b * queries, kp, vp, sp + b * width, kv_heads, first,
+             std::min(per_task, kv_heads - first), group, heads, dim, static_cast<float>(scale), scores.data(),
+             qv.data(), acc.data(), op + b * queries * heads * dim);
     }
   });
   return out;
