@@ -1,9 +1,12 @@
-"""Attention over the paged KV cache, in plain torch (GPU kernels plug in behind the same call).
+"""Attention over the paged KV cache, in plain torch, except CPU decodes: those go to a C++ kernel
+that reads the cache in place (kernels/decode_attention.cpp). GPU kernels plug in behind the same call.
 
 The KV cache of one layer is a tensor [2, num_blocks, block_size, kv_heads, head_dim].
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -88,10 +91,10 @@ class PagedAttention(nn.Module):
         or each decode's Q queries, q [B, Q, Hq, D] → [B, Q, Hq * D]."""
         kernel = self._cpu_kernel(q, k_cache)
         if kernel is not None:  # one call for all the decodes: it needs no padding to one length
-            lengths = meta.derived.get("decode_lengths")
-            if lengths is None:  # the first layer works them out; the others reuse them
-                lengths = meta.derived["decode_lengths"] = _decode_lengths(meta)
-            slots, lengths, order = lengths
+            contexts = meta.derived.get("decode_contexts")
+            if contexts is None:  # the first layer works them out; the others reuse them
+                contexts = meta.derived["decode_contexts"] = _decode_contexts(meta)
+            slots, lengths, order = contexts
             out = kernel(q if order is None else q.index_select(0, order), k_cache, v_cache, slots, lengths,
                          self.head_dim ** -0.5)
             return out if order is None else torch.empty_like(out).index_copy_(0, order, out)
@@ -103,7 +106,7 @@ class PagedAttention(nn.Module):
             out.index_copy_(0, group.rows, attended)
         return out
 
-    def _cpu_kernel(self, q: torch.Tensor, k_cache: torch.Tensor):
+    def _cpu_kernel(self, q: torch.Tensor, k_cache: torch.Tensor) -> Callable | None:
         """kernels/decode_attention.cpp, for decodes (with their drafts or not) on CPU in float32; else None."""
         if not self.cpu_kernel_fits or q.device.type != "cpu" or q.dtype != torch.float32 \
                 or k_cache.dtype != torch.float32:
@@ -175,8 +178,7 @@ def _self_attending_runs(meta: AttentionMetadata) -> list[tuple[int, int, int]]:
     return runs
 
 
-
-def _decode_lengths(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+def _decode_contexts(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """For the CPU kernel: every decode's context slots [B, L] and length [B] (with drafts, each
     query's [B, Q]), and, where the decodes come in groups, the order of their rows in that one
     table (None: the step's own order)."""
