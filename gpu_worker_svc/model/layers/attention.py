@@ -94,10 +94,8 @@ class PagedAttention(nn.Module):
             contexts = meta.derived.get("decode_contexts")
             if contexts is None:  # the first layer works them out; the others reuse them
                 contexts = meta.derived["decode_contexts"] = _decode_contexts(meta)
-            slots, lengths, order = contexts
-            out = kernel(q if order is None else q.index_select(0, order), k_cache, v_cache, slots, lengths,
-                         self.head_dim ** -0.5)
-            return out if order is None else torch.empty_like(out).index_copy_(0, order, out)
+            slots, lengths = contexts
+            return kernel(q, k_cache, v_cache, slots, lengths, self.head_dim ** -0.5)
         if not meta.decode_groups:
             return self._attend(q, k_cache, v_cache, meta.decode_gather, meta.decode_mask)
         out = q.new_empty(*q.shape[:-2], q.shape[-2] * q.shape[-1])
@@ -178,23 +176,18 @@ def _self_attending_runs(meta: AttentionMetadata) -> list[tuple[int, int, int]]:
     return runs
 
 
-def _decode_contexts(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """For the CPU kernel: every decode's context slots [B, L] and length [B] (with drafts, each
-    query's [B, Q]), and, where the decodes come in groups, the order of their rows in that one
-    table (None: the step's own order)."""
-    groups = meta.decode_groups or [None]
-    tables, lengths = [], []
-    for group in groups:
-        gather, mask = (meta.decode_gather, meta.decode_mask) if group is None else (group.gather, group.mask)
+def _decode_contexts(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """For the CPU kernel, in the step's order of decodes: each one's context slots [B, L], and its
+    length [B] (with drafts, each query's [B, Q]). Groups go back into one table: the kernel reads
+    each decode's own length only, so padding to the longest costs it nothing."""
+    parts = [(g.rows, g.gather, g.mask) for g in meta.decode_groups] or \
+        [(slice(None), meta.decode_gather, meta.decode_mask)]
+    decodes, queries = sum(gather.shape[0] for _, gather, _ in parts), meta.decode_queries
+    slots = torch.zeros(decodes, max(gather.shape[1] for _, gather, _ in parts), dtype=torch.long)  # 0: never read
+    lengths = torch.empty(decodes, queries, dtype=torch.long)
+    for rows, gather, mask in parts:
         b, width = gather.shape
-        tables.append(gather)
-        if mask is None:  # every context `width` long, one query each
-            lengths.append(torch.full((b,), width, dtype=torch.long))
-        else:  # mask [b, 1, Q, width]: the keys each query sees, a prefix of its decode's slots
-            seen = mask.view(b, -1, width).sum(-1)
-            lengths.append(seen if meta.decode_queries > 1 else seen.view(b))
-    if not meta.decode_groups:
-        return tables[0].contiguous(), lengths[0], None
-    width = max(t.shape[1] for t in tables)
-    slots = torch.cat([F.pad(t, (0, width - t.shape[1])) for t in tables])  # slot 0 as padding: never read
-    return slots, torch.cat(lengths), torch.cat([g.rows for g in groups])
+        slots[rows, :width] = gather
+        # mask [b, 1, Q, width]: the keys each query sees, a prefix of its decode's slots; None: all of them
+        lengths[rows] = width if mask is None else mask.view(b, queries, width).sum(-1)
+    return slots, lengths if queries > 1 else lengths.view(decodes)
