@@ -26,6 +26,7 @@ from shardline.host_memory import MALLOC_ENV, REEXEC_MARKER
 from shardline.ports import free_port
 from shardline.redis_server import EmbeddedRedis
 from shardline.signals import die_with_parent, signals_deferred
+from shardline.supervisor import BackoffPolicy, SupervisedProcess, Supervisor
 
 log = logging.getLogger(__name__)
 
@@ -228,6 +229,21 @@ class LocalStack:
 
     def dead_children(self) -> list[Child]:
         return [c for c in self.children if c.proc.poll() is not None]
+
+    def supervised(self) -> list[SupervisedProcess]:
+        """The embedded Redis (restarted on its port and AOF) and every service, as a Supervisor sees them."""
+        services = []
+        if self.redis is not None:
+            services.append(SupervisedProcess("redis", self.redis.exit_code, self.redis.respawn))
+        for child in self.children:
+            # Late-bound on the child: restart() gives it a new process.
+            services.append(SupervisedProcess(child.name, lambda child=child: child.proc.poll(),
+                                              lambda child=child: self.restart(child)))
+        return services
+
+    def supervisor(self, report: Callable[[str], None], policy: BackoffPolicy | None = None) -> Supervisor:
+        """A supervisor of this stack's processes; call its check() from the thread that started them."""
+        return Supervisor(self.supervised, policy or BackoffPolicy(), report)
 
     def stop(self, timeout_s: float = 20.0) -> None:
         """SIGTERM in reverse start order, then SIGKILL whatever is left; no orphans.

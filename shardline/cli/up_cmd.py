@@ -71,23 +71,13 @@ shardline is up ({time.monotonic() - t0:.1f}s):
   metrics       http://127.0.0.1:{args.http_port}/metrics{traces}
   redis         {redacted(stack.redis_url)}
 Ctrl-C stops everything.""", flush=True)
-    restarts: dict[str, list[float]] = {}
-    code = 0
-    while not received and code == 0:
+    # A supervisor, like compose's `restart: unless-stopped`: every service rebuilds its state from
+    # Redis, and the scheduler re-dispatches a dead worker's requests meanwhile. One that crash-loops
+    # is restarted with backoff and reported, and the others keep serving.
+    supervisor = stack.supervisor(report=lambda msg: print(f"shardline: {msg}", file=sys.stderr, flush=True))
+    while not received:
         time.sleep(0.2)  # a signal ends the sleep early only if its handler raises; 0.2 s is soon enough
-        for child in stack.dead_children():
-            # A supervisor, like compose's restart policy: every service rebuilds its state from Redis,
-            # and the scheduler re-dispatches a dead worker's requests meanwhile.
-            recent = [t for t in restarts.get(child.name, []) if time.monotonic() - t < 60] + [time.monotonic()]
-            restarts[child.name] = recent
-            if len(recent) > 3:
-                print(f"shardline: {child.name} keeps exiting ({child.proc.returncode}); stopping", file=sys.stderr,
-                      flush=True)
-                code = 1
-                break
-            print(f"shardline: {child.name} exited ({child.proc.returncode}); restarting it", file=sys.stderr,
-                  flush=True)
-            stack.restart(child)
+        supervisor.check()
     print("shardline: shutting down ...", flush=True)
     stack.stop()
-    return code
+    return 0
