@@ -1,0 +1,1 @@
+"""Chaos tests: real processes killed, cut off or flooded, and every output checked."""
