@@ -110,8 +110,10 @@ class Supervisor:
         elif record.quick_exits > self.policy.crash_loop_exits:
             self.report(f"{service.name} is still crash-looping (exit {record.quick_exits} in a row, code {code}); "
                         f"restarting it {when}")
-        else:
-            self.report(f"{service.name} exited (code {code}) after {ran_s:.1f}s; restarting it {when}")
+        elif record.restarts:
+            self.report(f"{service.name} exited (code {code}) {ran_s:.1f}s after its restart; restarting it {when}")
+        else:  # in its first run: when it started is not known here
+            self.report(f"{service.name} exited (code {code}); restarting it {when}")
         record.restart_at = now + delay_s
         if delay_s == 0:
             self._restart(service, record, now)

@@ -72,7 +72,9 @@ def test_delays_double_from_the_second_quick_exit_and_are_capped():
 def test_a_first_exit_is_restarted_at_once():
     clock, services, supervisor, reports = make("worker-0")
     assert crash_and_wait(clock, services["worker-0"], supervisor, after_s=60) == 0
-    assert reports == ["worker-0 exited (code -9) after 60.0s; restarting it now"]
+    assert crash_and_wait(clock, services["worker-0"], supervisor, after_s=60) == 0
+    assert reports == ["worker-0 exited (code -9); restarting it now",
+                       "worker-0 exited (code -9) 60.0s after its restart; restarting it now"]
 
 
 def test_a_crash_loop_backs_off_is_reported_once_and_leaves_the_others_alone():
