@@ -170,12 +170,14 @@ def test_bind_mounts_point_into_the_repository():
                 assert Path(mount["source"]).exists(), (name, mount["source"])
 
 
-def test_readme_documents_every_variable():
-    readme = (COMPOSE_FILE.parent / "README.md").read_text()
-    section = readme[readme.index("## Deploy with docker compose"):]
+def test_the_deploy_guide_documents_every_variable():
+    guide = (COMPOSE_FILE.parent / "docs" / "deploy.md").read_text()
+    section = guide[guide.index("## Deploy with docker compose"):]
+    end = section.find("\n## ")
+    section = section if end < 0 else section[:end]
     missing = [name for name in env_example_variables() if f"`{name}`" not in section]
     assert not missing
-    # And the other way: a setting the README's table offers must reach its service through .env.
+    # And the other way: a setting the guide's table offers must reach its service through .env.
     tabled = {name for row in section.splitlines() if row.startswith("| `")
               for name in re.findall(r"`([A-Z][A-Z0-9_]*)`", row.split("|")[1])}
     assert tabled - set(env_example_variables()) == set()
