@@ -2,7 +2,8 @@
 
 Each service is `python -m shardline.cli.main serve <service>`, configured through
 its SHARDLINE_* environment (the same settings compose passes), in its own process
-group so that stopping it also stops the tensor-parallel ranks it spawned.
+group so that stopping it also stops the tensor-parallel ranks it spawned. Its
+supervisor() restarts whatever dies, the embedded Redis included (shardline/supervisor.py).
 """
 
 from __future__ import annotations

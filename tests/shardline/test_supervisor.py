@@ -160,8 +160,9 @@ def test_real_processes_killed_in_a_loop_back_off_while_a_sibling_runs_on():
                 supervisor.check()
                 time.sleep(0.02)
             waits.append(time.monotonic() - died)
-        assert waits[0] < 0.2
-        assert [round(w, 1) for w in waits[1:]] == pytest.approx([0.4, 0.8, 0.8], abs=0.15)
+        assert waits[0] < 0.5  # at once, give or take a loaded machine's scheduling
+        for wait, backoff in zip(waits[1:], [0.4, 0.8, 0.8]):  # doubled, then capped
+            assert backoff - 0.05 <= wait < backoff + 0.5, waits
         assert procs["steady"].pid == steady_pid and procs["steady"].poll() is None
         assert supervisor.crash_looping() == ["flaky"]
         assert any("flaky is crash-looping" in r and "code -9" in r for r in reports)
