@@ -25,6 +25,11 @@ class BackoffPolicy:
     healthy_after_s: float = 10.0  # a run at least this long ends a streak of quick exits
     crash_loop_exits: int = 3  # this many quick exits in a row: reported as crash-looping
 
+    def __post_init__(self) -> None:
+        # With no healthy window every exit would be a first one, restarted at once, without end.
+        if self.healthy_after_s <= 0 or self.first_delay_s <= 0 or self.max_delay_s < self.first_delay_s:
+            raise ValueError(f"a backoff needs healthy_after_s > 0 and 0 < first_delay_s <= max_delay_s: {self}")
+
     def delay_s(self, quick_exits: int) -> float:
         """The wait before the next start, after `quick_exits` exits in a row (this one included), each
         within healthy_after_s of its start. A first exit is restarted at once: one crash is the usual
@@ -40,7 +45,7 @@ class SupervisedProcess:
 
     name: str  # how reports name it: "worker-1", "redis"
     exit_code: Callable[[], int | None]  # its exit status, or None while it runs
-    restart: Callable[[], None]  # starts it again the way it was started; may raise OSError
+    restart: Callable[[], None]  # starts it again the way it was started; may raise
 
 
 @dataclass(slots=True)
@@ -124,7 +129,7 @@ class Supervisor:
         record.restarts += 1
         try:
             service.restart()
-        except OSError as exc:
+        except Exception as exc:  # one failed start must not end the supervision of every service
             # A start that failed is one more quick exit: it backs off further, as a crash would.
             self.report(f"{service.name} could not be restarted: {exc}")
             self._note_exit(service, record, record.last_code if record.last_code is not None else -1, now)

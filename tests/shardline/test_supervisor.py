@@ -128,6 +128,27 @@ def test_a_failed_restart_counts_as_another_quick_exit():
     assert "gateway could not be restarted: log folder gone" in reports
 
 
+def test_a_restart_that_raises_anything_is_reported_and_retried():
+    clock, services, supervisor, reports = make("redis")
+    redis_server = services["redis"]
+
+    def binary_gone() -> None:
+        raise RuntimeError("no redis-server binary")
+
+    supervisor.services = lambda: [SupervisedProcess("redis", lambda: redis_server.code, binary_gone)]
+    redis_server.code = -9
+    supervisor.check()
+    assert reports[-1].startswith("redis exited (code -9) 0.0s after its restart; restarting it in 0.5s")
+    assert "redis could not be restarted: no redis-server binary" in reports
+
+
+def test_a_policy_without_a_healthy_window_is_refused():
+    with pytest.raises(ValueError, match="healthy_after_s > 0"):
+        BackoffPolicy(healthy_after_s=0)
+    with pytest.raises(ValueError):
+        BackoffPolicy(first_delay_s=2.0, max_delay_s=1.0)
+
+
 def test_a_service_added_later_is_supervised_from_its_first_check():
     clock, services, supervisor, reports = make("worker-0")
     services["worker-1"] = FakeService("worker-1", clock)
