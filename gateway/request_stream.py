@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from gateway.stop_matcher import StopMatcher
-from shardline.errors import DeadlineExceeded, InvalidArgument, ShardlineError, Unavailable
+from shardline.errors import STREAM_INTERRUPTED, DeadlineExceeded, InvalidArgument, ShardlineError, Unavailable
 from shardline.structured_output import DEAD_END
 from shardline.proto import common_pb2, sampling_pb2
 
@@ -44,7 +44,7 @@ class StreamChunk:
 def failure_of(finish_reason: str | None, error: str) -> ShardlineError | None:
     if finish_reason == "error" and error.startswith(DEAD_END):  # the client's own constraint is at fault
         return InvalidArgument("structured_output", error.removeprefix("structured_output: "))
-    if finish_reason == "error" and error.startswith(TOKENIZER_DOWN):
+    if finish_reason == "error" and error.startswith((TOKENIZER_DOWN, STREAM_INTERRUPTED)):
         return Unavailable(error)
     if finish_reason == "error":
         return ShardlineError(f"generation failed: {error}")

@@ -16,12 +16,13 @@ from scheduler_svc.request_queue import RequestQueue
 from scheduler_svc.request_table import Outcome, RequestTable
 from scheduler_svc.router import Router
 from scheduler_svc.settings import SchedulerSettings
+from scheduler_svc.store_outage import StoreOutage
 from scheduler_svc.worker_registry import WorkerRegistry
 from scheduler_svc.worker_session import WorkerSession
 from shardline.errors import NotFound, ShardlineError
 from shardline.proto import worker_pb2
 from shardline.request_record import FinishReason, RequestStatus
-from shardline.request_store import RequestStore
+from shardline.request_store import RequestStore, StoreUnavailable
 from tracing import attributes as attr
 from tracing.grpc_context import extract_context
 from tracing.metrics import QUEUE_DEPTH, RUNNING_REQUESTS
@@ -50,7 +51,11 @@ class Dispatcher:
         self._wake = asyncio.Event()  # set whenever a request or a worker slot may be dispatchable
         self.queue = RequestQueue(settings.queue_capacity)
         self.registry = WorkerRegistry(settings.dispatch_overcommit, settings.heartbeat_timeout_s)
-        self.requests = RequestTable(store, relay, self.registry, on_change=self._wake.set)
+        self._outage = StoreOutage(settings.redis_outage_s, settings.redis_outage_max_steps)
+        self.requests = RequestTable(store, relay, self.registry, on_change=self._wake.set, outage=self._outage)
+        self.store_up = True  # Redis answered its last ping; nothing is dispatched while it does not
+        self.on_store_health: Callable[[bool], Awaitable[None]] | None = None  # told when that changes
+        self._parked: list[LiveRequest] = []  # held by no worker, waiting for Redis to re-queue them
         self._router = Router(settings.affinity_load_slack)
         self._sessions: dict[str, WorkerSession] = {}
         self._tasks: list[asyncio.Task] = []
@@ -61,7 +66,8 @@ class Dispatcher:
         """Re-queues every unfinished request found in Redis, then starts dispatching."""
         await self._recover()
         self._tasks = [asyncio.create_task(self._dispatch_loop(), name="dispatch"),
-                       asyncio.create_task(self._watch_heartbeats(), name="heartbeats")]
+                       asyncio.create_task(self._watch_heartbeats(), name="heartbeats"),
+                       asyncio.create_task(self._watch_store(), name="store")]
 
     async def stop(self) -> None:
         """Stops dispatching and drops the worker streams; Redis keeps every request for the next start."""
@@ -188,6 +194,8 @@ class Dispatcher:
 
     async def _dispatch_ready(self) -> None:
         """Hands queued requests to workers while any has room: one WorkerCommand per worker."""
+        if not self.store_up:  # their tokens could not be recorded; _watch_store wakes the loop
+            return
         adds: dict[str, list[worker_pb2.NewRequest]] = defaultdict(list)
         dispatched: list[tuple[LiveRequest, trace.Span]] = []
         while self.registry.has_room():
@@ -225,27 +233,87 @@ class Dispatcher:
 
     async def _on_worker_lost(self, worker_id: str, reason: str) -> None:
         """Re-queues what a dead worker held, with the tokens it generated, or fails it after max_attempts."""
-        self._sessions.pop(worker_id, None)
+        session = self._sessions.pop(worker_id, None)
         worker = self.registry.remove(worker_id)
         if worker is None:
             return
         held = [request for rid in worker.in_flight if (request := self.requests.get(rid)) is not None]
-        tokens = await asyncio.gather(*(self._store.get_tokens(request.request_id) for request in held))
+        if session is not None and session.unrecorded:
+            # Redis failed it, not the worker: the next dispatch resumes the same attempt.
+            for request in held:
+                request.attempt = max(0, request.attempt - 1)
+        lost = f"worker {worker_id} lost ({reason})"
+        try:
+            outputs = await self._outage.retry(lambda: self._read_outputs(held), f"re-queueing {lost}")
+            ended, requeued = await self._resume(held, outputs, lost)
+        except StoreUnavailable:
+            self._park(held, "redis unavailable")
+            return
+        log.warning("%s: re-queueing %d requests, ending %d", lost, requeued, ended)
+
+    async def _read_outputs(self, requests: list[LiveRequest]) -> list[list[int]]:
+        return list(await asyncio.gather(*(self._store.get_tokens(r.request_id) for r in requests)))
+
+    async def _resume(self, requests: list[LiveRequest], outputs: list[list[int]], lost: str) -> tuple[int, int]:
+        """Re-queues requests no worker holds, with the outputs Redis has, or ends those cancelled or
+        out of attempts; returns how many it ended and how many it re-queued."""
         outcomes, retry = [], []
-        for request, output in zip(held, tokens):
+        for request, output in zip(requests, outputs):
             request.output_token_ids, request.num_output_tokens = output, len(output)
             if request.cancelled:
                 outcomes.append(Outcome(request, RequestStatus.CANCELLED, FinishReason.ABORT))
             elif request.attempt >= self._settings.max_attempts:
-                error = (f"worker {worker_id} lost ({reason}) on attempt {request.attempt} "
-                         f"of {self._settings.max_attempts}")
+                error = f"{lost} on attempt {request.attempt} of {self._settings.max_attempts}"
                 outcomes.append(Outcome(request, RequestStatus.FAILED, FinishReason.ERROR, error))
             else:
                 retry.append(request)
-        log.warning("worker %s lost (%s): re-queueing %d requests, ending %d", worker_id, reason, len(retry),
-                    len(outcomes))
         await self._requeue(retry)
         await self.requests.finish(outcomes)
+        return len(outcomes), len(retry)
+
+    def _park(self, requests: list[LiveRequest], reason: str) -> None:
+        """Holds requests whose output Redis cannot give now: their streams end resumably at what
+        Redis has, and _watch_store re-queues them once it answers."""
+        for request in requests:
+            request.worker_id = None
+        self.requests.interrupt(requests, reason)
+        self._parked += requests
+        if requests:
+            log.warning("%d requests wait for redis to come back (%s)", len(requests), reason)
+
+    async def _watch_store(self) -> None:
+        """Pings Redis: reports when it stops or starts answering, and re-queues parked requests."""
+        while True:
+            await asyncio.sleep(self._settings.redis_check_interval_s)
+            try:
+                await self._store_checked()
+            except Exception:
+                log.exception("redis check failed")
+
+    async def _store_checked(self) -> None:
+        try:
+            await self._store.ping()
+            up, problem = True, ""
+        except StoreUnavailable as exc:
+            up, problem = False, str(exc)
+        if up != self.store_up:
+            if up:
+                log.info("redis answers again: dispatching")
+            else:
+                log.error("%s: not serving, nothing dispatched until it answers", problem)
+            self.store_up = up
+            self._wake.set()
+            if self.on_store_health is not None:
+                await self.on_store_health(up)
+        if up and self._parked:
+            parked, self._parked = self._parked, []
+            live = [request for request in parked if self.requests.get(request.request_id) is request]
+            try:
+                ended, requeued = await self._resume(live, await self._read_outputs(live), "redis outage")
+            except StoreUnavailable:
+                self._parked = live + self._parked
+                return
+            log.info("redis is back: re-queued %d requests, ended %d", requeued, ended)
 
     async def _recover(self) -> None:
         """Rebuilds the queue from Redis after a restart: every QUEUED or RUNNING request goes back in."""

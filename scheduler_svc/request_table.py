@@ -10,7 +10,9 @@ from dataclasses import dataclass
 
 from scheduler_svc.live_request import LiveRequest
 from scheduler_svc.relay import Relay
+from scheduler_svc.store_outage import StoreOutage
 from scheduler_svc.worker_registry import WorkerRegistry
+from shardline.errors import STREAM_INTERRUPTED
 from shardline.proto import common_pb2, sampling_pb2, scheduler_pb2, worker_pb2
 from shardline.request_record import FinishReason, RequestStatus
 from shardline.request_store import RequestStore
@@ -49,11 +51,12 @@ class RequestTable:
     """
 
     def __init__(self, store: RequestStore, relay: Relay, registry: WorkerRegistry,
-                 on_change: Callable[[], None]) -> None:
+                 on_change: Callable[[], None], outage: StoreOutage | None = None) -> None:
         self._store = store
         self._relay = relay
         self._registry = registry
         self._on_change = on_change  # wakes the dispatch loop: a slot freed up
+        self._outage = outage or StoreOutage()
         self._live: dict[str, LiveRequest] = {}
         # Per worker, held from a batch of steps' Redis write to its relay (see steps_held).
         self._persisting: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
@@ -84,13 +87,22 @@ class RequestTable:
         async with self._persisting[request.worker_id]:
             yield
 
-    async def handle_steps(self, worker_id: str, steps: list[worker_pb2.StepOutput]) -> None:
-        """Persists, relays and finalises what consecutive steps of one worker produced."""
-        async with self._persisting[worker_id]:
-            await self._handle_steps(worker_id, steps)
+    async def handle_steps(self, worker_id: str, steps: list[worker_pb2.StepOutput],
+                           backlog: Callable[[], int] = lambda: 0) -> None:
+        """Persists, relays and finalises what consecutive steps of one worker produced.
 
-    async def _handle_steps(self, worker_id: str, steps: list[worker_pb2.StepOutput]) -> None:
+        Nothing is relayed before it is in Redis. While Redis does not answer, the write is retried
+        with backoff and the worker's later steps wait behind it (`backlog` counts them); once the
+        outage outlasts the StoreOutage bounds, StoreUnavailable is raised, the steps' tokens are
+        neither recorded nor relayed, and each request's output stays where Redis has it.
+        """
+        async with self._persisting[worker_id]:
+            await self._handle_steps(worker_id, steps, backlog)
+
+    async def _handle_steps(self, worker_id: str, steps: list[worker_pb2.StepOutput],
+                            backlog: Callable[[], int]) -> None:
         now = time.time()
+        offsets: dict[str, int] = {}  # each request's output length before these steps
         new_tokens: dict[str, list[int]] = defaultdict(list)
         first_token_ts: dict[str, float] = {}
         cached_tokens: dict[str, int] = {}
@@ -107,6 +119,7 @@ class RequestTable:
                     continue
                 if delta.HasField("usage") and delta.usage.cached_tokens:
                     cached_tokens[request.request_id] = delta.usage.cached_tokens
+                offsets.setdefault(request.request_id, request.num_output_tokens)
                 if delta.token_ids:
                     if request.num_output_tokens == 0:
                         first_token_ts[request.request_id] = now
@@ -129,8 +142,17 @@ class RequestTable:
         self._registry.report(worker_id, stats.num_running, stats.num_waiting, stats.kv_blocks_used)
         # Persist before relaying, so whatever a gateway has seen can be read back from Redis. The
         # step's tokens and its finishes land together: recovery never sees a complete output RUNNING.
-        await self._store.append_step(new_tokens, first_token_ts, [o.stored() for o in finished], cached_tokens,
-                                      logprobs, prompt_logprobs)
+        runs = {rid: (offsets[rid], tokens) for rid, tokens in new_tokens.items()}
+        try:
+            await self._outage.retry(lambda: self._store.append_step(
+                runs, first_token_ts, [o.stored() for o in finished], cached_tokens, logprobs, prompt_logprobs),
+                f"worker {worker_id}: recording {len(steps)} steps", backlog)
+        except Exception:
+            # Not recorded, so not relayed: the requests' outputs end where Redis has them.
+            for request_id, offset in offsets.items():
+                if (request := self._live.get(request_id)) is not None:
+                    request.num_output_tokens = offset
+            raise
         self._end(finished)
         for step, kept in zip(steps, kept_per_step):
             self._publish(worker_id, step.step, kept)
@@ -143,7 +165,8 @@ class RequestTable:
             return
         for outcome in outcomes:
             self._forget(outcome.request)
-        await self._store.finish_many([o.stored() for o in outcomes])
+        await self._outage.retry(lambda: self._store.finish_many([o.stored() for o in outcomes]),
+                                 f"finishing {len(outcomes)} requests")
         finals = []
         for outcome in outcomes:
             delta = common_pb2.RequestDelta(
@@ -154,6 +177,17 @@ class RequestTable:
         # Not from any worker step: worker_id and step stay empty.
         self._publish("", 0, finals)
         self._on_change()
+
+    def interrupt(self, requests: Iterable[LiveRequest], reason: str) -> None:
+        """Ends the gateways' streams of requests that live on but cannot stream now, each at the
+        offset Redis holds: their clients get UNAVAILABLE and resume from there."""
+        deltas = []
+        for request in requests:
+            offset = request.num_output_tokens
+            deltas.append((request, common_pb2.RequestDelta(
+                request_id=request.request_id, offset=offset, finish_reason=sampling_pb2.FINISH_REASON_ERROR,
+                error=f"{STREAM_INTERRUPTED} ({reason}): the request runs on; resume it at offset {offset}")))
+        self._publish("", 0, deltas)
 
     def moved(self, request: LiveRequest, previous_gateway: str) -> None:
         """Ends `previous_gateway`'s stream of a request that now streams to another gateway."""

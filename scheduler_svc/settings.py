@@ -23,6 +23,13 @@ class SchedulerSettings(BaseSettings):
     worker_connect_timeout_s: float = Field(3.0, gt=0)
     # Dispatches per request; a worker failure after the last one fails the request.
     max_attempts: int = Field(3, ge=1)
+    # How long a Redis write is retried (the streams pause meanwhile) before the requests it held
+    # are failed resumably and wait for Redis to come back; and how many steps of one worker may wait
+    # behind it meanwhile.
+    redis_outage_s: float = Field(10.0, gt=0)
+    redis_outage_max_steps: int = Field(2048, ge=1)
+    # How often Redis is pinged: while it does not answer, health is NOT_SERVING and nothing is dispatched.
+    redis_check_interval_s: float = Field(0.5, gt=0)
     # How long finished requests stay readable in Redis.
     request_retention_s: float = Field(24 * 3600.0, gt=0)
     # In-flight requests per worker, as a multiple of its max_num_seqs: above 1 so

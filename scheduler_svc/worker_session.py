@@ -9,12 +9,14 @@ import grpc
 from shardline.errors import Unavailable
 from shardline.grpc_server import GRPC_OPTIONS
 from shardline.proto import worker_pb2, worker_pb2_grpc
+from shardline.request_store import StoreUnavailable
 from tracing.grpc_context import aio_client_interceptors
 
 log = logging.getLogger(__name__)
 
-# Called with the worker id and the StepOutputs that arrived since the last call, in order.
-StepsHandler = Callable[[str, list[worker_pb2.StepOutput]], Awaitable[None]]
+# Called with the worker id, the StepOutputs that arrived since the last call, in order, and a count
+# of the steps that arrived after them (what waits while a Redis outage holds the call).
+StepsHandler = Callable[[str, list[worker_pb2.StepOutput], Callable[[], int]], Awaitable[None]]
 # Called once with the worker id and why its stream ended, after every step received was handled.
 LostHandler = Callable[[str, str], Awaitable[None]]
 
@@ -27,6 +29,11 @@ class WorkerSession:
     piled up meanwhile in one call. The end of the stream (or an error on it)
     is queued behind the steps, so the death handler runs only after every
     token the worker sent has been persisted and relayed.
+
+    A batch of steps that cannot be recorded (Redis down for longer than the scheduler waits) ends
+    the session: its tokens, and those of every step after it, are not relayed, and the death
+    handler re-queues the worker's requests from what Redis holds. No token reaches a gateway that
+    Redis does not have, and none is dropped from a request that runs on.
     """
 
     def __init__(self, worker_id: str, channel: grpc.aio.Channel, on_steps: StepsHandler,
@@ -38,6 +45,7 @@ class WorkerSession:
         self._commands: asyncio.Queue[worker_pb2.WorkerCommand] = asyncio.Queue()
         self._steps: asyncio.Queue[worker_pb2.StepOutput | str] = asyncio.Queue()
         self._close_reason: str | None = None  # set when the scheduler itself ends the session
+        self._unrecorded = False  # a batch of steps could not be recorded: the ones after it are dropped
         self._call = worker_pb2_grpc.WorkerStub(channel).Session()
         self._writer = asyncio.create_task(self._write(), name=f"session-write-{worker_id}")
         self._tasks = [self._writer, asyncio.create_task(self._read(), name=f"session-read-{worker_id}"),
@@ -56,6 +64,11 @@ class WorkerSession:
             raise Unavailable(f"worker.address: cannot connect to {info.address} "
                               f"within {connect_timeout_s:.1f}s") from None
         return cls(info.worker_id, channel, on_steps, on_lost)
+
+    @property
+    def unrecorded(self) -> bool:
+        """The session ended because its steps could not be recorded (Redis), not by the worker's fault."""
+        return self._unrecorded
 
     def send(self, command: worker_pb2.WorkerCommand) -> None:
         """Queues a command; it is dropped if the stream has already ended."""
@@ -100,12 +113,16 @@ class WorkerSession:
             while not self._steps.empty():
                 batch.append(self._steps.get_nowait())
             steps = [item for item in batch if isinstance(item, worker_pb2.StepOutput)]
-            if steps:
+            if steps and not self._unrecorded:
                 try:
-                    await self._on_steps(self.worker_id, steps)
-                except Exception:
-                    # Losing one step's bookkeeping (Redis down, say) must not take the worker down with it.
-                    log.exception("worker %s: handling %d steps failed", self.worker_id, len(steps))
+                    await self._on_steps(self.worker_id, steps, self._steps.qsize)
+                except Exception as exc:
+                    log.error("worker %s: %d steps could not be recorded (%s): ending its session, its "
+                              "requests go back to the queue", self.worker_id, len(steps), exc,
+                              exc_info=not isinstance(exc, StoreUnavailable))
+                    self._unrecorded = True
+                    self._close_reason = self._close_reason or f"its steps could not be recorded: {exc}"
+                    self._call.cancel()
             if isinstance(batch[-1], str):
                 self._writer.cancel()
                 await self._channel.close()

@@ -68,3 +68,9 @@ class Unavailable(ShardlineError):
 
     code = grpc.StatusCode.UNAVAILABLE
     http_status = 503
+
+
+# Starts the error of a delta that ends a request's stream but not the request: its output up to the
+# delta's offset is recorded, and the request runs on (or waits to), so the client gets UNAVAILABLE
+# and resumes at that offset instead of an answer cut short.
+STREAM_INTERRUPTED = "stream interrupted"

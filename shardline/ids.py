@@ -7,16 +7,18 @@ import re
 from shardline.errors import InvalidArgument
 
 MAX_ID_LENGTH = 256
-# Printable ASCII without spaces: safe inside Redis keys, logs and URLs.
-_ID_PATTERN = re.compile(r"[!-~]+")
+# Printable ASCII without spaces or colons: safe inside logs and URLs, and inside Redis keys, whose
+# parts are joined by colons (an id `X:tokens` would otherwise name request X's token list).
+_ID_PATTERN = re.compile(r"[!-9;-~]+")
 
 
 def require_id(value: str, field: str, max_length: int = MAX_ID_LENGTH) -> str:
-    """`value` if it is 1 to `max_length` printable ASCII characters without spaces; else INVALID_ARGUMENT."""
+    """`value` if it is 1 to `max_length` printable ASCII characters other than space and `:`; else
+    INVALID_ARGUMENT."""
     if not (0 < len(value) <= max_length and _ID_PATTERN.fullmatch(value)):
         # Only the start of a long value: the whole would be echoed into gRPC's error trailer, whose
         # size clients cap (16 KB), and the caller would get RESOURCE_EXHAUSTED instead of this.
         shown = repr(value) if len(value) <= max_length else f"{value[:32]!r}... ({len(value)} characters)"
-        raise InvalidArgument(field, f"must be 1 to {max_length} printable ASCII characters without spaces, "
-                                     f"got {shown}")
+        raise InvalidArgument(field, f"must be 1 to {max_length} printable ASCII characters, with no space "
+                                     f"and no ':', got {shown}")
     return value

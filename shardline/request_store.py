@@ -20,12 +20,19 @@ Keys, all under `shardline:`:
 The scheduler is the only writer. Finishing a request sets a TTL on its keys.
 """
 
+import functools
 import struct
 import time
-from collections.abc import Sequence
-from typing import Any, Self
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, ParamSpec, Self, TypeVar
 
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from shardline.errors import Unavailable
 
 from shardline.request_record import FinishReason, RequestRecord, RequestStatus, decode_record, encode_record
 
@@ -34,6 +41,30 @@ ACTIVE_KEY = PREFIX + "active"
 RECENT_KEY = PREFIX + "recent"
 TOKEN_BYTES = 4
 DEFAULT_RETENTION_S = 24 * 3600.0
+# A Redis that stops answering (a host gone without a reset) fails a call after this long instead of
+# hanging it; a Redis that only pauses writes (CLIENT PAUSE, a failover) stays within it.
+SOCKET_TIMEOUT_S = 5.0
+CONNECT_TIMEOUT_S = 2.0
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+
+class StoreUnavailable(Unavailable):
+    """Redis could not be reached, or stopped answering: UNAVAILABLE / 503, worth retrying. A write
+    that failed so may or may not have landed."""
+
+
+def _unavailable_when_down(method: Callable[P, Awaitable[T]]) -> Callable[P, Awaitable[T]]:
+    """Turns redis-py's connection errors into StoreUnavailable, so every caller (and every rpc
+    that reads or writes requests) answers UNAVAILABLE rather than INTERNAL while Redis is down."""
+    @functools.wraps(method)
+    async def call(*args: P.args, **kwargs: P.kwargs) -> T:
+        try:
+            return await method(*args, **kwargs)
+        except (RedisConnectionError, RedisTimeoutError) as exc:
+            raise StoreUnavailable(f"redis unavailable: {exc}") from exc
+    return call
 
 
 def pack_token_ids(token_ids: Sequence[int]) -> bytes:
@@ -101,6 +132,43 @@ return 1
 """
 
 
+# KEYS: per request, its tokens key then its logprobs key. ARGV: per request, the offset of its first
+# new token, the new tokens packed, and how many serialized logprobs follow, then those.
+# Appends by offset, so a step written again (a retry after a lost reply) never duplicates: whatever
+# Redis already holds from that offset on is skipped. A gap is refused before anything is written,
+# since appending after it would pair every later token with the wrong index.
+_APPEND_STEP_LUA = """
+local requests, a = {}, 1
+for i = 1, #KEYS, 2 do
+  local offset, data, n = tonumber(ARGV[a]), ARGV[a + 1], tonumber(ARGV[a + 2])
+  local have = redis.call('STRLEN', KEYS[i]) / 4
+  if have < offset then
+    return redis.error_reply('GAP ' .. KEYS[i] .. ' holds ' .. have .. ' tokens, the step starts at ' .. offset)
+  end
+  requests[#requests + 1] = {i, offset, data, n, a + 3, have}
+  a = a + 3 + n
+end
+for _, r in ipairs(requests) do
+  local i, offset, data, n, first, have = r[1], r[2], r[3], r[4], r[5], r[6]
+  local skip = have - offset
+  if skip * 4 < #data then redis.call('APPEND', KEYS[i], string.sub(data, skip * 4 + 1)) end
+  if n > 0 then
+    local held = redis.call('LLEN', KEYS[i + 1]) - offset
+    for j = first + math.max(held, 0), first + n - 1 do redis.call('RPUSH', KEYS[i + 1], ARGV[j]) end
+  end
+end
+return #requests
+"""
+
+
+# KEYS: a list. ARGV: its items. Sets the list unless it already exists.
+_SET_LIST_ONCE_LUA = """
+if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+for i = 1, #ARGV, 1000 do redis.call('RPUSH', KEYS[1], unpack(ARGV, i, math.min(i + 999, #ARGV))) end
+return 1
+"""
+
+
 def _update_args(request_id: str, retention_ms: int, fields: dict[str, Any],
                  once: dict[str, Any] | None = None) -> tuple[list[str], list[Any]]:
     """KEYS and ARGV of _UPDATE_LIVE_LUA: `fields` are set, `once` only where absent."""
@@ -129,9 +197,18 @@ class RequestStore:
         if retention_s <= 0:
             raise ValueError(f"retention_s must be positive, got {retention_s}")
         self.retention_s = retention_s
-        self._redis = aioredis.from_url(redis_url)
+        # Two quick retries for a dropped connection; an outage is the caller's to wait out (the
+        # scheduler keeps its steps and retries them), not a call's to hang in.
+        self._redis = aioredis.from_url(
+            redis_url, socket_timeout=SOCKET_TIMEOUT_S, socket_connect_timeout=CONNECT_TIMEOUT_S,
+            retry=Retry(ExponentialBackoff(cap=0.2, base=0.02), 2))
         self._create_script = self._redis.register_script(_CREATE_LUA)
         self._update_script = self._redis.register_script(_UPDATE_LIVE_LUA)
+
+    @_unavailable_when_down
+    async def ping(self) -> None:
+        """Returns once Redis answers; StoreUnavailable when it does not."""
+        await self._redis.ping()
 
     async def close(self) -> None:
         """Closes the connection pool."""
@@ -143,6 +220,7 @@ class RequestStore:
     async def __aexit__(self, *exc_info: object) -> None:
         await self.close()
 
+    @_unavailable_when_down
     async def create(self, record: RequestRecord, prompt_ids: Sequence[int]) -> bool:
         """Persists a new request and marks it active; False if the id already exists.
 
@@ -157,8 +235,9 @@ class RequestStore:
         args = [request_id, record.arrival_ts, trim_before, prompt, *encode_record(record, len(prompt_ids))]
         return bool(await self._create_script(keys=keys, args=args))
 
+    @_unavailable_when_down
     async def append_step(
-        self, deltas: dict[str, list[int]], first_token_ts: dict[str, float] | None = None,
+        self, deltas: dict[str, tuple[int, list[int]]], first_token_ts: dict[str, float] | None = None,
         finishes: Sequence[tuple[str, RequestStatus, FinishReason, str | None]] = (),
         cached_tokens: dict[str, int] | None = None, logprobs: dict[str, list[bytes]] | None = None,
         prompt_logprobs: dict[str, list[bytes]] | None = None,
@@ -166,28 +245,36 @@ class RequestStore:
         """Appends one engine step's new tokens for every request, and records the requests the step
         finished (as `finish_many`), in ONE round trip; returns finish_many's answers.
 
-        `first_token_ts` maps requests whose first token is in this step to its time, and
-        `cached_tokens` those whose worker said how many prompt tokens it had cached. `logprobs`
-        holds the serialized TokenLogprob of each new token of the requests that asked for them, and
-        `prompt_logprobs` a request's prompt logprobs, which come with its first token. Only for live
-        requests: on the hot path, it does not check. It is one MULTI/EXEC when the step finishes a
-        request: a crash between a request's last tokens and its finish would leave it RUNNING with
-        a complete output, and recovery would run it on past its end. So is a step with logprobs: a
-        list that missed a step's entries would pair every later one with the wrong token.
+        `deltas` maps each request to the offset of its first new token and the new tokens. Appends
+        go by offset, so writing a step again (after a reply lost to a broken connection) is safe:
+        tokens already there are skipped, never doubled. `first_token_ts` maps requests whose first
+        token is in this step to its time, and `cached_tokens` those whose worker said how many prompt
+        tokens it had cached. `logprobs` holds the serialized TokenLogprob of each new token of the
+        requests that asked for them, and `prompt_logprobs` a request's prompt logprobs, which come
+        with its first token. Only for live requests: on the hot path, it does not check. The tokens
+        and logprobs of every request land together (one script). It is one MULTI/EXEC when the step
+        finishes a request: a crash between a request's last tokens and its finish would leave it
+        RUNNING with a complete output, and recovery would run it on past its end. So is a step with
+        prompt logprobs: a re-dispatch takes them as written once the first token is.
         """
-        with_logprobs = any((logprobs or {}).values()) or any((prompt_logprobs or {}).values())
-        pipe = self._redis.pipeline(transaction=bool(finishes) or with_logprobs)
-        for request_id, token_ids in deltas.items():
+        keys: list[str] = []
+        args: list[int | bytes] = []
+        for request_id, (offset, token_ids) in deltas.items():
+            items = (logprobs or {}).get(request_id) or []
             if token_ids:
-                pipe.append(_tokens_key(request_id), pack_token_ids(token_ids))
+                keys += [_tokens_key(request_id), _logprobs_key(request_id)]
+                args += [offset, pack_token_ids(token_ids), len(items), *items]
+        with_prompt_logprobs = any((prompt_logprobs or {}).values())
+        pipe = self._redis.pipeline(transaction=bool(finishes) or with_prompt_logprobs)
+        if keys:
+            pipe.eval(_APPEND_STEP_LUA, len(keys), *keys, *args)
         for request_id, ts in (first_token_ts or {}).items():
             pipe.hset(_hash_key(request_id), "first_token_ts", ts)
         for request_id, count in (cached_tokens or {}).items():
             pipe.hset(_hash_key(request_id), "cached_tokens", count)
-        for key, lists in ((_logprobs_key, logprobs), (_prompt_logprobs_key, prompt_logprobs)):
-            for request_id, items in (lists or {}).items():
-                if items:
-                    pipe.rpush(key(request_id), *items)
+        for request_id, items in (prompt_logprobs or {}).items():
+            if items:  # written whole, and only once: a retry finds them there
+                pipe.eval(_SET_LIST_ONCE_LUA, 1, _prompt_logprobs_key(request_id), *items)
         appends = len(pipe)
         self._queue_finishes(pipe, finishes)
         if not len(pipe):
@@ -198,16 +285,19 @@ class RequestStore:
         keys, args = _update_args(request_id, retention_ms, fields)
         return bool(await self._update_script(keys=keys, args=args))
 
+    @_unavailable_when_down
     async def set_status(self, request_id: str, status: RequestStatus) -> bool:
         """Sets a non-terminal status (QUEUED again after a worker failure, say); False if not live."""
         if status.is_finished:
             raise ValueError(f"{status.name} is terminal: use finish()")
         return await self._update_live(request_id, 0, {"status": status.name})
 
+    @_unavailable_when_down
     async def mark_dispatched(self, request_id: str, worker_id: str, attempt: int) -> bool:
         """Records a dispatch (RUNNING on `worker_id`, attempt; the time of the first); False if not live."""
         return (await self.mark_dispatched_many([(request_id, worker_id, attempt)]))[0]
 
+    @_unavailable_when_down
     async def mark_dispatched_many(self, dispatches: Sequence[tuple[str, str, int]]) -> list[bool]:
         """mark_dispatched for many (request_id, worker_id, attempt) in ONE round trip,
         for a dispatch round that hands several requests out at once."""
@@ -218,10 +308,12 @@ class RequestStore:
             _queue_update(pipe, request_id, 0, fields, once={"dispatch_ts": now})
         return [bool(done) for done in await pipe.execute()] if dispatches else []
 
+    @_unavailable_when_down
     async def set_gateway(self, request_id: str, gateway_id: str) -> bool:
         """Re-points a live request's output to another gateway (after a gateway loss); False if not live."""
         return await self._update_live(request_id, 0, {"gateway_id": gateway_id})
 
+    @_unavailable_when_down
     async def finish(
         self, request_id: str, status: RequestStatus, finish_reason: FinishReason, error: str | None = None
     ) -> bool:
@@ -229,6 +321,7 @@ class RequestStore:
         the retention TTL on all its keys; False, changing nothing, if not live."""
         return (await self.finish_many([(request_id, status, finish_reason, error)]))[0]
 
+    @_unavailable_when_down
     async def finish_many(
         self, outcomes: Sequence[tuple[str, RequestStatus, FinishReason, str | None]]
     ) -> list[bool]:
@@ -248,11 +341,13 @@ class RequestStore:
                 fields["error"] = error
             _queue_update(pipe, request_id, retention_ms, fields)
 
+    @_unavailable_when_down
     async def get(self, request_id: str) -> RequestRecord | None:
         """A request's record, or None if unknown or expired."""
         records = await self.get_many([request_id])
         return records[0] if records else None
 
+    @_unavailable_when_down
     async def get_many(self, request_ids: Sequence[str]) -> list[RequestRecord]:
         """Records of the requests that still exist, in the given order, in one round trip."""
         pipe = self._redis.pipeline(transaction=False)
@@ -266,6 +361,7 @@ class RequestStore:
             if raw  # expired, or never existed
         ]
 
+    @_unavailable_when_down
     async def get_tokens(self, request_id: str, offset: int = 0) -> list[int]:
         """Generated token ids from index `offset` on (empty if none or unknown)."""
         if offset < 0:
@@ -273,6 +369,7 @@ class RequestStore:
         data = await self._redis.getrange(_tokens_key(request_id), offset * TOKEN_BYTES, -1)
         return unpack_token_ids(data)
 
+    @_unavailable_when_down
     async def get_logprobs(self, request_id: str, offset: int = 0) -> tuple[list[bytes], list[bytes]]:
         """The serialized TokenLogprobs of the generated tokens from index `offset` on, and of the
         prompt, in one round trip (empty where the request asked for none, or is unknown)."""
@@ -284,15 +381,18 @@ class RequestStore:
         output, prompt = await pipe.execute()
         return output, prompt
 
+    @_unavailable_when_down
     async def get_prompt(self, request_id: str) -> list[int] | None:
         """Prompt token ids, or None if unknown or expired."""
         data = await self._redis.get(_prompt_key(request_id))
         return None if data is None else unpack_token_ids(data)
 
+    @_unavailable_when_down
     async def list_active(self) -> list[str]:
         """Ids of every unfinished request, sorted."""
         return sorted(member.decode() for member in await self._redis.smembers(ACTIVE_KEY))
 
+    @_unavailable_when_down
     async def list_recent(self, n: int) -> list[RequestRecord]:
         """Records of the `n` most recently arrived requests still retained, newest first."""
         if n <= 0:

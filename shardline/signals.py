@@ -25,10 +25,13 @@ def die_with_parent(parent_pid: int | None = None) -> Callable[[], None]:
     starting its worker left the worker running, registering with a dead scheduler for ever.)
     """
     parent = os.getpid() if parent_pid is None else parent_pid
+    # Looked up in the parent: the child of a process with other threads (gRPC's) must not dlopen
+    # between fork and exec, where a lock another thread held at the fork stays held (it crashed).
+    prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
 
     def preexec() -> None:
-        if sys.platform.startswith("linux"):
-            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+        if prctl is not None:
+            prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
             if os.getppid() != parent:  # orphaned already: no exec, nothing to clean up
                 os.kill(os.getpid(), signal.SIGKILL)
 

@@ -34,10 +34,12 @@ class ScriptedWorker(worker_pb2_grpc.WorkerServicer):
     """A fake worker for component tests (see the module docstring)."""
 
     def __init__(self, worker_id: str, max_num_seqs: int = 4, block_size: int = 4, model: str = "test-model",
-                 tick_s: float = 0.01, heartbeat_s: float | None = 0.1, max_model_len: int = 0) -> None:
+                 tick_s: float = 0.01, heartbeat_s: float | None = 0.1, max_model_len: int = 0,
+                 reregister: bool = False) -> None:
         self.info = worker_pb2.WorkerInfo(worker_id=worker_id, model=model, tp_size=1, kv_blocks_total=64,
                                           block_size=block_size, max_num_seqs=max_num_seqs, max_model_len=max_model_len)
         self.tick_s = tick_s
+        self.reregister = reregister  # registers again when a heartbeat says the scheduler forgot it
         self.heartbeat_s = heartbeat_s
         self.received: list[worker_pb2.NewRequest] = []  # every NewRequest, in arrival order
         self.aborted: list[str] = []  # every abort received
@@ -76,8 +78,15 @@ class ScriptedWorker(worker_pb2_grpc.WorkerServicer):
     async def _heartbeat(self) -> None:
         while True:
             await asyncio.sleep(self.heartbeat_s)
-            await self.scheduler.Heartbeat(scheduler_pb2.HeartbeatRequest(
+            reply = await self.scheduler.Heartbeat(scheduler_pb2.HeartbeatRequest(
                 worker_id=self.info.worker_id, running=len(self.running)))
+            if not reply.registered and self.reregister:  # as the real worker does: a new session
+                self.running.clear()
+                self._aborts.clear()
+                try:
+                    await self.scheduler.RegisterWorker(scheduler_pb2.RegisterWorkerRequest(worker=self.info))
+                except grpc.aio.AioRpcError:
+                    pass  # tried again at the next heartbeat, as the real worker's backoff does
 
     async def Session(self, request_iterator, context):
         reader = asyncio.create_task(self._read_commands(request_iterator))

@@ -169,6 +169,13 @@ async def test_bad_input_gets_clear_codes(redis_url: str) -> None:
         assert code == invalid and "request_id" in details
         code, details = await code_and_details(c.submit(""))
         assert code == invalid and "request_id" in details
+        # Redis keys are joined by ':': `X:tokens` would name request X's token list, and `X:prompt`
+        # overwrite its prompt. Such ids are refused, and so no request can reach another's keys.
+        for colliding in ("X:tokens", "X:prompt", "X:"):
+            code, details = await code_and_details(c.submit(colliding))
+            assert code == invalid and "request_id" in details and "':'" in details
+        code, details = await code_and_details(c.info("X:tokens"))
+        assert code == invalid and "request_id" in details
         code, details = await code_and_details(c.submit("r1", gateway_id=""))
         assert code == invalid and "gateway_id" in details
         code, details = await code_and_details(c.submit("r1", max_tokens=0))

@@ -94,6 +94,6 @@ async def test_logprobs_are_persisted_token_for_token_and_read_back(redis_url: s
         assert list(info.prompt_logprobs) == [lp(2), lp(3)]
         # Fewer logprobs than tokens (a record written before they were kept) pair with none.
         async with RequestStore(redis_url) as store:
-            await store.append_step({"old": [5, 6]}, logprobs={"old": [lp(6).SerializeToString()]})
+            await store.append_step({"old": (0, [5, 6])}, logprobs={"old": [lp(6).SerializeToString()]})
         info = await running.info("old")
         assert list(info.output_token_ids) == [5, 6] and not info.output_logprobs

@@ -12,7 +12,8 @@ from redis.asyncio.connection import AbstractConnection
 
 from shardline.proto import sampling_pb2
 from shardline.request_record import FinishReason, RequestRecord, RequestStatus
-from shardline.request_store import RequestStore, pack_token_ids, unpack_token_ids
+from shardline.ports import free_port
+from shardline.request_store import RequestStore, StoreUnavailable, pack_token_ids, unpack_token_ids
 
 PARAMS = {"temperature": 0.7, "seed": 1234, "max_tokens": 16, "stop": ["\n\n"]}
 
@@ -67,8 +68,8 @@ async def test_lifecycle(redis_url: str) -> None:
         assert await store.get_prompt("r1") == [1, 2, 3, 4, 5]
 
         assert await store.mark_dispatched("r1", "worker-a", attempt=1)
-        await store.append_step({"r1": [10]}, first_token_ts={"r1": 1234.5})
-        await store.append_step({"r1": [11, 12]})
+        await store.append_step({"r1": (0, [10])}, first_token_ts={"r1": 1234.5})
+        await store.append_step({"r1": (1, [11, 12])})
         got = await store.get("r1")
         assert got is not None
         assert (got.status, got.worker_id, got.attempt) == (RequestStatus.RUNNING, "worker-a", 1)
@@ -157,7 +158,7 @@ async def test_append_step_is_one_round_trip_per_step(redis_url: str, monkeypatc
         sends = _count_round_trips(monkeypatch)
         for step in range(3):
             first = {rid: 100.0 + step for rid in ids} if step == 0 else None
-            await store.append_step({rid: [step, i] for i, rid in enumerate(ids)}, first_token_ts=first)
+            await store.append_step({rid: (2 * step, [step, i]) for i, rid in enumerate(ids)}, first_token_ts=first)
         assert len(sends) == 3
         monkeypatch.undo()
 
@@ -175,7 +176,7 @@ async def test_a_steps_tokens_and_finishes_land_together(redis_url: str, monkeyp
         for request_id in ("r1", "r2"):
             await store.create(record(request_id), [1])
         sends = _count_round_trips(monkeypatch)
-        done = await store.append_step({"r1": [5], "r2": [6, 2]},
+        done = await store.append_step({"r1": (0, [5]), "r2": (0, [6, 2])},
                                        finishes=[("r2", RequestStatus.FINISHED, FinishReason.STOP, None)])
         assert done == [True] and len(sends) == 1
         monkeypatch.undo()
@@ -186,7 +187,7 @@ async def test_a_steps_tokens_and_finishes_land_together(redis_url: str, monkeyp
         assert await store.list_active() == ["r1"]
         # A bad finish is refused before anything of the step is written.
         with pytest.raises(ValueError):
-            await store.append_step({"r1": [7]}, finishes=[("r1", RequestStatus.RUNNING, FinishReason.STOP, None)])
+            await store.append_step({"r1": (1, [7])}, finishes=[("r1", RequestStatus.RUNNING, FinishReason.STOP, None)])
         assert await store.get_tokens("r1") == [5]
 
 
@@ -219,7 +220,7 @@ async def test_tokens_by_offset(redis_url: str) -> None:
         await store.create(record("r1"), [1])
         assert await store.get_tokens("r1") == []
         for token in range(10):
-            await store.append_step({"r1": [1000 + token]})
+            await store.append_step({"r1": (token, [1000 + token])})
         assert await store.get_tokens("r1", 0) == [1000 + t for t in range(10)]
         assert await store.get_tokens("r1", 7) == [1007, 1008, 1009]
         assert await store.get_tokens("r1", 10) == []
@@ -238,9 +239,9 @@ async def test_logprobs_are_kept_token_for_token(redis_url: str, monkeypatch: py
         for request_id in ("with", "without"):
             await store.create(record(request_id), [1, 2, 3])
         sends = _count_round_trips(monkeypatch)
-        await store.append_step({"with": [7], "without": [8]}, logprobs={"with": [lp(7)]},
+        await store.append_step({"with": (0, [7]), "without": (0, [8])}, logprobs={"with": [lp(7)]},
                                 prompt_logprobs={"with": [lp(2), lp(3)]})
-        await store.append_step({"with": [9, 10], "without": [11]}, logprobs={"with": [lp(9), lp(10)]})
+        await store.append_step({"with": (1, [9, 10]), "without": (1, [11])}, logprobs={"with": [lp(9), lp(10)]})
         assert len(sends) == 2  # still one round trip a step
         monkeypatch.undo()
         output, prompt = await store.get_logprobs("with")
@@ -248,7 +249,8 @@ async def test_logprobs_are_kept_token_for_token(redis_url: str, monkeypatch: py
         assert sampling_pb2.TokenLogprob.FromString(output[1]).top[0].token_id == 10
         assert await store.get_logprobs("with", offset=2) == ([lp(10)], [lp(2), lp(3)])
         assert await store.get_logprobs("without") == ([], [])
-        # Only a step that carries logprobs pays for MULTI/EXEC.
+        # One script keeps a step's tokens and logprobs together: only a step that carries prompt
+        # logprobs (or finishes a request) pays for MULTI/EXEC.
         pipeline = store._redis.pipeline
         transactions: list[bool] = []
 
@@ -257,9 +259,10 @@ async def test_logprobs_are_kept_token_for_token(redis_url: str, monkeypatch: py
             return pipeline(transaction=transaction, **kwargs)
 
         monkeypatch.setattr(store._redis, "pipeline", spy)
-        await store.append_step({"without": [12]}, logprobs={"without": []}, prompt_logprobs={})
-        await store.append_step({"with": [13]}, logprobs={"with": [lp(13)]})
-        assert transactions == [False, True]
+        await store.append_step({"without": (2, [12])}, logprobs={"without": []}, prompt_logprobs={})
+        await store.append_step({"with": (3, [13])}, logprobs={"with": [lp(13)]})
+        await store.append_step({"without": (3, [14])}, prompt_logprobs={"without": [lp(2), lp(3)]})
+        assert transactions == [False, False, True]
         monkeypatch.undo()
         with pytest.raises(ValueError):
             await store.get_logprobs("with", -1)
@@ -284,8 +287,8 @@ async def test_finish_sets_ttl_and_keys_expire(redis_url: str) -> None:
     raw = redis.Redis.from_url(redis_url)
     async with RequestStore(redis_url, retention_s=3600) as store:
         await store.create(record("r1"), [1, 2])
-        await store.append_step({"r1": [3]})
-        await store.append_step({"r1": [4]}, logprobs={"r1": [b"lp"]}, prompt_logprobs={"r1": [b"p"]})
+        await store.append_step({"r1": (0, [3])})
+        await store.append_step({"r1": (1, [4])}, logprobs={"r1": [b"lp"]}, prompt_logprobs={"r1": [b"p"]})
         keys = ["shardline:req:r1", "shardline:req:r1:prompt", "shardline:req:r1:tokens",
                 "shardline:req:r1:logprobs", "shardline:req:r1:prompt_logprobs"]
         assert [raw.ttl(k) for k in keys] == [-1] * 5  # live requests never expire
@@ -293,7 +296,7 @@ async def test_finish_sets_ttl_and_keys_expire(redis_url: str) -> None:
         assert all(3590 <= raw.ttl(k) <= 3600 for k in keys)
     async with RequestStore(redis_url, retention_s=0.2) as store:
         await store.create(record("r2"), [1])
-        await store.append_step({"r2": [5]}, logprobs={"r2": [b"lp"]}, prompt_logprobs={"r2": [b"p"]})
+        await store.append_step({"r2": (0, [5])}, logprobs={"r2": [b"lp"]}, prompt_logprobs={"r2": [b"p"]})
         await store.finish("r2", RequestStatus.FINISHED, FinishReason.STOP)
         await asyncio.sleep(0.4)
         assert await store.get("r2") is None
@@ -302,3 +305,36 @@ async def test_finish_sets_ttl_and_keys_expire(redis_url: str) -> None:
         assert await store.get_logprobs("r2") == ([], [])
         assert [r.request_id for r in await store.list_recent(10)] == ["r1"]
     raw.close()
+
+
+@run_async
+async def test_a_step_written_twice_appends_once(redis_url: str) -> None:
+    # A retry after a reply lost to a broken connection sends the same step again: appends go by
+    # offset, so the tokens and logprobs already there are skipped, and only the rest lands.
+    async with RequestStore(redis_url) as store:
+        await store.create(record("r1"), [1, 2])
+        step = {"r1": (0, [5, 6])}
+        for _ in range(2):
+            await store.append_step(step, logprobs={"r1": [b"lp5", b"lp6"]}, prompt_logprobs={"r1": [b"p"]})
+        await store.append_step({"r1": (1, [6, 7])}, logprobs={"r1": [b"lp6", b"lp7"]})  # overlaps by one
+        assert await store.get_tokens("r1") == [5, 6, 7]
+        assert await store.get_logprobs("r1") == ([b"lp5", b"lp6", b"lp7"], [b"p"])
+
+
+@run_async
+async def test_a_step_that_would_leave_a_gap_writes_nothing(redis_url: str) -> None:
+    async with RequestStore(redis_url) as store:
+        for request_id in ("r1", "r2"):
+            await store.create(record(request_id), [1])
+        await store.append_step({"r1": (0, [5])})
+        with pytest.raises(redis.exceptions.ResponseError, match="GAP"):
+            await store.append_step({"r1": (1, [6]), "r2": (3, [9])})
+        assert await store.get_tokens("r1") == [5] and await store.get_tokens("r2") == []
+
+
+@run_async
+async def test_a_redis_that_is_down_is_unavailable_not_internal() -> None:
+    async with RequestStore(f"redis://127.0.0.1:{free_port()}/0") as store:
+        for call in (store.ping(), store.get("r1"), store.append_step({"r1": (0, [1])})):
+            with pytest.raises(StoreUnavailable, match="redis unavailable"):
+                await call
