@@ -215,6 +215,9 @@ class OpenAIHttpApi:
 
 # A JSON escape of a UTF-16 surrogate (valid in pairs, which json.loads joins into one character).
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+# A surrogate written out in UTF-8 (ED A0..BF), which is no valid UTF-8 and yet json.loads decodes
+# (it reads bytes with "surrogatepass"), as it decodes one in a UTF-16 or UTF-32 body.
+_ENCODED_SURROGATE = re.compile(rb"\xed[\xa0-\xbf]")
 
 
 async def _json_body(request: web.Request) -> Any:
@@ -230,13 +233,20 @@ async def _json_body(request: web.Request) -> Any:
         raise InvalidArgument("body", f"could not be read ({exc.__class__.__name__}: {exc})") from exc
     try:
         body = json.loads(raw)
-        if _SURROGATE_ESCAPE.search(raw):
+        if _may_hold_surrogates(raw):
             _refuse_lone_surrogates(body, "")
         return body
     except ValueError as exc:
         raise InvalidArgument("body", f"is not valid JSON ({exc})") from exc
     except RecursionError as exc:  # nesting deeper than the parser's stack: refused, not a 500
         raise InvalidArgument("body", "is nested too deeply") from exc
+
+
+def _may_hold_surrogates(raw: bytes) -> bool:
+    """Whether the parsed body may hold a lone surrogate: escaped, written out, or in a body that
+    is not UTF-8 at all (json.loads reads UTF-16 and UTF-32 too; such a body starts with a 0 byte
+    in its first four)."""
+    return bool(_SURROGATE_ESCAPE.search(raw) or _ENCODED_SURROGATE.search(raw) or b"\x00" in raw[:4])
 
 
 def _refuse_lone_surrogates(value: Any, path: str) -> None:

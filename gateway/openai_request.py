@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gateway.chat_request import chat_request
+from gateway.openai_fields import refuse_unknown_fields
 from gateway.params import MAX_CHOICES, json_field, sampling_from_openai
 from gateway.request_runner import Prompt
 from gateway.structured_params import structured_output_from_openai
@@ -47,6 +48,7 @@ def parse_request(body: Any, chat: bool) -> OpenAIRequest:
     """The request in an OpenAI JSON body; InvalidArgument names the first bad field."""
     if not isinstance(body, dict):
         raise InvalidArgument("body", "must be a JSON object")
+    refuse_unknown_fields(body, chat)
     model = json_field(body, "model", str) or ""
     prompts = [chat_messages(body)] if chat else _prompts(body)
     params, priority, max_tokens_field, n = sampling_from_openai(body, chat)
