@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 
@@ -18,10 +18,12 @@ from shardline.proto import common_pb2, tokenizer_pb2, tokenizer_pb2_grpc
 from tokenizer_svc.chat_messages import template_messages, template_tools, template_variables
 from tokenizer_svc.chat_template import ChatTemplate, ChatTemplateError
 from tokenizer_svc.detokenizer import PREFIX_WINDOW, DetokenizeItem, detokenize_batch
+from tokenizer_svc.prompt_size import PromptSize
 from tokenizer_svc.structured_output_check import StructuredOutputChecker
 from tokenizer_svc.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # ChatTemplateError messages name the offending message as "messages[3].content"; the gateway
 # turns that into the `param` of its error, so it is lifted out of the text.
@@ -55,12 +57,17 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServicer):
         if self._template is not None:
             self._info.tool_call_format = self._template.tool_call_format
         self._structured_output = StructuredOutputChecker()
+        self._size = PromptSize(tokenizer, max_context_length)
 
     async def Tokenize(
         self, request: tokenizer_pb2.TokenizeRequest, context: grpc.aio.ServicerContext
     ) -> tokenizer_pb2.TokenizeResponse:
         add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
-        ids = await asyncio.to_thread(self._tokenizer.encode_batch, list(request.texts), add_special)
+        texts = list(request.texts)
+        for index, text in enumerate(texts):  # each refused by its size before any of them is tokenized
+            if (problem := self._size.problem(text)) is not None:
+                return _refuse(context, InvalidArgument(f"texts[{index}]", problem), tokenizer_pb2.TokenizeResponse())
+        ids = await asyncio.to_thread(self._tokenizer.encode_batch, texts, add_special)
         return tokenizer_pb2.TokenizeResponse(token_ids=[common_pb2.TokenIds(ids=seq) for seq in ids])
 
     async def ApplyChatTemplate(
@@ -73,10 +80,14 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServicer):
         messages = template_messages(list(request.messages))
         variables = {**template_variables(request.template_kwargs_json), "tools": template_tools(request.tools_json)}
         prompt, ids = await asyncio.to_thread(self._render, messages, request, variables)
+        if ids is None:
+            problem = self._size.problem(prompt) or ""
+            return _refuse(context, InvalidArgument("messages", problem), tokenizer_pb2.ApplyChatTemplateResponse())
         return tokenizer_pb2.ApplyChatTemplateResponse(prompt=prompt, prompt_token_ids=ids)
 
     def _render(self, messages: list[dict[str, Any]], request: tokenizer_pb2.ApplyChatTemplateRequest,
-                variables: dict[str, Any]) -> tuple[str, list[int]]:
+                variables: dict[str, Any]) -> tuple[str, list[int] | None]:
+        """The prompt, and its ids: None when its size shows it cannot fit the context."""
         assert self._template is not None
         try:
             prompt = self._template.render(messages, add_generation_prompt=request.add_generation_prompt,
@@ -93,6 +104,8 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServicer):
         except UnicodeEncodeError:
             raise InvalidArgument("messages", "the rendered prompt is not Unicode text (a lone surrogate "
                                               "in the messages, tools or template variables)") from None
+        if self._size.problem(prompt) is not None:
+            return prompt, None
         # The template writes the special tokens itself (BOS included, where the model has one).
         return prompt, self._tokenizer.encode_batch([prompt], add_special_tokens=False)[0]
 
@@ -134,3 +147,12 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServicer):
     ) -> tokenizer_pb2.CheckStructuredOutputResponse:
         return tokenizer_pb2.CheckStructuredOutputResponse(
             error=await self._structured_output.error(request.structured_output))
+
+
+def _refuse(context: grpc.aio.ServicerContext, error: InvalidArgument, empty: T) -> T:
+    """Answer `error` without raising it. An abort's exception is kept by grpc, and its traceback
+    holds the handler's frames, so the request too, in a reference cycle that only the garbage
+    collector breaks, much later: refused 3 MB prompts kept 6 MB each alive that way."""
+    context.set_code(error.code)
+    context.set_details(str(error))
+    return empty
