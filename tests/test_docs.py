@@ -136,3 +136,33 @@ def test_the_docs_name_no_setting_that_does_not_exist():
     known = _settings_variables() | _env_example_variables()
     named = {v for page in PAGES for v in re.findall(r"\bSHARDLINE_[A-Z0-9_]*[A-Z0-9]\b", page.read_text())}
     assert sorted(named - known) == []
+
+
+# Folders the commands write into, which a fresh checkout does not have yet.
+_OUTPUTS = ("results/",)
+_CODE_SPAN = re.compile(r"`([^`\n]+)`")
+_SOURCE_PATH = re.compile(r"\.(py|proto|cpp|ya?ml|json|sh|md|toml)$")
+
+
+def _named_paths(page: Path) -> list[str]:
+    """Repository paths a page names in code spans (`gateway/params.py: validate_sampling` names the
+    file): those with a folder and a source suffix, or ending in a slash."""
+    paths = []
+    for span in _CODE_SPAN.findall(page.read_text()):
+        path = span.split(":")[0].strip()
+        if "/" not in path or any(c in path for c in "<*{ ") or path.startswith(("~", ".", "/", *_OUTPUTS)):
+            continue
+        if _SOURCE_PATH.search(path) or path.endswith("/"):
+            paths.append(path)
+    return paths
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_file_a_page_names_exists(page):
+    assert [path for path in _named_paths(page) if not (ROOT / path).exists()] == []
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_benchmark_a_page_runs_exists(page):
+    modules = set(re.findall(r"\bbenchmarks\.(\w+)", page.read_text())) - {"md"}  # not benchmarks.md
+    assert sorted(m for m in modules if not (ROOT / "benchmarks" / f"{m}.py").exists()) == []
