@@ -9,6 +9,7 @@ from contextlib import contextmanager
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from gateway.bounded_tokenizer import BoundedTokenizer
 from shardline.errors import (
     InvalidArgument,
     NotFound,
@@ -28,13 +29,14 @@ HEALTH_TIMEOUT_S = 2.0
 class Backends:
     """Channels and stubs for tokenizer_svc and scheduler_svc, with the tokenizer's description cached."""
 
-    def __init__(self, tokenizer_address: str, scheduler_address: str) -> None:
+    def __init__(self, tokenizer_address: str, scheduler_address: str, max_tokenizer_calls: int = 32) -> None:
         # The interceptors put the caller's trace context on every rpc, so Submit joins the request's trace.
         self._tokenizer_channel = grpc.aio.insecure_channel(
             tokenizer_address, options=GRPC_OPTIONS, interceptors=aio_client_interceptors())
         self._scheduler_channel = grpc.aio.insecure_channel(
             scheduler_address, options=GRPC_OPTIONS, interceptors=aio_client_interceptors())
-        self.tokenizer = tokenizer_pb2_grpc.TokenizerStub(self._tokenizer_channel)
+        self.tokenizer = BoundedTokenizer(tokenizer_pb2_grpc.TokenizerStub(self._tokenizer_channel),
+                                          max_tokenizer_calls)
         self.scheduler = scheduler_pb2_grpc.SchedulerStub(self._scheduler_channel)
         self._info: tokenizer_pb2.TokenizerInfo | None = None
 

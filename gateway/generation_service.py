@@ -43,6 +43,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
     async def Generate(
         self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> generation_pb2.GenerateResponse:
+        self._runner.admission.check()
         spec, tools = await self._spec(request)
         with self._tracer.start_as_current_span("gateway.request", attributes=_tool_attributes(tools)) as span:
             live = await self._runner.start(spec, span)
@@ -66,6 +67,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
     async def GenerateStream(
         self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[generation_pb2.GenerateStreamResponse]:
+        self._runner.admission.check()
         spec, tools = await self._spec(request)
         output = ToolCallOutput(tools) if tools is not None else None
         # No span is current across a yield: grpc abandons a stream at a yield when its client leaves

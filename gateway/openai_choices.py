@@ -60,12 +60,14 @@ async def start_choices(runner: RequestRunner, specs: list[GenerationSpec], n: i
     if len(specs) == 1:
         return [Choice(0, 0, await runner.start(specs[0], span), None)]
     # Each choice has its own span, current while it is prepared and submitted, so its trace reaches the workers.
-    spans = [runner.tracer.start_span("gateway.choice", attributes={attr.REQUEST_ID: s.request_id}) for s in specs]
-    prepared = await asyncio.gather(*(_in_span(sp, runner.prepare(spec, sp)) for spec, sp in zip(specs, spans)),
-                                    return_exceptions=True)
-    _raise_first(prepared, spans, [])
-    lives = await asyncio.gather(*(_in_span(sp, runner.submit(p)) for sp, p in zip(spans, prepared)),
-                                 return_exceptions=True)
+    with runner.admission.admit(len(specs)):
+        spans = [runner.tracer.start_span("gateway.choice", attributes={attr.REQUEST_ID: s.request_id})
+                 for s in specs]
+        prepared = await asyncio.gather(*(_in_span(sp, runner.prepare(spec, sp)) for spec, sp in zip(specs, spans)),
+                                        return_exceptions=True)
+        _raise_first(prepared, spans, [])
+        lives = await asyncio.gather(*(_in_span(sp, runner.submit(p)) for sp, p in zip(spans, prepared)),
+                                     return_exceptions=True)
     started = [Choice(i, i % n, live, sp) for i, (live, sp) in enumerate(zip(lives, spans))
                if not isinstance(live, BaseException)]
     _raise_first(lives, spans, started)

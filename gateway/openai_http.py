@@ -115,6 +115,7 @@ class OpenAIHttpApi:
 
     async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
         arrival_s = time.perf_counter()
+        self._runner.admission.check()
         parsed = parse_request(await _json_body(request), chat)
         if parsed.tools is not None:
             template_format = (await self._runner.backends.tokenizer_info()).tool_call_format

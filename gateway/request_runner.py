@@ -16,14 +16,23 @@ from dataclasses import dataclass, field
 from google.protobuf.timestamp_pb2 import Timestamp
 from opentelemetry import trace
 
+from gateway.admission import Admission
 from gateway.backends import RPC_TIMEOUT_S, Backends, upstream
 from gateway.metrics import GENERATION_TOKENS, PROMPT_TOKENS, REQUESTS
 from gateway.params import ContextLengthExceeded, ModelLimits, resolve_max_tokens, validate_sampling
+from gateway.prompt_bound import PromptBound
 from gateway.request_stream import RequestStream, StreamChunk, failure_of
 from gateway.settings import GatewaySettings
 from gateway.stop_matcher import StopMatcher
 from gateway.stream_hub import StreamHub
-from shardline.errors import DeadlineExceeded, InvalidArgument, NotFound, ShardlineError, Unavailable
+from shardline.errors import (
+    DeadlineExceeded,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    ShardlineError,
+    Unavailable,
+)
 from shardline.proto import generation_pb2, sampling_pb2, scheduler_pb2, tokenizer_pb2
 from tracing import attributes as attr
 from tracing.metrics import REQUEST_DURATION, TIME_PER_OUTPUT_TOKEN, TIME_TO_FIRST_TOKEN
@@ -197,10 +206,13 @@ class RequestRunner:
         self.backends = backends
         self.hub = hub
         self.tracer = tracer
+        self.admission = Admission(settings.max_admitting, settings.queue_full_hold_s)
+        self.prompt_bound = PromptBound(backends)
 
     async def start(self, spec: GenerationSpec, span: trace.Span) -> LiveRequest:
         """Submit `spec`; call inside `span` (current), so the Submit rpc carries the request's trace."""
-        return await self.submit(await self.prepare(spec, span))
+        with self.admission.admit():
+            return await self.submit(await self.prepare(spec, span))
 
     async def prepare(self, spec: GenerationSpec, span: trace.Span) -> PreparedRequest:
         """Validate and tokenize `spec`, submitting nothing: a request of several choices checks them all first."""
@@ -210,6 +222,7 @@ class RequestRunner:
             raise ModelNotFound(f"model {spec.model!r} is not served here; this gateway serves {info.model!r}")
         limits = self.limits(info)
         params = validate_sampling(spec.params, limits, spec.field_prefix, spec.max_tokens_field)
+        await self.prompt_bound.check(prompt_texts(spec.prompt), limits.max_prompt_tokens, spec.prompt.field)
         with self.tracer.start_as_current_span("tokenize", attributes={attr.REQUEST_ID: spec.request_id}) as tokenize:
             prompt_ids = await self._tokenize(spec.prompt, info)
             tokenize.set_attribute(attr.NUM_TOKENS, len(prompt_ids))
@@ -234,6 +247,7 @@ class RequestRunner:
     async def submit(self, prepared: PreparedRequest) -> LiveRequest:
         """Submit a prepared request; call inside its span (current), so the Submit rpc carries its trace."""
         spec, info, params, prompt_ids = prepared.spec, prepared.info, prepared.params, prepared.prompt_ids
+        self.admission.check_queue()  # found full while this one was tokenized: spare the scheduler the Submit
         if not await self.hub.wait_connected(SUBSCRIPTION_WAIT_S):
             raise Unavailable("the scheduler is unreachable: no output subscription")
         timeout_s = min(spec.timeout_s or self.settings.request_timeout_s, self.settings.request_timeout_s)
@@ -250,6 +264,8 @@ class RequestRunner:
             with upstream("scheduler"):
                 await self.backends.scheduler.Submit(submit, timeout=RPC_TIMEOUT_S)
         except BaseException as exc:
+            if isinstance(exc, ResourceExhausted):
+                self.admission.queue_full()
             # A Submit interrupted by a client that left may still have landed: cancel it to be sure.
             self.hub.release(spec.request_id, cancel=isinstance(exc, asyncio.CancelledError))
             raise
@@ -290,13 +306,28 @@ class RequestRunner:
             if outside:
                 raise InvalidArgument(prompt.field, f"token id {outside[0]} is outside the vocabulary")
             return prompt.token_ids
-        with upstream("tokenizer"):
-            if prompt.chat is not None:
+        if prompt.chat is not None:
+            with upstream("tokenizer"):
                 reply = await self.backends.tokenizer.ApplyChatTemplate(prompt.chat, timeout=RPC_TIMEOUT_S)
-                return list(reply.prompt_token_ids)
-            tokens = await self.backends.tokenizer.Tokenize(
-                tokenizer_pb2.TokenizeRequest(texts=[prompt.text or ""]), timeout=RPC_TIMEOUT_S)
-            return list(tokens.token_ids[0].ids)
+            return list(reply.prompt_token_ids)
+        try:
+            with upstream("tokenizer"):
+                tokens = await self.backends.tokenizer.Tokenize(
+                    tokenizer_pb2.TokenizeRequest(texts=[prompt.text or ""]), timeout=RPC_TIMEOUT_S)
+        except InvalidArgument as exc:  # the tokenizer's own refusal by size names its texts[0]
+            raise ContextLengthExceeded(prompt.field, str(exc).partition(": ")[2]) from exc
+        return list(tokens.token_ids[0].ids)
+
+
+def prompt_texts(prompt: Prompt) -> list[str]:
+    """The texts a prompt surely puts in the model's input, for its refusal by size: a chat's turns but
+    the assistant's, which some templates shorten (Qwen 3 drops the reasoning of past turns)."""
+    if prompt.text is not None:
+        return [prompt.text]
+    if prompt.chat is not None:
+        return [turn.content for turn in prompt.chat.messages if turn.role != "assistant"]
+    return []
+
 
 def _now_timestamp(after_s: float) -> Timestamp:
     stamp = Timestamp()

@@ -28,6 +28,9 @@ logger = logging.getLogger(__name__)
 SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
 # A fresh gateway waits this long for its scheduler subscription before it takes traffic anyway.
 STARTUP_SUBSCRIBE_WAIT_S = 5.0
+# Connections the kernel holds for the HTTP server before it accepts them (aiohttp's default is 128):
+# past it a burst's connections wait a second or more for a SYN retry, where they should get their 429 at once.
+HTTP_BACKLOG = 4096
 
 
 @dataclass(slots=True)
@@ -53,7 +56,7 @@ async def start_gateway(settings: GatewaySettings, tracer: trace.Tracer | None =
     """Start both front ends; ports 0 pick free ones."""
     tracer = tracer or trace.get_tracer("shardline.gateway")
     async with contextlib.AsyncExitStack() as undo:  # a failed start (a port taken) stops what it started
-        backends = Backends(settings.tokenizer_address, settings.scheduler_address)
+        backends = Backends(settings.tokenizer_address, settings.scheduler_address, settings.max_tokenizer_calls)
         undo.push_async_callback(backends.close)
         hub = StreamHub(settings.gateway_id, backends)
         hub.start()
@@ -73,7 +76,7 @@ async def start_gateway(settings: GatewaySettings, tracer: trace.Tracer | None =
         http = web.AppRunner(OpenAIHttpApi(runner, keys).application(), handler_cancellation=True, access_log=None)
         await http.setup()
         undo.push_async_callback(http.cleanup)
-        await web.TCPSite(http, settings.host, settings.http_port).start()
+        await web.TCPSite(http, settings.host, settings.http_port, backlog=HTTP_BACKLOG).start()
         http_port = http.addresses[0][1]
         undo.pop_all()
     logger.info("gateway %s: HTTP on %d, gRPC on %d", settings.gateway_id, http_port, grpc_server.port)

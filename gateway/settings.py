@@ -41,6 +41,13 @@ class GatewaySettings(BaseSettings):
     # How long a gRPC stream's request outlives its client's disconnect, for the client to Resume it
     # (over HTTP a disconnect cancels at once: OpenAI clients cannot resume). 0 cancels at once.
     resume_grace_s: float = Field(5.0, ge=0)
+    # Requests (each choice counts) being validated, tokenized and submitted at once; past it the
+    # gateway answers 429 / RESOURCE_EXHAUSTED at once, before any work. At least 64, a request's most choices.
+    max_admitting: int = Field(128, ge=64)
+    # Tokenize, chat template and constraint calls in flight to the tokenizer; the rest wait their turn.
+    max_tokenizer_calls: int = Field(32, ge=1)
+    # After the scheduler answers that its queue is full, new requests get 429 at once for this long.
+    queue_full_hold_s: float = Field(0.5, ge=0)
     # Largest HTTP request body; beyond it the gateway answers 413.
     max_body_bytes: int = Field(4 << 20, ge=1024)
     # How tool_choice "auto" output is read for calls: "hermes" (<tool_call> tags), "llama3_json" (Llama

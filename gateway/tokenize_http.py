@@ -13,8 +13,8 @@ from aiohttp import web
 
 from gateway.backends import RPC_TIMEOUT_S, upstream
 from gateway.openai_request import chat_messages
-from gateway.params import json_field
-from gateway.request_runner import ModelNotFound, RequestRunner
+from gateway.params import ContextLengthExceeded, json_field
+from gateway.request_runner import ModelNotFound, RequestRunner, prompt_texts
 from gateway.tool_params import tools_from_openai
 from shardline.errors import InvalidArgument
 from shardline.proto import tokenizer_pb2
@@ -34,24 +34,33 @@ class TokenizeApi:
             raise InvalidArgument("return_token_strs", "token strings are not supported; /detokenize decodes ids")
         if "messages" in body and "prompt" in body:
             raise InvalidArgument("prompt", "give a prompt or messages, not both")
-        with upstream("tokenizer"):
+        with self._runner.admission.admit():
             if "messages" in body:
                 if json_field(body, "add_special_tokens", bool):
                     raise InvalidArgument("add_special_tokens", "a chat's special tokens come from its template")
-                chat = chat_messages(body).chat  # rendered as the chat endpoint renders it, tools included
+                conversation = chat_messages(body)  # rendered as the chat endpoint renders it, tools included
+                chat = conversation.chat
                 assert chat is not None
+                await self._runner.prompt_bound.check(prompt_texts(conversation), info.max_context_length, "messages")
                 tools = tools_from_openai(body)
                 chat.tools_json = tools.tools_json if tools is not None else ""
-                reply = await tokenizer.ApplyChatTemplate(chat, timeout=RPC_TIMEOUT_S)
+                with upstream("tokenizer"):
+                    reply = await tokenizer.ApplyChatTemplate(chat, timeout=RPC_TIMEOUT_S)
                 tokens = list(reply.prompt_token_ids)
             else:
                 prompt = json_field(body, "prompt", str)
                 if prompt is None:
                     raise InvalidArgument("prompt", "give a prompt (a string) or messages")
                 special = json_field(body, "add_special_tokens", bool)
-                reply = await tokenizer.Tokenize(tokenizer_pb2.TokenizeRequest(
-                    texts=[prompt], add_special_tokens=True if special is None else special), timeout=RPC_TIMEOUT_S)
-                tokens = list(reply.token_ids[0].ids)
+                await self._runner.prompt_bound.check([prompt], info.max_context_length, "prompt")
+                request = tokenizer_pb2.TokenizeRequest(texts=[prompt],
+                                                        add_special_tokens=True if special is None else special)
+                try:
+                    with upstream("tokenizer"):
+                        encoded = await tokenizer.Tokenize(request, timeout=RPC_TIMEOUT_S)
+                except InvalidArgument as exc:  # the tokenizer's own refusal by size names its texts[0]
+                    raise ContextLengthExceeded("prompt", str(exc).partition(": ")[2]) from exc
+                tokens = list(encoded.token_ids[0].ids)
         return web.json_response({"count": len(tokens), "max_model_len": info.max_context_length, "tokens": tokens})
 
     async def detokenize(self, body: Any) -> web.Response:

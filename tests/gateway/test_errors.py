@@ -269,12 +269,16 @@ def test_a_full_scheduler_queue_is_429_and_resource_exhausted(tokenizer_address,
         with pytest.raises(grpc.aio.AioRpcError) as grpc_caught:
             await stack.generation.Generate(generation_pb2.GenerateRequest(prompt="hi"))
         assert grpc_caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        # The first refusal was the scheduler's; the second never reached it: for the hold, the
+        # gateway refuses before tokenizing.
+        assert [span.name for span in stack.spans.get_finished_spans()].count("tokenize") == 1
         stack.scheduler.reject_with = None
+        await asyncio.sleep(0.3)  # past the hold
         # The refused requests left nothing behind: the same client id can be used again.
         reply = await stack.generation.Generate(generation_pb2.GenerateRequest(prompt="hi", request_id="mine-1"))
         assert reply.request_id == "mine-1"
 
-    run_on_stack(tokenizer_address, Script(text_ids), body)
+    run_on_stack(tokenizer_address, Script(text_ids), body, queue_full_hold_s=0.25)
 
 
 def test_api_keys_over_http_and_grpc(tokenizer_address, text_ids) -> None:
