@@ -13,6 +13,7 @@ from opentelemetry import trace
 from gateway.auth import ApiKeys, GrpcAuthInterceptor
 from gateway.backends import Backends
 from gateway.generation_service import GenerationService
+from gateway.health_mirror import HealthMirror
 from gateway.openai_http import OpenAIHttpApi
 from gateway.request_runner import RequestRunner
 from gateway.settings import GatewaySettings
@@ -43,8 +44,10 @@ class GatewayServer:
     grpc: RunningServer  # the Generation gRPC server; grpc.port is the bound port
     http: web.AppRunner  # the OpenAI HTTP server
     http_port: int  # the bound HTTP port
+    health: HealthMirror  # keeps the gRPC health equal to the dependencies' state
 
     async def stop(self, grace_s: float = 5.0) -> None:
+        await self.health.stop()
         await self.grpc.set_serving(False)
         await self.http.cleanup()
         await self.grpc.stop(grace_s)
@@ -72,6 +75,9 @@ async def start_gateway(settings: GatewaySettings, tracer: trace.Tracer | None =
             [service], settings.grpc_port, host=settings.host,
             interceptors=[TracingServerInterceptor(tracer), GrpcAuthInterceptor(keys, SERVICE_NAME)])
         undo.push_async_callback(grpc_server.stop, 0)
+        health = HealthMirror(backends, hub, grpc_server, ["", SERVICE_NAME])
+        health.start()
+        undo.push_async_callback(health.stop)
         # handler_cancellation: a client that disconnects cancels its handler, which cancels the request upstream.
         http = web.AppRunner(OpenAIHttpApi(runner, keys).application(), handler_cancellation=True, access_log=None)
         await http.setup()
@@ -80,7 +86,7 @@ async def start_gateway(settings: GatewaySettings, tracer: trace.Tracer | None =
         http_port = http.addresses[0][1]
         undo.pop_all()
     logger.info("gateway %s: HTTP on %d, gRPC on %d", settings.gateway_id, http_port, grpc_server.port)
-    return GatewayServer(settings, backends, hub, grpc_server, http, http_port)
+    return GatewayServer(settings, backends, hub, grpc_server, http, http_port, health)
 
 
 async def serve(settings: GatewaySettings) -> None:
@@ -92,6 +98,7 @@ async def serve(settings: GatewaySettings) -> None:
         try:
             await gateway.grpc.wait_for_signal(on_stop=gateway.http.cleanup)
         finally:
+            await gateway.health.stop()
             await gateway.hub.stop()
             await gateway.backends.close()
     finally:

@@ -6,17 +6,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import signal
 import time
+import urllib.error
 import urllib.request
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 import redis
 
-from shardline.stack import LocalStack, StackConfig
+from shardline.stack import LocalStack, StackConfig, grpc_serving
 from shardline.client import ShardlineClient
 from tests.chaos.streams import MAX_TOKENS, StreamResult, prompts, run_streams, summary
 from tests.e2e.conftest import log_dir, running_stack
@@ -79,6 +81,30 @@ def wait_healthy(stack: LocalStack, timeout_s: float = 120.0) -> None:
                     return
         assert time.monotonic() < deadline, "the stack did not come back healthy"
         time.sleep(0.25)
+
+
+def outage_is_reported(stack: LocalStack) -> None:
+    """While Redis is down: /health 503, both gRPC healths NOT_SERVING, and a new request 503 with
+    Retry-After, not a 500 or a hang."""
+    gateway, scheduler = f"127.0.0.1:{stack.config.grpc_port}", f"127.0.0.1:{stack.config.scheduler_port}"
+    deadline = time.monotonic() + 4.0
+    while grpc_serving(gateway) or grpc_serving(scheduler) or _http_status(stack, "/health") != 503:
+        assert time.monotonic() < deadline, "the outage was not reported"
+        time.sleep(0.1)
+    body = json.dumps({"prompt": "hi", "max_tokens": 2}).encode()
+    request = urllib.request.Request(f"http://127.0.0.1:{stack.config.http_port}/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(request, timeout=10)
+    assert refused.value.code == 503 and refused.value.headers["Retry-After"]
+
+
+def _http_status(stack: LocalStack, path: str) -> int:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{stack.config.http_port}{path}", timeout=2) as reply:
+            return reply.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
 
 
 def under_fault(stack: LocalStack, reference: dict[int, list[int]], name: str,
@@ -148,7 +174,9 @@ def test_redis_killed_and_restarted_by_hand_on_its_aof_after_5_s(stack, referenc
     async def fault(supervising: list[bool]) -> None:
         supervising[0] = False
         os.kill(stack.redis.pid, signal.SIGKILL)
-        await asyncio.sleep(5.0)  # past the scheduler's 2 s bound: the streams fail, resumably
+        t_kill = time.monotonic()
+        await asyncio.to_thread(outage_is_reported, stack)
+        await asyncio.sleep(max(0.0, 5.0 - (time.monotonic() - t_kill)))  # past the 2 s bound: streams fail
         stack.redis.respawn()
         supervising[0] = True
     under_fault(stack, reference, "redis-by-hand", fault, resumed=True)
