@@ -50,6 +50,11 @@ class BodyTimeout(ShardlineError):
     http_status = 408
 
 
+class BodyUnreadable(InvalidArgument):
+    """The body does not decode under its Content-Encoding, or its chunked framing is broken: 400, and
+    the connection is closed, since where the next request would start in it is unknown."""
+
+
 def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
                    headers: dict[str, str] | None = None) -> web.Response:
     headers = dict(headers or {})
@@ -68,8 +73,8 @@ async def openai_errors(
     except ShardlineError as exc:
         response = error_response(exc.http_status, str(exc), getattr(exc, "field", None),
                                   getattr(exc, "openai_code", None))
-        if isinstance(exc, BodyTimeout):
-            response.force_close()  # the rest of the body may still come: this connection can serve no other
+        if isinstance(exc, (BodyTimeout, BodyUnreadable)):
+            response.force_close()  # the rest of the body may still come, or is unreadable: this connection can serve no other
         return response
     except web.HTTPException as exc:  # unknown route, wrong method, body over client_max_size (413)
         if exc.status < 400:
@@ -231,7 +236,7 @@ async def _json_body(request: web.Request) -> Any:
     except (web.RequestPayloadError, HttpProcessingError) as exc:
         # A Content-Encoding the body does not decode under (a gzip header on plain text), or a
         # broken chunked transfer: the client's mistake, not a server fault.
-        raise InvalidArgument("body", f"could not be read ({exc.__class__.__name__}: {exc})") from exc
+        raise BodyUnreadable("body", f"could not be read ({exc.__class__.__name__}: {exc})") from exc
     try:
         body = json.loads(raw)
         if _may_hold_surrogates(raw):

@@ -175,6 +175,9 @@ class ScriptedScheduler(scheduler_pb2_grpc.SchedulerServicer):
         delta.token_ids.extend(new)
         if first and new:  # as a worker does: the first delta says what the prefix cache served
             delta.usage.CopyFrom(self._usage(record))
+        if first and new and params.HasField("prompt_logprobs"):  # one per prompt token after the first
+            delta.prompt_logprobs.extend(sampling_pb2.TokenLogprob(token_id=token_id, logprob=-1.0)
+                                         for token_id in submit.prompt_token_ids[1:])
         if script.logprobs:
             for token_id in new:
                 top = [sampling_pb2.TopLogprob(token_id=token_id, logprob=-0.25),
