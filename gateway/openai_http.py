@@ -74,7 +74,8 @@ async def openai_errors(
         response = error_response(exc.http_status, str(exc), getattr(exc, "field", None),
                                   getattr(exc, "openai_code", None))
         if isinstance(exc, (BodyTimeout, BodyUnreadable)):
-            response.force_close()  # the rest of the body may still come, or is unreadable: this connection can serve no other
+            # The rest of the body may still come, or cannot be read: this connection can serve no other.
+            response.force_close()
         return response
     except web.HTTPException as exc:  # unknown route, wrong method, body over client_max_size (413)
         if exc.status < 400:

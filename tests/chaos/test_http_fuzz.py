@@ -46,10 +46,10 @@ _NAN = float("nan")
 _INF = float("inf")
 # Wrong types, extremes and oddities that any field may get.
 GENERIC_VALUES = (
-    None, True, False, 0, 1, -1, 2, 7, 64, 65, 2**31, 2**32, 2**63, 2**64, -(2**63) - 1, 10**400, 0.0, -0.0, 0.5, 1.5,
-    2.5, -3.7, 1e-300, 1e308, _NAN, _INF, -_INF, "", "x", "abc", "1", "true", "null", "\ud800", "a\udfffb", "\U0001f600",
-    "\x00", "x" * 5000, [], [1, 2, 3], [""], ["a", "b"], [None], [[1]], [-1], [2**40], ["x"] * 40, {}, {"a": 1},
-    {"type": "function"}, {"": None}, [[[[[[[[[[[]]]]]]]]]]],
+    None, True, False, 0, 1, -1, 2, 7, 64, 65, 2**31, 2**32, 2**63, 2**64, -(2**63) - 1, 10**400, 0.0, -0.0, 0.5,
+    1.5, 2.5, -3.7, 1e-300, 1e308, _NAN, _INF, -_INF, "", "x", "abc", "1", "true", "null", "\ud800", "a\udfffb",
+    "\U0001f600", "\x00", "x" * 5000, [], [1, 2, 3], [""], ["a", "b"], [None], [[1]], [-1], [2**40], ["x"] * 40,
+    {}, {"a": 1}, {"type": "function"}, {"": None}, [[[[[[[[[[[]]]]]]]]]]],
 )
 # Plausible values per field, right or nearly, so that validation goes past the first type check.
 FIELD_VALUES: dict[str, tuple] = {
@@ -58,8 +58,8 @@ FIELD_VALUES: dict[str, tuple] = {
     "messages": ([], [{"role": "user"}], [{"role": "bot", "content": "x"}], [{"role": "user", "content": None}],
                  [{"role": "user", "content": [{"type": "text", "text": "x"}]}],
                  [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
-                 [{"role": "assistant", "content": None, "tool_calls": [{"id": "1", "type": "function",
-                                                                          "function": {"name": "f", "arguments": "{"}}]}],
+                 [{"role": "assistant", "content": None,
+                   "tool_calls": [{"id": "1", "type": "function", "function": {"name": "f", "arguments": "{"}}]}],
                  [{"role": "tool", "content": "r", "tool_call_id": 5}], [{"role": ["user"], "content": "x"}],
                  [{"role": "user", "content": "x", "name": {}}], ["user"], [{"role": "developer", "content": "x"}],
                  [{"role": "assistant", "content": "partial"}]),

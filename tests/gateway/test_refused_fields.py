@@ -36,7 +36,8 @@ REFUSED = [
     (False, {"functions": []}, "functions"),
     (False, {"use_beam_search": True}, "use_beam_search"),  # vLLM's, not done here
     (True, {"max_token": 5}, "max_token"),  # a misspelling is not silently dropped
-    (True, {"stream": True, "stream_options": {"continuous_usage_stats": True}}, "stream_options.continuous_usage_stats"),
+    (True, {"stream": True, "stream_options": {"continuous_usage_stats": True}},
+     "stream_options.continuous_usage_stats"),
     (True, {"user": 7}, "user"),
     (False, {"metadata": "tag"}, "metadata"),
     (False, {"metadata": {"k": 1}}, "metadata.k"),
