@@ -236,7 +236,10 @@ async def _json_body(request: web.Request) -> Any:
         raise  # a body over client_max_size: aiohttp's own 413
     except (web.RequestPayloadError, HttpProcessingError) as exc:
         # A Content-Encoding the body does not decode under (a gzip header on plain text), or a
-        # broken chunked transfer: the client's mistake, not a server fault.
+        # broken chunked transfer: the client's mistake, not a server fault. The body is over as far
+        # as this request goes: aiohttp would otherwise drain it after the answer, meet the same
+        # error, and log it as its own unhandled exception.
+        request.content.feed_eof()
         raise BodyUnreadable("body", f"could not be read ({exc.__class__.__name__}: {exc})") from exc
     try:
         body = json.loads(raw)
