@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gateway.backends import RPC_TIMEOUT_S, upstream
-from shardline.proto import tokenizer_pb2, tokenizer_pb2_grpc
+from gateway.bounded_tokenizer import BoundedTokenizer
+from shardline.proto import tokenizer_pb2
 
 # Leading parts of a delta detokenized per round.
 _CUT_PROBES = 32
@@ -30,7 +31,7 @@ class StopSearch:
     hi_text: str  # the text of those `hi` tokens
 
 
-async def find_stop_tokens(tokenizer: tokenizer_pb2_grpc.TokenizerStub, searches: list[StopSearch]) -> None:
+async def find_stop_tokens(tokenizer: BoundedTokenizer, searches: list[StopSearch]) -> None:
     """Narrows each one's range [lo, hi] of token counts to the fewest whose text holds the stop.
 
     A first round asks only whether the stop needed the delta's last token (so a delta that ends
