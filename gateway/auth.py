@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 from collections.abc import Awaitable, Callable, Iterable
 
@@ -34,6 +35,20 @@ class ApiKeys:
         # Compare against every key in constant time, so timing tells nothing about a near miss.
         if not any([hmac.compare_digest(key.strip().encode(), known) for known in self._keys]):
             raise Unauthenticated("invalid API key")
+
+
+    def owner(self, authorization: str | None) -> str:
+        """Who a request belongs to: a digest of the caller's key (never the key itself, which then
+        never reaches Redis), or "" when keys are off and every caller may act on every request.
+        Call after check()."""
+        if not self._keys:
+            return ""
+        key = (authorization or "").partition(" ")[2].strip()
+        return hashlib.sha256(key.encode()).hexdigest()[:32]
+
+    def grpc_owner(self, context: grpc.aio.ServicerContext) -> str:
+        """owner() of a gRPC call's `authorization` metadata."""
+        return self.owner(dict(context.invocation_metadata() or ()).get("authorization"))
 
 
 def http_auth_middleware(keys: ApiKeys) -> Callable[..., Awaitable[web.StreamResponse]]:

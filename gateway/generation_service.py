@@ -9,6 +9,7 @@ import grpc
 from google.protobuf import duration_pb2
 from opentelemetry import trace
 
+from gateway.auth import ApiKeys
 from gateway.backends import RPC_TIMEOUT_S, upstream
 from gateway.chat_request import chat_request
 from gateway.request_runner import GenerationSpec, Prompt, RequestRunner
@@ -16,7 +17,7 @@ from gateway.request_stream import RequestStream, StreamChunk, drain
 from gateway.stop_matcher import StopMatcher
 from gateway.tool_calls import ToolCallOutput
 from gateway.tool_params import ToolRequest, constrain, keep_tool_call_tags, resolve_parser, tools_from_grpc
-from shardline.errors import InvalidArgument, Unavailable
+from shardline.errors import InvalidArgument, NotFound, Unavailable
 from shardline.ids import require_id
 from shardline.proto import common_pb2, generation_pb2, generation_pb2_grpc, sampling_pb2, scheduler_pb2, tokenizer_pb2
 from tracing import attributes as attr
@@ -34,8 +35,9 @@ MAX_REQUEST_ID_LENGTH = 128
 class GenerationService(generation_pb2_grpc.GenerationServicer):
     """Generate, stream, cancel, resume and inspect requests."""
 
-    def __init__(self, runner: RequestRunner) -> None:
+    def __init__(self, runner: RequestRunner, keys: ApiKeys) -> None:
         self._runner = runner
+        self._keys = keys
         self._tracer = runner.tracer
         self._scheduler = runner.backends.scheduler
         self._gateway_id = runner.settings.gateway_id
@@ -44,7 +46,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> generation_pb2.GenerateResponse:
         self._runner.admission.check()
-        spec, tools = await self._spec(request)
+        spec, tools = await self._spec(request, self._keys.grpc_owner(context))
         with self._tracer.start_as_current_span("gateway.request", attributes=_tool_attributes(tools)) as span:
             live = await self._runner.start(spec, span)
             try:
@@ -68,7 +70,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[generation_pb2.GenerateStreamResponse]:
         self._runner.admission.check()
-        spec, tools = await self._spec(request)
+        spec, tools = await self._spec(request, self._keys.grpc_owner(context))
         output = ToolCallOutput(tools) if tools is not None else None
         # No span is current across a yield: grpc abandons a stream at a yield when its client leaves
         # mid-write, and the event loop closes the generator later, from another context.
@@ -97,6 +99,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         self, request: common_pb2.CancelRequest, context: grpc.aio.ServicerContext
     ) -> common_pb2.CancelResponse:
         require_id(request.request_id, "request_id")  # here, naming the field, not in the scheduler's answer
+        if self._keys.enabled:
+            await self._owned(request.request_id, context)
         with upstream("scheduler"):
             return await self._scheduler.Cancel(request, timeout=RPC_TIMEOUT_S)
 
@@ -114,9 +118,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                 await self._resolve_parser(tools)
                 output = ToolCallOutput(tools)
         hub = self._runner.hub
-        with upstream("scheduler"):
-            info = await self._scheduler.GetRequest(
-                common_pb2.GetRequestRequest(request_id=request.request_id), timeout=RPC_TIMEOUT_S)
+        info = await self._owned(request.request_id, context)
         running = info.status < sampling_pb2.REQUEST_STATUS_FINISHED
         if request.offset > len(info.output_token_ids):
             raise InvalidArgument("offset", f"the request has generated {len(info.output_token_ids)} tokens so far")
@@ -146,8 +148,19 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         self, request: common_pb2.GetRequestRequest, context: grpc.aio.ServicerContext
     ) -> common_pb2.RequestInfo:
         require_id(request.request_id, "request_id")
+        info = await self._owned(request.request_id, context)
+        info.ClearField("owner")  # the key's digest stays inside the platform
+        return info
+
+    async def _owned(self, request_id: str, context: grpc.aio.ServicerContext) -> common_pb2.RequestInfo:
+        """The request's record, if the caller's key submitted it. Another key's request is NOT_FOUND,
+        as an unknown one is: with keys on, a key reads, resumes and cancels only its own requests."""
         with upstream("scheduler"):
-            return await self._scheduler.GetRequest(request, timeout=RPC_TIMEOUT_S)
+            info = await self._scheduler.GetRequest(
+                common_pb2.GetRequestRequest(request_id=request_id), timeout=RPC_TIMEOUT_S)
+        if info.owner != self._keys.grpc_owner(context):
+            raise NotFound(f"request_id: no request {request_id!r}")
+        return info
 
     async def ListModels(
         self, request: generation_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
@@ -158,7 +171,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         info = await self._runner.backends.tokenizer_info()
         resolve_parser(tools, self._runner.settings.tool_call_parser, info.tool_call_format, "tools.choice")
 
-    async def _spec(self, request: generation_pb2.GenerateRequest) -> tuple[GenerationSpec, ToolRequest | None]:
+    async def _spec(self, request: generation_pb2.GenerateRequest,
+                    owner: str) -> tuple[GenerationSpec, ToolRequest | None]:
         """The request as a GenerationSpec, and its tools (their constraint, if any, in its params)."""
         kind = request.WhichOneof("input")
         if kind is None:
@@ -187,7 +201,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         return GenerationSpec(
             request_id=request_id, model=request.model, prompt=prompt, params=request.params,
             default_max_tokens=self._runner.settings.default_max_tokens, priority=request.priority,
-            timeout_s=timeout_s, field_prefix="params.", structured_output_field=structured_output_field), tools
+            timeout_s=timeout_s, field_prefix="params.", structured_output_field=structured_output_field,
+            owner=owner), tools
 
 
 def _positive_seconds(duration: duration_pb2.Duration, field: str) -> float:

@@ -36,7 +36,7 @@ class Choice:
 
 
 def choice_specs(parsed: OpenAIRequest, request_id: str, default_max_tokens: int | None,
-                 arrival_s: float) -> list[GenerationSpec]:
+                 arrival_s: float, owner: str = "") -> list[GenerationSpec]:
     """One GenerationSpec per choice, in index order."""
     specs = []
     for p, prompt in enumerate(parsed.prompts):
@@ -50,7 +50,7 @@ def choice_specs(parsed: OpenAIRequest, request_id: str, default_max_tokens: int
                 request_id=request_id if parsed.num_choices == 1 else f"{request_id}-{index}",
                 model=parsed.model, prompt=prompt, params=params, default_max_tokens=default_max_tokens,
                 priority=parsed.priority, max_tokens_field=parsed.max_tokens_field, arrival_s=arrival_s,
-                structured_output_field=parsed.structured_output_field or "structured_output"))
+                structured_output_field=parsed.structured_output_field or "structured_output", owner=owner))
     return specs
 
 

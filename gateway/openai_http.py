@@ -129,7 +129,8 @@ class OpenAIHttpApi:
             keep_tool_call_tags(parsed.tools, parsed.params)
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(16)}"
         default_max_tokens = self._runner.settings.default_max_tokens if chat else OPENAI_COMPLETIONS_DEFAULT_MAX_TOKENS
-        specs = choice_specs(parsed, request_id, default_max_tokens, arrival_s)
+        specs = choice_specs(parsed, request_id, default_max_tokens, arrival_s,
+                             self._keys.owner(request.headers.get("Authorization")))
         span_attributes = {"http.request.method": request.method, "url.path": request.path}
         if parsed.tools is not None:
             span_attributes[attr.TOOL_CHOICE] = parsed.tools.choice

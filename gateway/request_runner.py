@@ -83,6 +83,7 @@ class GenerationSpec:
     structured_output_field: str = "structured_output"
     arrival_s: float = field(default_factory=time.perf_counter)  # for TTFT and duration
     arrival_time: Timestamp = field(default_factory=lambda: _now_timestamp(0.0))  # sent to the scheduler
+    owner: str = ""  # digest of the caller's API key: only that key may read, resume or cancel it
 
 
 @dataclass(slots=True)
@@ -259,7 +260,7 @@ class RequestRunner:
         submit = scheduler_pb2.SubmitRequest(
             request_id=spec.request_id, gateway_id=self.settings.gateway_id, model=info.model,
             prompt_token_ids=prompt_ids, params=params, eos_token_ids=info.eos_token_ids, priority=spec.priority,
-            arrival_time=spec.arrival_time, deadline=_now_timestamp(timeout_s))
+            arrival_time=spec.arrival_time, deadline=_now_timestamp(timeout_s), owner=spec.owner)
         try:
             with upstream("scheduler"):
                 await self.backends.scheduler.Submit(submit, timeout=RPC_TIMEOUT_S)

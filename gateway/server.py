@@ -69,7 +69,7 @@ async def start_gateway(settings: GatewaySettings, tracer: trace.Tracer | None =
                            settings.scheduler_address)
         runner = RequestRunner(settings, backends, hub, tracer)
         keys = ApiKeys(settings.api_keys)
-        service = GrpcService(GenerationService(runner), generation_pb2_grpc.add_GenerationServicer_to_server,
+        service = GrpcService(GenerationService(runner, keys), generation_pb2_grpc.add_GenerationServicer_to_server,
                               SERVICE_NAME)
         grpc_server = await start_grpc_server(
             [service], settings.grpc_port, host=settings.host,

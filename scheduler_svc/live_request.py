@@ -24,6 +24,7 @@ class LiveRequest:
     arrival_ts: float  # when it arrived (unix seconds)
     deadline_ts: float | None = None  # abort it if unfinished by then
     traceparent: str = ""  # W3C traceparent of the Submit call, for the worker's spans
+    owner: str = ""  # digest of the API key that submitted it (the gateway checks it)
     attempt: int = 0  # 1 once dispatched, one more per worker failure (what max_attempts limits)
     worker_id: str | None = None  # worker running it; None while queued
     output_token_ids: list[int] = field(default_factory=list)  # earlier attempts' tokens, prefilled on re-dispatch
@@ -44,6 +45,7 @@ class LiveRequest:
             eos_token_ids=self.eos_token_ids,
             deadline_ts=self.deadline_ts,
             traceparent=self.traceparent or None,
+            owner=self.owner,
         )
 
     @classmethod
@@ -60,6 +62,7 @@ class LiveRequest:
             arrival_ts=record.arrival_ts,
             deadline_ts=record.deadline_ts,
             traceparent=record.traceparent or "",
+            owner=record.owner,
             attempt=record.attempt,
             output_token_ids=tokens,
             num_output_tokens=len(tokens),

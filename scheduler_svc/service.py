@@ -68,6 +68,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             arrival_ts=_seconds(request.arrival_time) if request.HasField("arrival_time") else time.time(),
             deadline_ts=_seconds(request.deadline) if request.HasField("deadline") else None,
             traceparent=traceparent,
+            owner=request.owner,
         )
         position = await self._dispatcher.submit(live)
         return scheduler_pb2.SubmitResponse(queue_position=position)
@@ -163,6 +164,7 @@ def _to_request_info(record: RequestRecord, tokens: list[int]) -> common_pb2.Req
         usage=sampling_pb2.Usage(prompt_tokens=record.prompt_len, completion_tokens=len(tokens),
                                  total_tokens=record.prompt_len + len(tokens), cached_tokens=record.cached_tokens),
         output_token_ids=tokens,
+        owner=record.owner,
     )
     for name, ts in (("arrival_time", record.arrival_ts), ("dispatch_time", record.dispatch_ts),
                      ("first_token_time", record.first_token_ts), ("finish_time", record.finish_ts)):

@@ -56,6 +56,7 @@ class RequestRecord:
     eos_token_ids: list[int] = field(default_factory=list)  # tokens that end it, re-sent on every dispatch
     deadline_ts: float | None = None  # abort it if unfinished by then; None means no deadline
     traceparent: str | None = None  # W3C traceparent of its trace, so a re-dispatch joins it
+    owner: str = ""  # digest of the API key that submitted it; empty without keys
 
 
 def encode_record(record: RequestRecord, prompt_len: int) -> list[str | int | float]:
@@ -73,6 +74,7 @@ def encode_record(record: RequestRecord, prompt_len: int) -> list[str | int | fl
         "eos_token_ids": json.dumps(record.eos_token_ids) if record.eos_token_ids else None,
         "deadline_ts": record.deadline_ts,
         "traceparent": record.traceparent or None,
+        "owner": record.owner or None,
     }
     return [item for name, value in fields.items() if value is not None for item in (name, value)]
 
@@ -104,4 +106,5 @@ def decode_record(request_id: str, raw: dict[bytes, bytes], num_output_tokens: i
         eos_token_ids=json.loads(h.get("eos_token_ids", "[]")),
         deadline_ts=optional_float("deadline_ts"),
         traceparent=h.get("traceparent"),
+        owner=h.get("owner", ""),
     )

@@ -139,7 +139,8 @@ class ScriptedScheduler(scheduler_pb2_grpc.SchedulerServicer):
                                    total_tokens=len(submit.prompt_token_ids) + len(record.output))
         return common_pb2.RequestInfo(
             request_id=submit.request_id, model=submit.model, status=record.status, params=submit.params,
-            finish_reason=record.finish_reason, usage=usage, output_token_ids=record.output, attempt=1)
+            finish_reason=record.finish_reason, usage=usage, output_token_ids=record.output, attempt=1,
+            owner=submit.owner)
 
     async def _run(self) -> None:
         while True:

@@ -338,3 +338,14 @@ async def test_a_redis_that_is_down_is_unavailable_not_internal() -> None:
         for call in (store.ping(), store.get("r1"), store.append_step({"r1": (0, [1])})):
             with pytest.raises(StoreUnavailable, match="redis unavailable"):
                 await call
+
+
+@run_async
+async def test_the_owner_is_kept_and_none_is_empty(redis_url: str) -> None:
+    async with RequestStore(redis_url) as store:
+        owned = record("owned")
+        owned.owner = "key-digest"
+        await store.create(owned, [1])
+        await store.create(record("open"), [1])
+        assert (await store.get("owned")).owner == "key-digest"
+        assert (await store.get("open")).owner == ""
