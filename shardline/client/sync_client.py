@@ -60,6 +60,7 @@ class ShardlineClient:
         top_k, min_p, seed, stop, stop_token_ids, presence/frequency/repetition_penalty, ignore_eos,
         top_logprobs, logit_bias ({token id: bias in [-100, 100]}), prompt_logprobs (the prompt's
         own tokens' logprobs, each with that many alternatives), plus model, request_id and priority.
+        A request_id of your own is 1 to 128 printable ASCII characters with no space and no ':'.
 
         Structured output takes one of: json_schema (a JSON Schema, as a dict or its JSON text),
         json_object=True (any JSON object), regex, choice (a list of strings) or grammar (EBNF, rule
