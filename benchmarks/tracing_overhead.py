@@ -26,7 +26,7 @@ from shardline.bench.backends import StackBackend
 from shardline.bench.load import LoadSpec, run_load
 from shardline.bench.metrics import summarize
 from shardline.stack import LocalStack, StackConfig
-from tracing.span_store import PREFIX
+from tracing.collector.span_store import PREFIX
 
 logger = logging.getLogger("tracing_overhead")
 

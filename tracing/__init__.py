@@ -1,8 +1,10 @@
-"""Shardline tracing: OpenTelemetry setup, trace-context propagation over gRPC,
-an OTLP receiver that stores spans in Redis, a native Perfetto trace writer and
-the Prometheus metrics shared by the services.
+"""Shardline's tracing library, imported by every service: OpenTelemetry setup,
+trace-context propagation over gRPC, span attribute names and the Prometheus
+metrics shared by the services. The tracing service itself (OTLP receiver, span
+store, dashboard, Perfetto export) is ``tracing.collector``, which services
+never import.
 
 Import the submodules directly (``tracing.otel_setup``, ``tracing.grpc_context``,
-...), so a service that only needs attribute names does not pull in Redis or
-the Perfetto protos.
+...), so a service that only needs attribute names does not pull in the
+OpenTelemetry SDK.
 """

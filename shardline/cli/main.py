@@ -12,7 +12,7 @@ SERVICES = {
     "tokenizer": "tokenizer_svc.main",
     "scheduler": "scheduler_svc.main",
     "worker": "gpu_worker_svc.server.main",
-    "tracing": "tracing.main",
+    "tracing": "tracing.collector.main",
 }
 
 

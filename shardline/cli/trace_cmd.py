@@ -14,11 +14,11 @@ from pathlib import Path
 from aiohttp import web
 from redis.exceptions import RedisError
 
-from tracing import perfetto_ui, trace_export
-from tracing.perfetto_writer import write_pftrace
+from tracing.collector import perfetto_ui, trace_export
+from tracing.collector.perfetto_writer import write_pftrace
+from tracing.collector.span_store import SpanStore
+from tracing.collector.stored_span import StoredSpan
 from tracing.settings import TracingSettings
-from tracing.span_store import SpanStore
-from tracing.stored_span import StoredSpan
 
 logger = logging.getLogger(__name__)
 

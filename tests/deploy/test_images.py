@@ -136,7 +136,7 @@ def build_context_files() -> list[Path]:
 def test_build_context_holds_the_sources_and_nothing_else():
     for needed in ("pyproject.toml", "README.md", "protos/shardline/v1/scheduler.proto", "shardline/protogen.py",
                    "gateway/main.py", "tokenizer_svc/main.py", "scheduler_svc/main.py",
-                   "gpu_worker_svc/server/main.py", "tracing/main.py", "docker/install.sh",
+                   "gpu_worker_svc/server/main.py", "tracing/collector/main.py", "docker/install.sh",
                    "docker/entrypoint.sh", "docker/healthcheck.py"):
         assert in_build_context(needed), needed
     for left_out in (".venv/bin/python", ".git/HEAD", "shardline/v1/scheduler_pb2.py", "tests/conftest.py",
@@ -175,9 +175,10 @@ def test_install_app_step_builds_shardline_from_the_build_context(tmp_path):
     result = subprocess.run(["sh", "docker/install.sh", "app"], cwd=context, env=env, capture_output=True, text=True,
                             timeout=300)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-    check = ("import shardline, gateway.main, tokenizer_svc.main, scheduler_svc.main, tracing.main, "
+    check = ("import shardline, gateway.main, tokenizer_svc.main, scheduler_svc.main, tracing.collector.main, "
              "gpu_worker_svc.server.main; from shardline.v1 import scheduler_pb2; "
-             "from tracing.dashboard_app import STATIC_DIR; assert (STATIC_DIR / 'index.html').is_file(), STATIC_DIR; "
+             "from tracing.collector.dashboard_app import STATIC_DIR; "
+             "assert (STATIC_DIR / 'index.html').is_file(), STATIC_DIR; "
              "print(shardline.__file__)")
     imported = subprocess.run([str(venv / "bin" / "python"), "-c", check], cwd=tmp_path, env=env,
                               capture_output=True, text=True, timeout=120)

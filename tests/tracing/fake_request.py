@@ -4,7 +4,7 @@ from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, Span
 
 from tracing import attributes as attr
-from tracing.stored_span import StoredSpan
+from tracing.collector.stored_span import StoredSpan
 
 T0 = 1_764_000_000_000_000_000  # a wall-clock unix-ns origin
 MS = 1_000_000

@@ -5,7 +5,7 @@ from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, Status
 
 from tests.tracing.fake_request import SpanFactory
 from tracing import attributes as attr
-from tracing.stored_span import AttrValue, StoredSpan
+from tracing.collector.stored_span import AttrValue, StoredSpan
 
 MODEL = "SmolLM2-135M-Instruct"
 

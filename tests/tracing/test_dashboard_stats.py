@@ -5,7 +5,7 @@ import pytest
 from tests.tracing.fake_request import T0, SpanFactory
 from tests.tracing.served_request import MODEL, engine_steps, served_request
 from tracing import attributes as attr
-from tracing.dashboard_stats import RUNNING, STAGES, summarize
+from tracing.collector.dashboard_stats import RUNNING, STAGES, summarize
 
 TRACE = "ab" * 16
 

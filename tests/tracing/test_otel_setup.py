@@ -10,9 +10,9 @@ from prometheus_client import REGISTRY
 
 from tests.tracing.run_async import run_async
 from tracing import attributes as attr
+from tracing.collector.otlp_receiver import serve_receiver
 from tracing.grpc_context import TracingServerInterceptor, aio_client_interceptors
 from tracing.otel_setup import setup_tracing
-from tracing.otlp_receiver import serve_receiver
 from tracing.settings import TracingSettings
 
 FAST = TracingSettings(otlp_schedule_delay_ms=50)

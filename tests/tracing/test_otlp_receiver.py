@@ -13,7 +13,7 @@ from shardline.redis_server import EmbeddedRedis
 
 from tests.tracing.fake_request import otlp_export
 from tests.tracing.run_async import run_async
-from tracing.otlp_receiver import serve_receiver
+from tracing.collector.otlp_receiver import serve_receiver
 
 
 def closed_port() -> int:

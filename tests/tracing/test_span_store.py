@@ -8,8 +8,8 @@ import redis
 from tests.tracing.fake_request import otlp_export
 from tests.tracing.run_async import run_async
 from tracing import attributes as attr
-from tracing import span_store
-from tracing.span_store import SpanStore
+from tracing.collector import span_store
+from tracing.collector.span_store import SpanStore
 
 S = 1_000_000_000
 

@@ -14,7 +14,7 @@ from shardline.cli import trace_cmd
 from tests.tracing.fake_request import SpanFactory
 from tests.tracing.run_async import run_async
 from tests.tracing.served_request import engine_steps, served_request, to_otlp
-from tracing.span_store import SpanStore
+from tracing.collector.span_store import SpanStore
 
 NS = 1_000_000_000
 

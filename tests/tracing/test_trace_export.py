@@ -7,8 +7,8 @@ import pytest
 from tests.tracing.fake_request import MS, T0, SpanFactory
 from tests.tracing.run_async import run_async
 from tests.tracing.served_request import engine_steps, served_request, to_otlp
-from tracing import trace_export
-from tracing.span_store import SpanStore
+from tracing.collector import trace_export
+from tracing.collector.span_store import SpanStore
 
 NS = 1_000_000_000
 TRACE_A, TRACE_B = "a1" * 16, "b2" * 16

@@ -15,8 +15,8 @@ import time
 from collections.abc import Iterable
 from datetime import datetime
 
-from tracing.span_store import SpanStore
-from tracing.stored_span import StoredSpan
+from tracing.collector.span_store import SpanStore
+from tracing.collector.stored_span import StoredSpan
 
 NS_PER_S = 1_000_000_000
 # Upper bound on the spans one export reads; a time window past it is cut at its end.

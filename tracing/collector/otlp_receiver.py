@@ -10,8 +10,8 @@ from redis.exceptions import RedisError
 
 from shardline.grpc_server import ErrorMappingInterceptor
 from shardline.service_main import redacted
+from tracing.collector.span_store import SpanStore
 from tracing.settings import TracingSettings
-from tracing.span_store import SpanStore
 
 logger = logging.getLogger(__name__)
 

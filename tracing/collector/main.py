@@ -13,9 +13,9 @@ import signal
 
 from aiohttp import web
 
-from tracing.dashboard_app import build_app
-from tracing.otlp_receiver import serve_receiver
 from shardline.service_main import run_service, started
+from tracing.collector.dashboard_app import build_app
+from tracing.collector.otlp_receiver import serve_receiver
 from tracing.settings import TracingSettings
 
 logger = logging.getLogger(__name__)

@@ -22,7 +22,7 @@ the relay of the last tokens and the response's end in ``detokenize``).
 from dataclasses import dataclass, field
 
 from tracing import attributes as attr
-from tracing.stored_span import AttrValue, StoredSpan
+from tracing.collector.stored_span import AttrValue, StoredSpan
 
 # The span that spans a request's life at the gateway, per request.
 ROOT_SPANS = ("gateway.request", "gateway.choice")

@@ -26,7 +26,7 @@ from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
 
 from tracing import attributes as attr
-from tracing.stored_span import StoredSpan, any_value
+from tracing.collector.stored_span import StoredSpan, any_value
 
 logger = logging.getLogger(__name__)
 

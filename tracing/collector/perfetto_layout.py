@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from itertools import count
 
 from tracing import attributes as attr
-from tracing.stored_span import StoredSpan
+from tracing.collector.stored_span import StoredSpan
 
 # Counter attribute -> (track name, unit name). Unit names are free text in Perfetto.
 COUNTERS: dict[str, tuple[str, str]] = {

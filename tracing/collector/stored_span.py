@@ -1,4 +1,4 @@
-"""A finished span as tracing/ hands it around: OTLP fields, flattened to Python."""
+"""A finished span as the collector hands it around: OTLP fields, flattened to Python."""
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field

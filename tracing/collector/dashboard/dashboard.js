@@ -10,7 +10,7 @@ function traceUrl(params) {
 }
 
 function perfettoUrl(trace) {
-  // Perfetto's deep link: the UI fetches `url` and opens it (see tracing/perfetto_ui.py).
+  // Perfetto's deep link: the UI fetches `url` and opens it (see tracing/collector/perfetto_ui.py).
   return `/perfetto/#!/viewer?url=${encodeURIComponent(trace)}`;
 }
 

@@ -2,7 +2,7 @@
 
 Routes:
 
-- ``/``                          the page (tracing/dashboard/), which reads the JSON API;
+- ``/``                          the page (tracing/collector/dashboard/), which reads the JSON API;
 - ``/api/requests?limit=N``      the N most recent requests, with TTFT, TPOT, E2E and stages;
 - ``/api/trace?request=ID``      a request's .pftrace (repeat ``request`` for several);
 - ``/api/trace?last=N``          the N most recent requests' .pftrace;
@@ -18,11 +18,11 @@ from pathlib import Path
 from aiohttp import web
 from redis.exceptions import RedisError
 
-from tracing import perfetto_ui, trace_export
-from tracing.dashboard_stats import summarize
-from tracing.perfetto_writer import encode_pftrace
-from tracing.span_store import SpanStore
-from tracing.stored_span import StoredSpan
+from tracing.collector import perfetto_ui, trace_export
+from tracing.collector.dashboard_stats import summarize
+from tracing.collector.perfetto_writer import encode_pftrace
+from tracing.collector.span_store import SpanStore
+from tracing.collector.stored_span import StoredSpan
 
 logger = logging.getLogger(__name__)
 

@@ -14,8 +14,8 @@ from pathlib import Path
 
 from perfetto.protos.perfetto.trace import perfetto_trace_pb2 as pb
 
-from tracing.perfetto_layout import CounterSample, SlicePlacement, TraceLayout, build_layout
-from tracing.stored_span import AttrValue, StoredSpan
+from tracing.collector.perfetto_layout import CounterSample, SlicePlacement, TraceLayout, build_layout
+from tracing.collector.stored_span import AttrValue, StoredSpan
 
 # One writer, one sequence; the id only needs to be non-zero and unique in the file.
 SEQUENCE_ID = 1
