@@ -24,7 +24,7 @@ from shardline.client import ShardlineClient
 from shardline.stack import LocalStack, StackConfig
 from tests.e2e.conftest import log_dir, running_stack
 from tests.e2e.http_client import get, post, sse
-from tests.tracing.headless_chromium import HeadlessChromium, find_chromium
+from tests.tracing.collector.headless_chromium import HeadlessChromium, find_chromium
 
 pytestmark = pytest.mark.slow
 

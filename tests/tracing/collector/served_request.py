@@ -3,7 +3,7 @@
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, Status
 
-from tests.tracing.fake_request import SpanFactory
+from tests.tracing.collector.fake_request import SpanFactory
 from tracing import attributes as attr
 from tracing.collector.stored_span import AttrValue, StoredSpan
 

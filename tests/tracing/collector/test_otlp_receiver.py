@@ -11,7 +11,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 
 from shardline.redis_server import EmbeddedRedis
 
-from tests.tracing.fake_request import otlp_export
+from tests.tracing.collector.fake_request import otlp_export
 from tests.tracing.run_async import run_async
 from tracing.collector.otlp_receiver import serve_receiver
 

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 from perfetto.protos.perfetto.trace import perfetto_trace_pb2 as pb
 
-from tests.tracing.fake_request import STEPS, WORKER_RANKS, request_walk
+from tests.tracing.collector.fake_request import STEPS, WORKER_RANKS, request_walk
 from tracing import attributes as attr
 from tracing.collector.perfetto_writer import SEQUENCE_ID, encode_pftrace, write_pftrace
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 PERFETTO_QUERY = REPO.parent / "shared" / "tools" / "perfetto_query" / "perfetto_query.py"
 LIFECYCLE = ["generate", "tokenize", "queue", "prefill", "decode", "detokenize"]
 

@@ -11,9 +11,9 @@ from aiohttp import web
 from perfetto.protos.perfetto.trace import perfetto_trace_pb2 as pb
 
 from shardline.cli import trace_cmd
-from tests.tracing.fake_request import SpanFactory
+from tests.tracing.collector.fake_request import SpanFactory
+from tests.tracing.collector.served_request import engine_steps, served_request, to_otlp
 from tests.tracing.run_async import run_async
-from tests.tracing.served_request import engine_steps, served_request, to_otlp
 from tracing.collector.span_store import SpanStore
 
 NS = 1_000_000_000

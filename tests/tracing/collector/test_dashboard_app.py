@@ -7,9 +7,9 @@ import aiohttp
 from aiohttp import web
 from perfetto.protos.perfetto.trace import perfetto_trace_pb2 as pb
 
-from tests.tracing.fake_request import T0, SpanFactory
+from tests.tracing.collector.fake_request import T0, SpanFactory
+from tests.tracing.collector.served_request import engine_steps, served_request, to_otlp
 from tests.tracing.run_async import run_async
-from tests.tracing.served_request import engine_steps, served_request, to_otlp
 from tracing.collector import perfetto_ui
 from tracing.collector.dashboard_app import build_app
 from tracing.collector.span_store import SpanStore

@@ -5,7 +5,7 @@ import time
 import pytest
 import redis
 
-from tests.tracing.fake_request import otlp_export
+from tests.tracing.collector.fake_request import otlp_export
 from tests.tracing.run_async import run_async
 from tracing import attributes as attr
 from tracing.collector import span_store

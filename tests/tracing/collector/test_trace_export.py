@@ -4,9 +4,9 @@ from datetime import UTC, datetime
 
 import pytest
 
-from tests.tracing.fake_request import MS, T0, SpanFactory
+from tests.tracing.collector.fake_request import MS, T0, SpanFactory
+from tests.tracing.collector.served_request import engine_steps, served_request, to_otlp
 from tests.tracing.run_async import run_async
-from tests.tracing.served_request import engine_steps, served_request, to_otlp
 from tracing.collector import trace_export
 from tracing.collector.span_store import SpanStore
 

@@ -2,8 +2,8 @@
 
 import pytest
 
-from tests.tracing.fake_request import T0, SpanFactory
-from tests.tracing.served_request import MODEL, engine_steps, served_request
+from tests.tracing.collector.fake_request import T0, SpanFactory
+from tests.tracing.collector.served_request import MODEL, engine_steps, served_request
 from tracing import attributes as attr
 from tracing.collector.dashboard_stats import RUNNING, STAGES, summarize
 
