@@ -12,7 +12,7 @@ from typing import Any
 
 from shardline.errors import InvalidArgument
 from shardline.proto import sampling_pb2
-from tokenizer_svc.chat_template import TEMPLATE_GLOBALS
+from shardline.text.chat_template import TEMPLATE_GLOBALS
 
 
 def template_messages(messages: list[sampling_pb2.ChatMessage]) -> list[dict[str, Any]]:

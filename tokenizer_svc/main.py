@@ -8,10 +8,10 @@ import logging
 import sys
 
 from shardline.model_path import ModelNotFoundError
+from shardline.service_main import run_service
+from shardline.text.tokenizer import TokenizerError
 from tokenizer_svc.server import serve
 from tokenizer_svc.settings import TokenizerSettings
-from tokenizer_svc.tokenizer import TokenizerError
-from shardline.service_main import run_service
 
 
 def parse_settings(argv: list[str] | None) -> TokenizerSettings:

@@ -10,12 +10,12 @@ from pathlib import Path
 from opentelemetry import trace
 
 from shardline.grpc_server import GrpcService, RunningServer, start_grpc_server
-from shardline.service_main import started
 from shardline.model_path import model_name, resolve_model_path
 from shardline.proto import tokenizer_pb2, tokenizer_pb2_grpc
+from shardline.service_main import started
+from shardline.text.tokenizer import Tokenizer, TokenizerError
 from tokenizer_svc.service import TokenizerService
 from tokenizer_svc.settings import TokenizerSettings
-from tokenizer_svc.tokenizer import Tokenizer, TokenizerError
 from tracing.grpc_context import TracingServerInterceptor
 from tracing.otel_setup import setup_tracing
 

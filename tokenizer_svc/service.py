@@ -15,12 +15,12 @@ import grpc
 
 from shardline.errors import InvalidArgument
 from shardline.proto import common_pb2, tokenizer_pb2, tokenizer_pb2_grpc
+from shardline.text.chat_template import ChatTemplate, ChatTemplateError
+from shardline.text.detokenizer import PREFIX_WINDOW, DetokenizeItem, detokenize_batch
+from shardline.text.tokenizer import Tokenizer
 from tokenizer_svc.chat_messages import template_messages, template_tools, template_variables
-from tokenizer_svc.chat_template import ChatTemplate, ChatTemplateError
-from tokenizer_svc.detokenizer import PREFIX_WINDOW, DetokenizeItem, detokenize_batch
 from tokenizer_svc.prompt_size import PromptSize
 from tokenizer_svc.structured_output_check import StructuredOutputChecker
-from tokenizer_svc.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -92,7 +92,7 @@ class GrammarBackend:
     @classmethod
     def for_model(cls, model: str | None, logits_width: int, stop_token_ids: list[int]) -> GrammarBackend:
         """The backend of the model a runner serves: its tokenizer gives each token's bytes."""
-        from tokenizer_svc.tokenizer import Tokenizer, TokenizerError  # the same vocabulary files the service reads
+        from shardline.text.tokenizer import Tokenizer, TokenizerError  # the same vocabulary files the service reads
 
         start = time.perf_counter()
         try:

@@ -9,9 +9,9 @@ from gpu_worker_svc.engine.sampling_params import SamplingParams
 from gpu_worker_svc.server.main import build_engine
 from gpu_worker_svc.server.settings import WorkerSettings
 from shardline.model_path import resolve_model_path
-from tokenizer_svc.chat_template import ChatTemplate
-from tokenizer_svc.detokenizer import IncrementalDetokenizer
-from tokenizer_svc.tokenizer import Tokenizer
+from shardline.text.chat_template import ChatTemplate
+from shardline.text.detokenizer import IncrementalDetokenizer
+from shardline.text.tokenizer import Tokenizer
 
 
 class LocalGenerator:

@@ -15,7 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from shardline.model_path import default_model_path
 from shardline.ports import free_port
-from tokenizer_svc.tokenizer import Tokenizer
+from shardline.text.tokenizer import Tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
 # Prose, then characters the default model splits over several tokens, so the gateway must hold

@@ -8,11 +8,11 @@ import openai
 import pytest
 
 from shardline.client import AsyncShardlineClient
+from shardline.text.chat_template import ChatTemplate
+from shardline.text.tokenizer import Tokenizer
 from tests.gateway.harness import Stack, run_on_stack
 from tests.gateway.scripted_scheduler import MODEL, Script
 from tests.gateway.test_openai_http import client
-from tokenizer_svc.chat_template import ChatTemplate
-from tokenizer_svc.tokenizer import Tokenizer
 
 
 def test_chat_rendering_options_over_http(tokenizer_address, text_ids, tokenizer: Tokenizer) -> None:

@@ -8,11 +8,11 @@ import aiohttp
 import openai
 import pytest
 
+from shardline.text.chat_template import ChatTemplate
+from shardline.text.tokenizer import Tokenizer
 from tests.gateway.conftest import TEXT
 from tests.gateway.harness import Stack, run_on_stack
 from tests.gateway.scripted_scheduler import MODEL, Script
-from tokenizer_svc.chat_template import ChatTemplate
-from tokenizer_svc.tokenizer import Tokenizer
 from tracing import attributes as attr
 
 PROMPT = "Write one sentence about a fox."

@@ -6,11 +6,11 @@ import aiohttp
 import pytest
 
 from gateway import stream_hub
+from shardline.text.tokenizer import Tokenizer
 from tests.gateway.conftest import TEXT
 from tests.gateway.harness import Stack, run_on_stack
 from tests.gateway.scripted_scheduler import MODEL, Script
 from tests.gateway.test_openai_http import PROMPT, client, sse_events
-from tokenizer_svc.tokenizer import Tokenizer
 
 
 @pytest.mark.parametrize("tokens_per_step", [1, 3])

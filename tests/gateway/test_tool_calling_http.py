@@ -9,12 +9,12 @@ import grpc
 import openai
 import pytest
 
+from shardline.client import AsyncShardlineClient, Completion, ToolCall
+from shardline.text.chat_template import ChatTemplate
+from shardline.text.tokenizer import Tokenizer
 from tests.gateway.harness import Stack, run_on_stack
 from tests.gateway.scripted_scheduler import MODEL, Script
-from shardline.client import AsyncShardlineClient, Completion, ToolCall
 from tests.gateway.test_openai_http import client
-from tokenizer_svc.chat_template import ChatTemplate
-from tokenizer_svc.tokenizer import Tokenizer
 from tracing import attributes as attr
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {

@@ -14,7 +14,7 @@ from shardline.ports import free_port
 from shardline.proto import sampling_pb2, tokenizer_pb2, tokenizer_pb2_grpc
 from tests.gateway.conftest import start_tokenizer
 from tokenizer_svc.prompt_size import PromptSize
-from tokenizer_svc.tokenizer import Tokenizer
+from shardline.text.tokenizer import Tokenizer
 
 CONTEXT = 8192  # the default model's
 

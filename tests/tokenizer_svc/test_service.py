@@ -16,13 +16,13 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from shardline.model_path import model_name
 from shardline.proto import sampling_pb2, tokenizer_pb2, tokenizer_pb2_grpc
-from tokenizer_svc.chat_template import ChatTemplate
-from tokenizer_svc.detokenizer import PREFIX_WINDOW, next_prefix
+from shardline.text.chat_template import ChatTemplate
+from shardline.text.detokenizer import PREFIX_WINDOW, next_prefix
+from shardline.text.tokenizer import Tokenizer, TokenizerError
 from tokenizer_svc.main import main, parse_settings
 from tokenizer_svc.server import (SERVICE_NAME, build_service, max_context_length, read_chat_template,
                                   start_tokenizer_server)
 from tokenizer_svc.service import TokenizerService
-from tokenizer_svc.tokenizer import Tokenizer, TokenizerError
 
 Stub = tokenizer_pb2_grpc.TokenizerStub
 
@@ -239,7 +239,7 @@ def test_main_fails_cleanly_on_a_missing_model(tmp_path: Path) -> None:
     assert main(["--port", "0", "--model", str(tmp_path / "missing.gguf")]) == 1
 
 
-HERMES_TEMPLATE = Path(__file__).with_name("hermes_tool_template.jinja")
+HERMES_TEMPLATE = Path(__file__).parents[1] / "shardline" / "text" / "hermes_tool_template.jinja"
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
 

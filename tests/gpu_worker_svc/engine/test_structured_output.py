@@ -15,8 +15,8 @@ from gpu_worker_svc.engine.model_runner import RunnerConfig
 from gpu_worker_svc.engine.sampling_params import SamplingParams
 from shardline.model_path import default_model_path
 from shardline.structured_output import StructuredOutputSpec
-from tokenizer_svc.chat_template import ChatTemplate
-from tokenizer_svc.tokenizer import Tokenizer
+from shardline.text.chat_template import ChatTemplate
+from shardline.text.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.slow
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tokenizer_svc.tokenizer import Tokenizer
+from shardline.text.tokenizer import Tokenizer
 
 EMOJI = "😀"  # four bytes, which both vocabularies below split over tokens
 
@@ -46,7 +46,7 @@ def test_added_tokens_are_read_as_the_decoder_reads_them() -> None:
     from tokenizers import AddedToken, decoders, models
     from tokenizers import Tokenizer as BackendTokenizer
 
-    from tokenizer_svc.token_bytes import TokenBytes
+    from shardline.text.token_bytes import TokenBytes
 
     backend = BackendTokenizer(models.BPE(vocab={"a": 0}, merges=[]))
     backend.decoder = decoders.ByteLevel()

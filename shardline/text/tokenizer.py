@@ -18,8 +18,8 @@ from typing import Any
 from tokenizers import Tokenizer as BackendTokenizer
 
 from shardline.gguf_file import GGUFError, GGUFFile
-from tokenizer_svc.gguf_tokenizer import build_gguf_backend, post_processor
-from tokenizer_svc.token_bytes import TokenBytes
+from shardline.text.gguf_tokenizer import build_gguf_backend, post_processor
+from shardline.text.token_bytes import TokenBytes
 
 logger = logging.getLogger(__name__)
 

@@ -33,7 +33,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from tokenizer_svc.tokenizer import Tokenizer
+from shardline.text.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 import pytest
-from tokenizer_svc.tokenizer import Tokenizer, TokenizerError
+from shardline.text.tokenizer import Tokenizer, TokenizerError
 
 
 @pytest.mark.parametrize("add_special_tokens", [True, False])

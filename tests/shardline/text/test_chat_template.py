@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tokenizer_svc.chat_template import ChatTemplate, ChatTemplateError
+from shardline.text.chat_template import ChatTemplate, ChatTemplateError
 
 CONVERSATIONS = {
     "system_and_user": [

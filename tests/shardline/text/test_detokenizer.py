@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from tokenizer_svc.detokenizer import (
+from shardline.text.detokenizer import (
     PREFIX_WINDOW,
     DetokenizeItem,
     IncrementalDetokenizer,
@@ -14,7 +14,7 @@ from tokenizer_svc.detokenizer import (
     detokenize_incremental,
     next_prefix,
 )
-from tokenizer_svc.tokenizer import Tokenizer
+from shardline.text.tokenizer import Tokenizer
 
 # Characters whose bytes the default model spreads over several tokens, back to back.
 SPLIT_HEAVY = "😀😃🙏🏽👨‍👩‍👧‍👦🇫🇷 中文测试你好世界 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 ẞ Ærøskøbing 🏳️‍🌈"
