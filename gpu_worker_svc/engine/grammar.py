@@ -14,16 +14,13 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Sequence as Seq
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from shardline.model_path import resolve_model_path
 from shardline.structured_output import StructuredOutputSpec, compile_error, load_xgrammar
-
-if TYPE_CHECKING:
-    from gpu_worker_svc.engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
 
@@ -149,21 +146,23 @@ class GrammarBackend:
         return matcher
 
 
-def mask_logits(logits: torch.Tensor, seqs: list[Sequence], drafts: list[list[int]] | None = None) -> torch.Tensor:
+def mask_logits(logits: torch.Tensor, matchers: Seq[GrammarMatcher | None],
+                drafts: list[list[int]] | None = None) -> torch.Tensor:
     """`logits` with every token that the rows' grammars forbid set to -inf; other rows unchanged.
-    `drafts[r]`: draft tokens row r follows (n-gram speculation): its mask is the one after them.
+    `matchers[r]`: row r's grammar, None for an unconstrained row. `drafts[r]`: draft tokens row r
+    follows (n-gram speculation): its mask is the one after them.
 
     The bitmask is unpacked a byte at a time, through a table of the 256 bytes' 8 additive masks
     (0 or -inf): one embedding lookup and one add for the step. At 16 rows of 49k tokens that is
     0.4 ms here, where shifting out the bits, or xgrammar's own CPU kernel, took 3-4 ms.
     """
-    rows = [i for i, seq in enumerate(seqs) if seq.grammar is not None]
+    rows = [i for i, matcher in enumerate(matchers) if matcher is not None]
     if not rows:
         return logits
     vocab = logits.shape[1]
     bitmask = torch.full((len(rows), (vocab + _BITS - 1) // _BITS), -1, dtype=torch.int32)
     for k, i in enumerate(rows):
-        seqs[i].grammar.fill(bitmask, k, drafts[i] if drafts is not None else ())
+        matchers[i].fill(bitmask, k, drafts[i] if drafts is not None else ())
     # Little-endian words: byte j of a row holds tokens 8j .. 8j + 7, token 8j + b at bit b.
     codes = bitmask.view(torch.uint8).to(logits.device).long()  # widened on the device: 8x fewer bytes copied
     add = F.embedding(codes, _byte_masks(logits.device, logits.dtype)).view(len(rows), -1)[:, :vocab]

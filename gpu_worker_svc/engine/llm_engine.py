@@ -21,8 +21,8 @@ from gpu_worker_svc.engine.block_pool import BlockPool
 from gpu_worker_svc.engine.grammar import GrammarBackend
 from gpu_worker_svc.engine.model_runner import ModelRunner, PromptLogits, RunnerConfig
 from gpu_worker_svc.engine.ngram_proposer import NgramIndex, SpeculativeConfig
-from gpu_worker_svc.engine.outputs import GenerationResult, RequestOutput, StepOutput, StepStats
-from gpu_worker_svc.engine.sampler import Sampler, TokenLogprobs, select_rows
+from gpu_worker_svc.engine.outputs import GenerationResult, RequestOutput, StepOutput, StepStats, TokenLogprobs
+from gpu_worker_svc.engine.sampler import Sampler, select_rows
 from gpu_worker_svc.engine.sampling_params import SamplingParams
 from gpu_worker_svc.engine.sequence import Sequence
 from gpu_worker_svc.model.attention_metadata import StepBatch

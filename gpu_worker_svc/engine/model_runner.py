@@ -21,7 +21,8 @@ import torch
 from gpu_worker_svc.engine.cuda_graphs import DecodeGraphs
 from shardline.host_memory import keep_freed_host_memory
 from gpu_worker_svc.engine.kv_cache import allocate_kv_cache, calibration_prefill, num_blocks_for, profile_forward
-from gpu_worker_svc.engine.sampler import TokenLogprobs, token_logprobs
+from gpu_worker_svc.engine.outputs import TokenLogprobs
+from gpu_worker_svc.engine.sampler import token_logprobs
 from gpu_worker_svc.model.attention_metadata import StepBatch, build_step
 from gpu_worker_svc.model.config import ModelConfig
 from gpu_worker_svc.model.layers.invariant_attention import check_invariant_attention

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from gpu_worker_svc.engine.sampler import TokenLogprobs
+
+@dataclass(slots=True)
+class TokenLogprobs:
+    token_id: int  # the sampled token
+    logprob: float  # its log-probability under the raw logits
+    rank: int  # how many tokens have a logprob at least as high (vLLM's rank; 1: the most likely)
+    top: list[tuple[int, float]]  # the top N (token id, logprob), most likely first
 
 
 @dataclass(slots=True)

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from gpu_worker_svc.engine.grammar import mask_logits
+from gpu_worker_svc.engine.outputs import TokenLogprobs
 from gpu_worker_svc.engine.penalties import PenaltyState, param_column
 from gpu_worker_svc.engine.sequence import Sequence
 
@@ -30,14 +31,6 @@ _MASK64 = (1 << 64) - 1
 # Tokens a top-p row looks among before it sorts its whole vocabulary.
 _NUCLEUS_HEAD = 1024
 _GOLDEN_GAMMA = 0x9E3779B97F4A7C15
-
-
-@dataclass(slots=True)
-class TokenLogprobs:
-    token_id: int  # the sampled token
-    logprob: float  # its log-probability under the raw logits
-    rank: int  # how many tokens have a logprob at least as high (vLLM's rank; 1: the most likely)
-    top: list[tuple[int, float]]  # the top N (token id, logprob), most likely first
 
 
 @dataclass(slots=True)
@@ -106,7 +99,8 @@ class Sampler:
 
         logits = self._logit_bias.apply(logits, seqs)
         logits = self._penalties.apply(logits, seqs, drafts)
-        logits = mask_logits(logits, seqs, drafts)  # structured output: after the biases, so none re-allows a token
+        # Structured output: after the biases, so none re-allows a token.
+        logits = mask_logits(logits, [seq.grammar for seq in seqs], drafts)
         logits = _mask_early_stops(logits, seqs, ahead)
 
         sampled_rows = [i for i, seq in enumerate(seqs) if not seq.params.is_greedy]

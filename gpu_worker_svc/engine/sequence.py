@@ -13,7 +13,7 @@ from shardline.structured_output import DEAD_END
 if TYPE_CHECKING:
     from gpu_worker_svc.engine.grammar import GrammarMatcher
     from gpu_worker_svc.engine.ngram_proposer import NgramIndex
-    from gpu_worker_svc.engine.sampler import TokenLogprobs
+    from gpu_worker_svc.engine.outputs import TokenLogprobs
 
 
 class RequestStatus(IntEnum):

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 from gpu_worker_svc.engine.llm_engine import LLMEngine
-from gpu_worker_svc.engine.outputs import RequestOutput, StepStats
-from gpu_worker_svc.engine.sampler import TokenLogprobs
+from gpu_worker_svc.engine.outputs import RequestOutput, StepStats, TokenLogprobs
 from shardline.proto import common_pb2, sampling_pb2, worker_pb2
 
 FINISH_REASONS = {

@@ -43,7 +43,7 @@ def test_the_mask_matches_the_grammars_bitmask_row_by_row(backend):
             _seq("free2", None, backend, [5, 6]),
             _seq("digits", StructuredOutputSpec("regex", "[0-9]+"), backend, [ids[b"7"]])]
     logits = torch.randn(len(seqs), WIDTH)
-    masked = mask_logits(logits, seqs)
+    masked = mask_logits(logits, [seq.grammar for seq in seqs])
 
     for row, seq in enumerate(seqs):
         if seq.grammar is None:
@@ -63,7 +63,7 @@ def test_the_mask_matches_the_grammars_bitmask_row_by_row(backend):
 
 def test_an_unconstrained_batch_is_returned_as_is(backend):
     logits = torch.randn(3, WIDTH)
-    assert mask_logits(logits, [_seq(f"s{i}", None, backend, []) for i in range(3)]) is logits
+    assert mask_logits(logits, [_seq(f"s{i}", None, backend, []).grammar for i in range(3)]) is logits
 
 
 def test_a_resume_replays_the_output_and_refuses_a_stray_token(backend):
@@ -104,8 +104,8 @@ def test_rows_after_drafts_get_the_grammars_mask_after_them(backend):
     drafts = [ids[b'{"'], ids[b"a"], ids[b'":'], ids[b"7"], ids[b"true"]]
     assert seq.grammar.valid_prefix(drafts) == 3  # a 7 is no boolean
     logits = torch.randn(4, WIDTH)
-    masked = mask_logits(logits, [seq] * 4, [drafts[:k] for k in range(4)])
+    masked = mask_logits(logits, [seq.grammar] * 4, [drafts[:k] for k in range(4)])
     for k in range(4):
         further = _seq(f"s{k}", schema, backend, drafts[:k])
-        assert torch.equal(masked[k], mask_logits(logits[k : k + 1], [further])[0]), k
-    assert torch.equal(mask_logits(logits[:1], [seq])[0], masked[0])  # back where it was
+        assert torch.equal(masked[k], mask_logits(logits[k : k + 1], [further.grammar])[0]), k
+    assert torch.equal(mask_logits(logits[:1], [seq.grammar])[0], masked[0])  # back where it was
