@@ -14,9 +14,12 @@ from urllib.parse import urlsplit, urlunsplit
 from pydantic import ValidationError
 from redis.exceptions import RedisError
 
+from shardline.errors import Unavailable
+
 # Failures to start that the message alone explains: a bad value, a taken port or a missing file,
-# Redis unreachable or refusing the password.
-STARTUP_ERRORS: tuple[type[Exception], ...] = (ValueError, OSError, RedisError)
+# Redis unreachable or refusing the password, a dependency unavailable (the request store's own
+# word for an unreachable Redis).
+STARTUP_ERRORS: tuple[type[Exception], ...] = (ValueError, OSError, RedisError, Unavailable)
 
 _started = False
 

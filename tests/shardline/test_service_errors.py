@@ -25,7 +25,7 @@ def serve(service: str, *args: str, **env: str) -> subprocess.CompletedProcess:
     ("gateway", [], {"SHARDLINE_HTTP_PORT": "99999"}, 2, "SHARDLINE_HTTP_PORT (--http-port) input should be less"),
     ("gateway", [], {"SHARDLINE_REQUEST_TIMEOUT_S": "soon"}, 2, "SHARDLINE_REQUEST_TIMEOUT_S"),
     ("tokenizer", ["--port", "99999"], {}, 2, "SHARDLINE_PORT (--port)"),
-    ("scheduler", ["--port", "0", "--redis-url", NO_REDIS], {}, 1, "scheduler cannot start: Error 111 connecting"),
+    ("scheduler", ["--port", "0", "--redis-url", NO_REDIS], {}, 1, "scheduler cannot start: redis unavailable: Error 111 connecting"),
     ("scheduler", ["--port", "0", "--redis-url", "notaurl"], {}, 1, "scheduler cannot start: Redis URL must"),
     ("scheduler", ["--queue-capacity", "0"], {}, 2, "SHARDLINE_QUEUE_CAPACITY"),
     ("tracing", ["--otlp-port", "0", "--http-port", "0", "--redis-url", NO_REDIS], {}, 1,
