@@ -1,4 +1,4 @@
-"""Shardline's shared core: config, stubs, the Redis state store, the CLI and the SDK."""
+"""Shardline's shared core: config, stubs, the Redis state store, the text library, the CLI and the SDK."""
 
 import os
 
