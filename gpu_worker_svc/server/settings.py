@@ -59,13 +59,13 @@ class WorkerSettings(BaseSettings):
     # CPU, int8 or fp32 oneDNN weights: batch-invariant attention (model/layers/invariant_attention.py)
     # and rank-ordered TP sums. A request's tokens and logprobs are then bitwise the same alone or
     # batched, from the prefix cache or not, and resumed on another worker of the same CPU type;
-    # ~10% fewer tokens/s with short prompts, ~35% with 2048-token ones (README, Benchmarks).
+    # ~10% fewer tokens/s with short prompts, ~35% with 2048-token ones (docs/benchmarks.md).
     batch_invariant: bool = False
     # N-gram speculation (engine/ngram_proposer.py): up to this many draft tokens per decode, looked up
     # in the request's own prompt and output, checked in the same step; 0: off. The tokens are those
     # of decoding one by one (bitwise so with batch_invariant; otherwise a near-tie may round the other
     # way, as batching may). Text that repeats its context (code edits, quotes) runs several tokens a
-    # step; at high batch on CPU the drafts' compute eats the gain (README, Benchmarks).
+    # step; at high batch on CPU the drafts' compute eats the gain (docs/benchmarks.md).
     num_speculative_tokens: int = Field(0, ge=0, le=16)
     # Torch intra-op threads of rank 0; 0 leaves the engine's choice (cores / tp_size).
     torch_threads: int = Field(0, ge=0)
