@@ -31,11 +31,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", type=Path, default=Path("results/batch_invariance.json"))
     args = ap.parse_args(argv)
-    engines = {mode: LLMEngine(EngineConfig(
-        runner=RunnerConfig(model=args.model, quantization=args.quantization, batch_invariant=mode == "invariant",
-                            max_model_len=args.input_len + args.output_len + 16),
-        scheduler=SchedulerConfig(max_num_seqs=max(args.concurrency), max_num_batched_tokens=8192)))
-        for mode in ("fused", "invariant")}
+    engines = {
+        mode: LLMEngine(
+            EngineConfig(
+                runner=RunnerConfig(
+                    model=args.model,
+                    quantization=args.quantization,
+                    batch_invariant=mode == "invariant",
+                    max_model_len=args.input_len + args.output_len + 16,
+                ),
+                scheduler=SchedulerConfig(max_num_seqs=max(args.concurrency), max_num_batched_tokens=8192),
+            )
+        )
+        for mode in ("fused", "invariant")
+    }
     vocab = engines["fused"].model_config.vocab_size
     rows = []
     try:
@@ -49,19 +58,29 @@ def main(argv: list[str] | None = None) -> int:
                 result = {mode: bench_engine(engines[mode], prompts, args.output_len)["tok_s"] for mode in order}
                 rounds.append({**result, "ratio": result["invariant"] / result["fused"]})
             ratios = [x["ratio"] for x in rounds]
-            rows.append({"concurrency": c, "rounds": rounds, "ratio": statistics.median(ratios),
-                         "ratio_range": (min(ratios), max(ratios)),
-                         **{mode: statistics.median(x[mode] for x in rounds) for mode in engines}})
+            rows.append(
+                {
+                    "concurrency": c,
+                    "rounds": rounds,
+                    "ratio": statistics.median(ratios),
+                    "ratio_range": (min(ratios), max(ratios)),
+                    **{mode: statistics.median(x[mode] for x in rounds) for mode in engines},
+                }
+            )
     finally:
         for engine in engines.values():
             engine.shutdown()
-    print(f"\nmodel={args.model or 'default'} quantization={args.quantization or 'none'} "
-          f"in={args.input_len} out={args.output_len}, medians of {args.rounds} alternating rounds")
+    print(
+        f"\nmodel={args.model or 'default'} quantization={args.quantization or 'none'} "
+        f"in={args.input_len} out={args.output_len}, medians of {args.rounds} alternating rounds"
+    )
     print(f"{'conc':>5} {'fused tok/s':>12} {'invariant tok/s':>16} {'ratio':>7} {'range':>11}")
     for row in rows:
         low, high = row["ratio_range"]
-        print(f"{row['concurrency']:>5} {row['fused']:>12.1f} {row['invariant']:>16.1f} {row['ratio']:>7.3f} "
-              f"{low:.2f}-{high:.2f}")
+        print(
+            f"{row['concurrency']:>5} {row['fused']:>12.1f} {row['invariant']:>16.1f} {row['ratio']:>7.3f} "
+            f"{low:.2f}-{high:.2f}"
+        )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"args": vars(args) | {"out": str(args.out)}, "rows": rows}, indent=2))
     return 0

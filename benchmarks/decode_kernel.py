@@ -41,12 +41,16 @@ def main(argv: list[str] | None = None) -> int:
     if kernel is None:
         print("the CPU kernels cannot be built on this machine: nothing to compare")
         return 1
-    engine = LLMEngine(EngineConfig(
-        runner=RunnerConfig(model=args.model, quantization=args.quantization,
-                            max_model_len=args.input_len + args.output_len + 16),
-        scheduler=SchedulerConfig(max_num_seqs=args.concurrency, max_num_batched_tokens=8192),
-        speculative=SpeculativeConfig(num_speculative_tokens=args.num_speculative_tokens),
-        enable_prefix_caching=False))  # each round's prompts run twice: both sides must prefill them
+    engine = LLMEngine(
+        EngineConfig(
+            runner=RunnerConfig(
+                model=args.model, quantization=args.quantization, max_model_len=args.input_len + args.output_len + 16
+            ),
+            scheduler=SchedulerConfig(max_num_seqs=args.concurrency, max_num_batched_tokens=8192),
+            speculative=SpeculativeConfig(num_speculative_tokens=args.num_speculative_tokens),
+            enable_prefix_caching=False,
+        )
+    )  # each round's prompts run twice: both sides must prefill them
     vocab = engine.model_config.vocab_size
     paths = {"kernel": cpu_build.paged_decode_attention, "torch": lambda: None}
     runs: dict[str, list[dict]] = {side: [] for side in SIDES}
@@ -61,15 +65,22 @@ def main(argv: list[str] | None = None) -> int:
         cpu_build.paged_decode_attention = paths["kernel"]
         engine.shutdown()
     ratios = [k["tok_s"] / t["tok_s"] for k, t in zip(runs["kernel"], runs["torch"])]
-    result = {"args": vars(args), "runs": runs,
-              "ratio": {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}}
-    print(f"concurrency {args.concurrency}, {args.input_len} in / {args.output_len} out, "
-          f"quantization {args.quantization or 'none'}, drafts {args.num_speculative_tokens}, {args.rounds} rounds")
+    result = {
+        "args": vars(args),
+        "runs": runs,
+        "ratio": {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)},
+    }
+    print(
+        f"concurrency {args.concurrency}, {args.input_len} in / {args.output_len} out, "
+        f"quantization {args.quantization or 'none'}, drafts {args.num_speculative_tokens}, {args.rounds} rounds"
+    )
     for side in SIDES:
         tok_s = [run["tok_s"] for run in runs[side]]
         steps = [run["decode_step_ms_p50"] for run in runs[side] if run["decode_step_ms_p50"] is not None]
         step = f"{statistics.median(steps):.2f} ms" if steps else "-"
-        print(f"  {side:6s} {statistics.median(tok_s):8.1f} tok/s ({min(tok_s):.1f}-{max(tok_s):.1f}), decode step {step}")
+        print(
+            f"  {side:6s} {statistics.median(tok_s):8.1f} tok/s ({min(tok_s):.1f}-{max(tok_s):.1f}), decode step {step}"
+        )
     print(f"  kernel / torch: {result['ratio']['median']:.3f}x ({min(ratios):.3f}-{max(ratios):.3f})")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -59,9 +59,15 @@ def bench_engine(engine: LLMEngine, prompts: list[list[int]], out_len: int) -> d
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - t0
     decode_times.sort()
-    return {"tok_s": produced / elapsed, "seconds": elapsed, "tokens": produced, "prefix_cache_hit_tokens": cached,
-            "decode_step_ms_p50": 1000 * decode_times[len(decode_times) // 2] if decode_times else None,
-            "draft_tokens": drafts, "accepted_tokens": accepted}
+    return {
+        "tok_s": produced / elapsed,
+        "seconds": elapsed,
+        "tokens": produced,
+        "prefix_cache_hit_tokens": cached,
+        "decode_step_ms_p50": 1000 * decode_times[len(decode_times) // 2] if decode_times else None,
+        "draft_tokens": drafts,
+        "accepted_tokens": accepted,
+    }
 
 
 def load_hf(model: str | None, device: str, dtype: torch.dtype):
@@ -70,22 +76,39 @@ def load_hf(model: str | None, device: str, dtype: torch.dtype):
     if is_dummy(model):
         c = dummy_config(str(model))
         cfg = transformers.LlamaConfig(
-            vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
-            num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads,
-            head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps, rope_theta=c.rope_theta, rope_scaling=c.rope_scaling,
-            max_position_embeddings=c.max_position_embeddings, tie_word_embeddings=c.tie_word_embeddings)
+            vocab_size=c.vocab_size,
+            hidden_size=c.hidden_size,
+            intermediate_size=c.intermediate_size,
+            num_hidden_layers=c.num_layers,
+            num_attention_heads=c.num_heads,
+            num_key_value_heads=c.num_kv_heads,
+            head_dim=c.head_dim,
+            rms_norm_eps=c.rms_norm_eps,
+            rope_theta=c.rope_theta,
+            rope_scaling=c.rope_scaling,
+            max_position_embeddings=c.max_position_embeddings,
+            tie_word_embeddings=c.tie_word_embeddings,
+        )
         with torch.device(device):
             return transformers.LlamaForCausalLM(cfg).to(dtype).eval()
     path = resolve_model_path(model)
-    return transformers.AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=dtype).to(device).eval()
+    return (
+        transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
+        .to(device)
+        .eval()
+    )
 
 
 @torch.inference_mode()
 def bench_hf(hf, prompts: list[list[int]], out_len: int, device: str) -> dict:
     ids = torch.tensor(prompts, device=device)
-    kwargs = dict(max_new_tokens=out_len, min_new_tokens=out_len, do_sample=False, pad_token_id=0,
-                  attention_mask=torch.ones_like(ids))
+    kwargs = dict(
+        max_new_tokens=out_len,
+        min_new_tokens=out_len,
+        do_sample=False,
+        pad_token_id=0,
+        attention_mask=torch.ones_like(ids),
+    )
     if device.startswith("cuda"):
         torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -116,22 +139,39 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
-    ap.add_argument("--quantization", default=None, choices=sorted(QUANTIZATIONS),
-                    help="a CPU weight format (gpu_worker_svc/model/layers/quantize.py)")
-    ap.add_argument("--num-speculative-tokens", type=int, nargs="+", default=[0],
-                    help="n-gram speculation's draft tokens per decode (0: off); several: a row each")
+    ap.add_argument(
+        "--quantization",
+        default=None,
+        choices=sorted(QUANTIZATIONS),
+        help="a CPU weight format (gpu_worker_svc/model/layers/quantize.py)",
+    )
+    ap.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        nargs="+",
+        default=[0],
+        help="n-gram speculation's draft tokens per decode (0: off); several: a row each",
+    )
     ap.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
     ap.add_argument("--rounds", type=int, default=3, help="engine/HF alternations per concurrency (medians reported)")
     ap.add_argument("--out", default="results/engine_vs_hf.json")
     args = ap.parse_args(argv)
     dtype_name = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
 
-    engine = LLMEngine(EngineConfig(
-        runner=RunnerConfig(model=args.model, device=args.device, dtype=dtype_name, quantization=args.quantization,
-                            max_model_len=args.input_len + args.output_len + 16),
-        scheduler=SchedulerConfig(max_num_seqs=max(args.concurrency), max_num_batched_tokens=8192),
-        # Each speculation setting runs a round's prompts again: none may come from the prefix cache.
-        enable_prefix_caching=len(args.num_speculative_tokens) == 1))
+    engine = LLMEngine(
+        EngineConfig(
+            runner=RunnerConfig(
+                model=args.model,
+                device=args.device,
+                dtype=dtype_name,
+                quantization=args.quantization,
+                max_model_len=args.input_len + args.output_len + 16,
+            ),
+            scheduler=SchedulerConfig(max_num_seqs=max(args.concurrency), max_num_batched_tokens=8192),
+            # Each speculation setting runs a round's prompts again: none may come from the prefix cache.
+            enable_prefix_caching=len(args.num_speculative_tokens) == 1,
+        )
+    )
     vocab = engine.model_config.vocab_size
     hf = None if args.no_hf else load_hf(args.model, args.device, getattr(torch, dtype_name))
     rows = []
@@ -161,12 +201,16 @@ def main(argv: list[str] | None = None) -> int:
         rows += [_row(engine, c, k, rounds, args) for k, rounds in by_k.items()]
     engine.shutdown()
 
-    print(f"\nmodel={args.model or 'default'} device={args.device} dtype={dtype_name} "
-          f"quantization={args.quantization or 'none'} "
-          f"in={args.input_len} out={args.output_len}")
+    print(
+        f"\nmodel={args.model or 'default'} device={args.device} dtype={dtype_name} "
+        f"quantization={args.quantization or 'none'} "
+        f"in={args.input_len} out={args.output_len}"
+    )
     print(f"medians of {args.rounds} alternating rounds")
-    print(f"{'conc':>5} {'drafts':>6} {'shardline tok/s':>16} {'HF tok/s':>10} {'ratio':>7} {'ratio range':>13} "
-          f"{'decode step ms':>15} {'MBU':>6} {'accepted':>9}")
+    print(
+        f"{'conc':>5} {'drafts':>6} {'shardline tok/s':>16} {'HF tok/s':>10} {'ratio':>7} {'ratio range':>13} "
+        f"{'decode step ms':>15} {'MBU':>6} {'accepted':>9}"
+    )
     for r in rows:
         hf_tok = f"{r['hf']['tok_s']:.1f}" if "hf" in r else "-"
         ratio = f"{r['ratio']:.2f}x" if "ratio" in r else "-"
@@ -174,9 +218,11 @@ def main(argv: list[str] | None = None) -> int:
         step = r["shardline"]["decode_step_ms_p50"]
         m = r.get("mbu")
         accepted = f"{r['acceptance']:.0%}" if r["acceptance"] is not None else "-"
-        print(f"{r['concurrency']:>5} {r['num_speculative_tokens']:>6} {r['shardline']['tok_s']:>16.1f} {hf_tok:>10} "
-              f"{ratio:>7} {spread:>13} {step if step is None else round(step, 2)!s:>15} "
-              f"{'-' if m is None else f'{m:.1%}':>6} {accepted:>9}")
+        print(
+            f"{r['concurrency']:>5} {r['num_speculative_tokens']:>6} {r['shardline']['tok_s']:>16.1f} {hf_tok:>10} "
+            f"{ratio:>7} {spread:>13} {step if step is None else round(step, 2)!s:>15} "
+            f"{'-' if m is None else f'{m:.1%}':>6} {accepted:>9}"
+        )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=2))
     return 0
@@ -185,18 +231,25 @@ def main(argv: list[str] | None = None) -> int:
 def _row(engine: LLMEngine, c: int, k: int, rounds: list[dict], args: argparse.Namespace) -> dict:
     """Medians over the rounds of one concurrency and speculation setting."""
     drafts = sum(x["shardline"]["draft_tokens"] for x in rounds)
-    row = {"concurrency": c, "num_speculative_tokens": k, "rounds": rounds,
-           "shardline": {"tok_s": statistics.median([x["shardline"]["tok_s"] for x in rounds]),
-                         "decode_step_ms_p50": statistics.median(
-                             [x["shardline"]["decode_step_ms_p50"] or 0 for x in rounds]) or None},
-           "acceptance": sum(x["shardline"]["accepted_tokens"] for x in rounds) / drafts if drafts else None}
+    row = {
+        "concurrency": c,
+        "num_speculative_tokens": k,
+        "rounds": rounds,
+        "shardline": {
+            "tok_s": statistics.median([x["shardline"]["tok_s"] for x in rounds]),
+            "decode_step_ms_p50": statistics.median([x["shardline"]["decode_step_ms_p50"] or 0 for x in rounds])
+            or None,
+        },
+        "acceptance": sum(x["shardline"]["accepted_tokens"] for x in rounds) / drafts if drafts else None,
+    }
     if "hf" in rounds[0]:
         row["hf"] = {"tok_s": statistics.median([x["hf"]["tok_s"] for x in rounds])}
         row["ratio"] = statistics.median([x["ratio"] for x in rounds])
         row["ratio_range"] = (min(x["ratio"] for x in rounds), max(x["ratio"] for x in rounds))
     if c == 1:
-        row["mbu"] = mbu(engine, row["shardline"]["decode_step_ms_p50"], args.input_len + args.output_len // 2,
-                         args.device)
+        row["mbu"] = mbu(
+            engine, row["shardline"]["decode_step_ms_p50"], args.input_len + args.output_len // 2, args.device
+        )
     return row
 
 

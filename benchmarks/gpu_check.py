@@ -25,8 +25,15 @@ def correctness(device: str, out: dict) -> None:
     import transformers
 
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    cfg = transformers.LlamaConfig(
+        vocab_size=1000,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+    )
     hf = transformers.LlamaForCausalLM(cfg).eval()
     with tempfile.TemporaryDirectory() as tmp:
         hf.save_pretrained(tmp)
@@ -34,14 +41,26 @@ def correctness(device: str, out: dict) -> None:
         hf = hf.to(device)
         results = {}
         for graphs in (False, True):
-            e = LLMEngine(EngineConfig(runner=RunnerConfig(model=tmp, device=device, dtype="float32",
-                                                           cuda_graphs=graphs, num_blocks=64)))
+            e = LLMEngine(
+                EngineConfig(
+                    runner=RunnerConfig(model=tmp, device=device, dtype="float32", cuda_graphs=graphs, num_blocks=64)
+                )
+            )
             gen = e.generate(prompts, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
             results[graphs] = [r.token_ids for r in gen]
             e.shutdown()
         with torch.no_grad():
-            hf_greedy = hf.generate(torch.tensor(prompts, device=device), max_new_tokens=40, do_sample=False,
-                                    min_new_tokens=40, pad_token_id=0).cpu()[:, 21:].tolist()
+            hf_greedy = (
+                hf.generate(
+                    torch.tensor(prompts, device=device),
+                    max_new_tokens=40,
+                    do_sample=False,
+                    min_new_tokens=40,
+                    pad_token_id=0,
+                )
+                .cpu()[:, 21:]
+                .tolist()
+            )
     out["graphs_equal_eager"] = results[True] == results[False]
     out["eager_equal_hf_greedy"] = results[False] == hf_greedy
     out["graphs_equal_hf_greedy"] = results[True] == hf_greedy
@@ -60,8 +79,18 @@ def main() -> int:
     print(json.dumps(out, indent=1), flush=True)
     if not args.skip_bench:
         for model, conc in (("dummy:llama-3.2-1b", [1, 64]), ("dummy:smollm2-135m", [1, 64])):
-            engine_vs_hf.main(["--device", args.device, "--model", model, "--concurrency", *map(str, conc),
-                               "--out", f"{Path(args.out).parent}/bench_{model.split(':')[1]}.json"])
+            engine_vs_hf.main(
+                [
+                    "--device",
+                    args.device,
+                    "--model",
+                    model,
+                    "--concurrency",
+                    *map(str, conc),
+                    "--out",
+                    f"{Path(args.out).parent}/bench_{model.split(':')[1]}.json",
+                ]
+            )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1))
     return 0

@@ -77,8 +77,9 @@ class _ServerCpu:
 async def _unary(port: int, server_cpu: _ServerCpu, bursts: int, concurrency: int, input_len: int) -> dict[str, float]:
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
         stub = scheduler_pb2_grpc.SchedulerStub(channel)
-        request = scheduler_pb2.SubmitRequest(request_id="r" * 36, gateway_id="g", model="m",
-                                              prompt_token_ids=list(range(input_len)))
+        request = scheduler_pb2.SubmitRequest(
+            request_id="r" * 36, gateway_id="g", model="m", prompt_token_ids=list(range(input_len))
+        )
         await stub.Submit(request)  # connect first
         server0, client0, walls = server_cpu.ms(), 1000 * time.process_time(), []
         for _ in range(bursts):
@@ -87,13 +88,16 @@ async def _unary(port: int, server_cpu: _ServerCpu, bursts: int, concurrency: in
             walls.append(1000 * (time.perf_counter() - start))
         calls = bursts * concurrency
         client1 = 1000 * time.process_time()
-        return {"server_cpu_ms_per_call": (server_cpu.ms() - server0) / calls,
-                "client_cpu_ms_per_call": (client1 - client0) / calls,
-                "burst_wall_ms_median": statistics.median(walls)}
+        return {
+            "server_cpu_ms_per_call": (server_cpu.ms() - server0) / calls,
+            "client_cpu_ms_per_call": (client1 - client0) / calls,
+            "burst_wall_ms_median": statistics.median(walls),
+        }
 
 
 async def _streams(port: int, arrivals: mp.Queue, bursts: int, concurrency: int, input_len: int) -> dict[str, float]:
     async with AsyncShardlineClient(f"127.0.0.1:{port}", retries=0) as client:
+
         async def one() -> None:
             async for _ in client.stream(list(range(100, 100 + input_len)), max_tokens=1):
                 pass
@@ -121,19 +125,26 @@ def main(argv: list[str] | None = None) -> int:
     server.start()
     try:
         port = ports.get(timeout=60)
-        unary = asyncio.run(_unary(port, _ServerCpu(cpu_asks, cpu_answers), args.bursts, args.concurrency, args.input_len))
+        unary = asyncio.run(
+            _unary(port, _ServerCpu(cpu_asks, cpu_answers), args.bursts, args.concurrency, args.input_len)
+        )
         streams = asyncio.run(_streams(port, arrivals, args.bursts, args.concurrency, args.input_len))
     finally:
         server.kill()
         server.join()
     print(f"bare grpc.aio, {args.bursts} bursts of {args.concurrency}, {args.input_len}-token requests")
-    print(f"  unary: server {unary['server_cpu_ms_per_call']:.3f} ms CPU/call, client "
-          f"{unary['client_cpu_ms_per_call']:.3f} ms CPU/call, burst {unary['burst_wall_ms_median']:.1f} ms (median)")
-    print(f"  SDK streams: the last of a burst reaches the server {streams['last_arrival_ms_median']:.1f} ms "
-          f"after the first is sent (median; best {streams['last_arrival_ms_min']:.1f})")
+    print(
+        f"  unary: server {unary['server_cpu_ms_per_call']:.3f} ms CPU/call, client "
+        f"{unary['client_cpu_ms_per_call']:.3f} ms CPU/call, burst {unary['burst_wall_ms_median']:.1f} ms (median)"
+    )
+    print(
+        f"  SDK streams: the last of a burst reaches the server {streams['last_arrival_ms_median']:.1f} ms "
+        f"after the first is sent (median; best {streams['last_arrival_ms_min']:.1f})"
+    )
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"args": vars(args) | {"out": str(args.out)}, "unary": unary,
-                                    "streams": streams}, indent=2))
+    args.out.write_text(
+        json.dumps({"args": vars(args) | {"out": str(args.out)}, "unary": unary, "streams": streams}, indent=2)
+    )
     return 0
 
 

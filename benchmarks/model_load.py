@@ -105,8 +105,10 @@ def print_table(rows: list[dict]) -> None:
     print(f"{'TP':>3} {'ready s':>8} {'(min)':>6} {'import s':>9} {'construct s':>12}  peak RSS per rank (MiB)")
     for row in rows:
         rss = ", ".join(f"r{i}={v:.0f}" for i, v in enumerate(row["peak_rss_mib_per_rank"]))
-        print(f"{row['tp']:>3} {row['ready_s_median']:>8.2f} {row['ready_s_min']:>6.2f} "
-              f"{row['import_s_median']:>9.2f} {row['construct_s_median']:>12.2f}  {rss}")
+        print(
+            f"{row['tp']:>3} {row['ready_s_median']:>8.2f} {row['ready_s_min']:>6.2f} "
+            f"{row['import_s_median']:>9.2f} {row['construct_s_median']:>12.2f}  {rss}"
+        )
 
 
 def print_profile(path: Path, top: int = 25) -> None:
@@ -121,8 +123,12 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="HF folder or .gguf file (default: the default model)")
     parser.add_argument("--tp", type=int, nargs="+", default=[1, 3])
     parser.add_argument("--repeats", type=int, default=3, help="fresh processes per TP size")
-    parser.add_argument("--num-blocks", type=int, default=64,
-                        help="KV blocks per rank; small, so the numbers are the model's, not the cache's")
+    parser.add_argument(
+        "--num-blocks",
+        type=int,
+        default=64,
+        help="KV blocks per rank; small, so the numbers are the model's, not the cache's",
+    )
     parser.add_argument("--profile", action="store_true", help="cProfile one TP 1 load and print the top functions")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--profile-to", type=Path, default=None, help=argparse.SUPPRESS)
@@ -132,13 +138,19 @@ def main() -> None:
         print(json.dumps(measure(args.model, args.tp[0], args.num_blocks, args.profile_to)))
         return
 
-    rows = [summarize([run_fresh(args.model, tp, args.num_blocks, None) for _ in range(args.repeats)])
-            for tp in args.tp]
+    rows = [
+        summarize([run_fresh(args.model, tp, args.num_blocks, None) for _ in range(args.repeats)]) for tp in args.tp
+    ]
     print_table(rows)
     slow = [r["tp"] for r in rows if r["ready_s_median"] > GOAL_S]
     print(f"goal: ready in <= {GOAL_S:.0f} s: " + (f"missed at TP {slow}" if slow else "met"))
-    report = {"model": args.model or "default", "cpu_count": os.cpu_count(), "num_blocks": args.num_blocks,
-              "goal_s": GOAL_S, "results": rows}
+    report = {
+        "model": args.model or "default",
+        "cpu_count": os.cpu_count(),
+        "num_blocks": args.num_blocks,
+        "goal_s": GOAL_S,
+        "results": rows,
+    }
     RESULTS.parent.mkdir(exist_ok=True)
     profile = RESULTS.with_suffix(".prof")
     if args.profile:

@@ -26,9 +26,13 @@ from pathlib import Path
 
 from shardline.client import AsyncShardlineClient
 
-HOPS = [("client -> arrival", "sent", "arrival"), ("arrival -> dispatch", "arrival", "dispatch"),
-        ("dispatch -> first token", "dispatch", "first_token"), ("first token -> client", "first_token", "ttft"),
-        ("TTFT", "sent", "ttft")]
+HOPS = [
+    ("client -> arrival", "sent", "arrival"),
+    ("arrival -> dispatch", "arrival", "dispatch"),
+    ("dispatch -> first token", "dispatch", "first_token"),
+    ("first token -> client", "first_token", "ttft"),
+    ("TTFT", "sent", "ttft"),
+]
 
 
 async def _one(client: AsyncShardlineClient, prompt: list[int], output_len: int) -> dict:
@@ -50,8 +54,7 @@ async def walk(url: str, waves: int, concurrency: int, input_len: int, output_le
             wave = await asyncio.gather(*(_one(client, prompt(), output_len) for _ in range(concurrency)))
             for record in wave:
                 info = await client.get_request(record["request_id"])
-                record.update(arrival=info.arrival_time, dispatch=info.dispatch_time,
-                              first_token=info.first_token_time)
+                record.update(arrival=info.arrival_time, dispatch=info.dispatch_time, first_token=info.first_token_time)
             results.append(list(wave))
     return results
 
@@ -96,8 +99,9 @@ def main(argv: list[str] | None = None) -> int:
         for name, v in summary.items():
             print(f"{name:34s}" + "".join(f"{v[k]:10.1f}" if k in v else f"{'':10s}" for k in ("min", "median", "max")))
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"args": vars(args) | {"out": str(args.out)}, "waves": summaries,
-                                    "requests": waves}, indent=2))
+    args.out.write_text(
+        json.dumps({"args": vars(args) | {"out": str(args.out)}, "waves": summaries, "requests": waves}, indent=2)
+    )
     print(f"\nwrote {args.out}")
     return 0
 

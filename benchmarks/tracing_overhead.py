@@ -46,8 +46,14 @@ def parse_args() -> argparse.Namespace:
 async def _measure(url: str, spec: LoadSpec) -> dict:
     backend = StackBackend(url)
     try:
-        warm = LoadSpec(num_prompts=4, input_len=spec.input_len, output_len=4, max_concurrency=4,
-                        seed=spec.seed + 100, vocab_size=spec.vocab_size)
+        warm = LoadSpec(
+            num_prompts=4,
+            input_len=spec.input_len,
+            output_len=4,
+            max_concurrency=4,
+            seed=spec.seed + 100,
+            vocab_size=spec.vocab_size,
+        )
         await run_load(warm, backend.send, "warm-up")
         timings, wall = await run_load(spec, backend.send, "load")
     finally:
@@ -76,32 +82,54 @@ def main() -> int:
     logging.basicConfig(level=logging.WARNING)
     from gpu_worker_svc.model.loader import load_config
 
-    spec = LoadSpec(args.num_prompts, args.input_len, args.output_len, float("inf"), args.max_concurrency, 0,
-                    load_config(args.model).vocab_size)
+    spec = LoadSpec(
+        args.num_prompts,
+        args.input_len,
+        args.output_len,
+        float("inf"),
+        args.max_concurrency,
+        0,
+        load_config(args.model).vocab_size,
+    )
     runs: dict[str, list[dict]] = {"off": [], "on": []}
     with tempfile.TemporaryDirectory(prefix="tracing-overhead-") as tmp:
         for round_no in range(args.rounds):
             for mode in ("off", "on"):
                 result = run_once(mode == "on", spec, args.model, Path(tmp) / str(round_no))
                 runs[mode].append(result)
-                print(f"round {round_no + 1} tracing {mode:>3}: {result['output_throughput']:8.1f} tok/s, "
-                      f"TTFT p50 {result['ttft_ms']['median']:7.1f} ms, TPOT p50 {result['tpot_ms']['median']:6.1f} ms"
-                      + (f", {result['spans_stored']} spans stored" if mode == "on" else ""), flush=True)
-    summary = {mode: {
-        "output_throughput": statistics.mean(r["output_throughput"] for r in results),
-        "ttft_p50_ms": statistics.mean(r["ttft_ms"]["median"] for r in results),
-        "tpot_p50_ms": statistics.mean(r["tpot_ms"]["median"] for r in results),
-        "failed": sum(r["failed"] for r in results),
-    } for mode, results in runs.items()}
+                print(
+                    f"round {round_no + 1} tracing {mode:>3}: {result['output_throughput']:8.1f} tok/s, "
+                    f"TTFT p50 {result['ttft_ms']['median']:7.1f} ms, TPOT p50 {result['tpot_ms']['median']:6.1f} ms"
+                    + (f", {result['spans_stored']} spans stored" if mode == "on" else ""),
+                    flush=True,
+                )
+    summary = {
+        mode: {
+            "output_throughput": statistics.mean(r["output_throughput"] for r in results),
+            "ttft_p50_ms": statistics.mean(r["ttft_ms"]["median"] for r in results),
+            "tpot_p50_ms": statistics.mean(r["tpot_ms"]["median"] for r in results),
+            "failed": sum(r["failed"] for r in results),
+        }
+        for mode, results in runs.items()
+    }
     ratio = summary["on"]["output_throughput"] / summary["off"]["output_throughput"]
-    print(f"\n{spec.num_prompts} prompts, {spec.input_len} in / {spec.output_len} out, concurrency "
-          f"{spec.max_concurrency}, {args.rounds} round(s) per mode")
-    print(f"output throughput: off {summary['off']['output_throughput']:.1f} tok/s, "
-          f"on {summary['on']['output_throughput']:.1f} tok/s; on/off {ratio:.3f} "
-          f"(tracing costs {100 * (1 - ratio):+.1f}%)")
+    print(
+        f"\n{spec.num_prompts} prompts, {spec.input_len} in / {spec.output_len} out, concurrency "
+        f"{spec.max_concurrency}, {args.rounds} round(s) per mode"
+    )
+    print(
+        f"output throughput: off {summary['off']['output_throughput']:.1f} tok/s, "
+        f"on {summary['on']['output_throughput']:.1f} tok/s; on/off {ratio:.3f} "
+        f"(tracing costs {100 * (1 - ratio):+.1f}%)"
+    )
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"load": vars(args) | {"out": str(args.out)}, "summary": summary,
-                                    "on_off_ratio": ratio, "runs": runs}, indent=2, default=str))
+    args.out.write_text(
+        json.dumps(
+            {"load": vars(args) | {"out": str(args.out)}, "summary": summary, "on_off_ratio": ratio, "runs": runs},
+            indent=2,
+            default=str,
+        )
+    )
     print(f"wrote {args.out}")
     return 0
 

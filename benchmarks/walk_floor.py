@@ -44,8 +44,16 @@ import redis as redis_py
 
 from shardline.client import AsyncShardlineClient
 from shardline.client.channel_options import CHANNEL_OPTIONS
-from shardline.proto import (common_pb2, generation_pb2, generation_pb2_grpc, sampling_pb2, scheduler_pb2,
-                             scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc)
+from shardline.proto import (
+    common_pb2,
+    generation_pb2,
+    generation_pb2_grpc,
+    sampling_pb2,
+    scheduler_pb2,
+    scheduler_pb2_grpc,
+    worker_pb2,
+    worker_pb2_grpc,
+)
 from shardline.redis_server import EmbeddedRedis
 from shardline.request_record import RequestRecord
 from shardline.request_store import PREFIX, RequestStore
@@ -76,8 +84,12 @@ class _Worker(worker_pb2_grpc.WorkerServicer):
             if len(pending) >= self._burst:
                 step += 1
                 self._stamps.put(time.time())
-                yield worker_pb2.StepOutput(step=step, deltas=[
-                    common_pb2.RequestDelta(request_id=r, token_ids=[1], finish_reason=_LENGTH) for r in pending])
+                yield worker_pb2.StepOutput(
+                    step=step,
+                    deltas=[
+                        common_pb2.RequestDelta(request_id=r, token_ids=[1], finish_reason=_LENGTH) for r in pending
+                    ],
+                )
                 pending = []
 
 
@@ -108,8 +120,11 @@ class _Scheduler(scheduler_pb2_grpc.SchedulerServicer):
         if self._store is not None:
             record = RequestRecord(request_id=request_id, model="m", params={"max_tokens": 1}, gateway_id="g")
             await self._store.create(record, prompt_token_ids)
-        self._commands.put_nowait(worker_pb2.WorkerCommand(add=[worker_pb2.NewRequest(
-            request_id=request_id, prompt_token_ids=prompt_token_ids, params=params)]))
+        self._commands.put_nowait(
+            worker_pb2.WorkerCommand(
+                add=[worker_pb2.NewRequest(request_id=request_id, prompt_token_ids=prompt_token_ids, params=params)]
+            )
+        )
 
     async def Submit(self, request, context):
         await self.submit(request.request_id, request.prompt_token_ids, request.params)
@@ -158,8 +173,12 @@ async def _drain(queue: asyncio.Queue):
 def _run_scheduler(worker_port: int, redis_url: str | None, ports: mp.Queue) -> None:
     async def main() -> None:
         scheduler = _Scheduler(RequestStore(redis_url) if redis_url else None)
-        server = await _serve(scheduler_pb2_grpc.add_SchedulerServicer_to_server, scheduler, ports,
-                              (worker_pb2_grpc.add_WorkerServicer_to_server, _StreamedSubmit(scheduler)))
+        server = await _serve(
+            scheduler_pb2_grpc.add_SchedulerServicer_to_server,
+            scheduler,
+            ports,
+            (worker_pb2_grpc.add_WorkerServicer_to_server, _StreamedSubmit(scheduler)),
+        )
         await scheduler.relay(worker_port)
         await server.wait_for_termination()
 
@@ -187,15 +206,31 @@ class _Gateway(generation_pb2_grpc.GenerationServicer):
     async def GenerateStream(self, request, context):
         done = self._waiting[request.request_id] = asyncio.get_running_loop().create_future()
         if self._session is not None:
-            self._submits.put_nowait(worker_pb2.WorkerCommand(add=[worker_pb2.NewRequest(
-                request_id=request.request_id, prompt_token_ids=request.prompt_token_ids.ids, params=request.params)]))
+            self._submits.put_nowait(
+                worker_pb2.WorkerCommand(
+                    add=[
+                        worker_pb2.NewRequest(
+                            request_id=request.request_id,
+                            prompt_token_ids=request.prompt_token_ids.ids,
+                            params=request.params,
+                        )
+                    ]
+                )
+            )
         else:
-            await self._scheduler.Submit(scheduler_pb2.SubmitRequest(
-                request_id=request.request_id, gateway_id="g", model="m",
-                prompt_token_ids=request.prompt_token_ids.ids, params=request.params))
+            await self._scheduler.Submit(
+                scheduler_pb2.SubmitRequest(
+                    request_id=request.request_id,
+                    gateway_id="g",
+                    model="m",
+                    prompt_token_ids=request.prompt_token_ids.ids,
+                    params=request.params,
+                )
+            )
         delta = await done
-        yield generation_pb2.GenerateStreamResponse(request_id=request.request_id, token_ids=delta.token_ids,
-                                                    finish_reason=delta.finish_reason)
+        yield generation_pb2.GenerateStreamResponse(
+            request_id=request.request_id, token_ids=delta.token_ids, finish_reason=delta.finish_reason
+        )
 
 
 def _run_gateway(scheduler_port: int, streamed_submit: bool, ports: mp.Queue) -> None:
@@ -217,6 +252,7 @@ async def _bursts(port: int, stamps: mp.Queue, bursts: int, concurrency: int, in
     send to the median stream's first chunk), and TTFT p50 with each request timed from just before
     its own send, as `shardline bench` times it."""
     async with AsyncShardlineClient(f"127.0.0.1:{port}", retries=0) as client:
+
         async def first_chunk() -> tuple[float, float]:
             start = time.time()
             async for _ in client.stream(list(range(100, 100 + input_len)), max_tokens=1):
@@ -229,9 +265,13 @@ async def _bursts(port: int, stamps: mp.Queue, bursts: int, concurrency: int, in
         for _ in range(bursts):
             times = await asyncio.gather(*(first_chunk() for _ in range(concurrency)))
             first_send, sent = min(start for start, _ in times), stamps.get(timeout=60)
-            results.append({"last_dispatch_ms": 1000 * (sent - first_send),
-                            "relay_ms": 1000 * (statistics.median(end for _, end in times) - sent),
-                            "ttft_p50_ms": 1000 * statistics.median(end - start for start, end in times)})
+            results.append(
+                {
+                    "last_dispatch_ms": 1000 * (sent - first_send),
+                    "relay_ms": 1000 * (statistics.median(end for _, end in times) - sent),
+                    "ttft_p50_ms": 1000 * statistics.median(end - start for start, end in times),
+                }
+            )
         return results
 
 
@@ -241,8 +281,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--no-redis", action="store_true", help="leave out the Redis write (to see its share)")
-    ap.add_argument("--streamed-submit", action="store_true",
-                    help="the gateway submits on one stream to the scheduler, not a unary call per request")
+    ap.add_argument(
+        "--streamed-submit",
+        action="store_true",
+        help="the gateway submits on one stream to the scheduler, not a unary call per request",
+    )
     ap.add_argument("--out", type=Path, default=Path("results/walk_floor.json"))
     args = ap.parse_args(argv)
     ctx = mp.get_context("spawn")
@@ -262,27 +305,52 @@ def main(argv: list[str] | None = None) -> int:
             gateway = start(_run_gateway, scheduler, args.streamed_submit)
             ports.get(timeout=60)  # the gateway is subscribed
             bursts = asyncio.run(_bursts(gateway, stamps, args.bursts, args.concurrency, args.input_len))
-            persisted = 0 if args.no_redis else sum(
-                1 for _ in redis_py.Redis.from_url(redis.url).scan_iter(f"{PREFIX}req:*", count=1000, _type="HASH"))
+            persisted = (
+                0
+                if args.no_redis
+                else sum(
+                    1 for _ in redis_py.Redis.from_url(redis.url).scan_iter(f"{PREFIX}req:*", count=1000, _type="HASH")
+                )
+            )
         finally:
             for child in reversed(children):  # the gateway first: a child whose peer died first would complain
                 child.kill()
                 child.join()
-    summary = {key: {"median": statistics.median(b[key] for b in bursts), "min": min(b[key] for b in bursts),
-                     "max": max(b[key] for b in bursts)} for key in ("last_dispatch_ms", "relay_ms", "ttft_p50_ms")}
+    summary = {
+        key: {
+            "median": statistics.median(b[key] for b in bursts),
+            "min": min(b[key] for b in bursts),
+            "max": max(b[key] for b in bursts),
+        }
+        for key in ("last_dispatch_ms", "relay_ms", "ttft_p50_ms")
+    }
     work = ("no work" if args.no_redis else "no work but one Redis write per request") + (
-        "; requests submitted on one stream" if args.streamed_submit else "")
-    print(f"bare services ({work}), {args.bursts} bursts of {args.concurrency} "
-          f"streams, {args.input_len}-token prompts; ms")
+        "; requests submitted on one stream" if args.streamed_submit else ""
+    )
+    print(
+        f"bare services ({work}), {args.bursts} bursts of {args.concurrency} "
+        f"streams, {args.input_len}-token prompts; ms"
+    )
     print(f"  {'hop':<44}{'min':>8}{'median':>8}{'max':>8}")
-    for key, label in (("last_dispatch_ms", "last of the burst reaches the worker"),
-                       ("relay_ms", "worker's step -> client (median stream)"),
-                       ("ttft_p50_ms", "TTFT p50 (each from its own send)")):
+    for key, label in (
+        ("last_dispatch_ms", "last of the burst reaches the worker"),
+        ("relay_ms", "worker's step -> client (median stream)"),
+        ("ttft_p50_ms", "TTFT p50 (each from its own send)"),
+    ):
         s = summary[key]
         print(f"  {label:<44}{s['min']:>8.1f}{s['median']:>8.1f}{s['max']:>8.1f}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"args": vars(args) | {"out": str(args.out)}, "summary": summary,
-                                    "requests_persisted": persisted, "bursts": bursts}, indent=2))
+    args.out.write_text(
+        json.dumps(
+            {
+                "args": vars(args) | {"out": str(args.out)},
+                "summary": summary,
+                "requests_persisted": persisted,
+                "bursts": bursts,
+            },
+            indent=2,
+        )
+    )
     return 0
 
 

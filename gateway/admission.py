@@ -20,9 +20,12 @@ from shardline.errors import ResourceExhausted
 
 logger = logging.getLogger(__name__)
 
-REFUSED = Counter("shardline_gateway_refused", "Requests the gateway refused before any work, by reason "
-                                               "(admitting: its own bound; queue_full: the scheduler's queue).",
-                  ["reason"])
+REFUSED = Counter(
+    "shardline_gateway_refused",
+    "Requests the gateway refused before any work, by reason "
+    "(admitting: its own bound; queue_full: the scheduler's queue).",
+    ["reason"],
+)
 # How often refusals are logged: once per interval, with how many there were.
 LOG_INTERVAL_S = 1.0
 
@@ -54,8 +57,10 @@ class Admission:
         self.check_queue()
         if self.admitting + count > self.max_admitting:
             self._refuse("admitting")
-            raise ResourceExhausted(f"the gateway is admitting {self.admitting} requests already (at most "
-                                    f"{self.max_admitting}): retry later")
+            raise ResourceExhausted(
+                f"the gateway is admitting {self.admitting} requests already (at most "
+                f"{self.max_admitting}): retry later"
+            )
 
     def check_queue(self) -> None:
         """ResourceExhausted while the scheduler's queue was lately found full: no work for a refused Submit."""
@@ -75,7 +80,11 @@ class Admission:
         now = time.monotonic()
         if now - self._logged_at >= LOG_INTERVAL_S:
             counts = ", ".join(f"{n} for {why}" for why, n in sorted(self._refused.items()))
-            logger.warning("refused requests with 429 before any work: %s (admitting %d of %d)", counts,
-                           self.admitting, self.max_admitting)
+            logger.warning(
+                "refused requests with 429 before any work: %s (admitting %d of %d)",
+                counts,
+                self.admitting,
+                self.max_admitting,
+            )
             self._refused.clear()
             self._logged_at = now

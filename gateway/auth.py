@@ -36,7 +36,6 @@ class ApiKeys:
         if not any([hmac.compare_digest(key.strip().encode(), known) for known in self._keys]):
             raise Unauthenticated("invalid API key")
 
-
     def owner(self, authorization: str | None) -> str:
         """Who a request belongs to: a digest of the caller's key (never the key itself, which then
         never reaches Redis), or "" when keys are off and every caller may act on every request.

@@ -32,11 +32,14 @@ class Backends:
     def __init__(self, tokenizer_address: str, scheduler_address: str, max_tokenizer_calls: int = 32) -> None:
         # The interceptors put the caller's trace context on every rpc, so Submit joins the request's trace.
         self._tokenizer_channel = grpc.aio.insecure_channel(
-            tokenizer_address, options=GRPC_OPTIONS, interceptors=aio_client_interceptors())
+            tokenizer_address, options=GRPC_OPTIONS, interceptors=aio_client_interceptors()
+        )
         self._scheduler_channel = grpc.aio.insecure_channel(
-            scheduler_address, options=GRPC_OPTIONS, interceptors=aio_client_interceptors())
-        self.tokenizer = BoundedTokenizer(tokenizer_pb2_grpc.TokenizerStub(self._tokenizer_channel),
-                                          max_tokenizer_calls)
+            scheduler_address, options=GRPC_OPTIONS, interceptors=aio_client_interceptors()
+        )
+        self.tokenizer = BoundedTokenizer(
+            tokenizer_pb2_grpc.TokenizerStub(self._tokenizer_channel), max_tokenizer_calls
+        )
         self.scheduler = scheduler_pb2_grpc.SchedulerStub(self._scheduler_channel)
         self._info: tokenizer_pb2.TokenizerInfo | None = None
 
@@ -45,7 +48,8 @@ class Backends:
         if self._info is None:
             with upstream("tokenizer"):
                 self._info = await self.tokenizer.GetInfo(
-                    tokenizer_pb2.GetTokenizerInfoRequest(), timeout=RPC_TIMEOUT_S)
+                    tokenizer_pb2.GetTokenizerInfoRequest(), timeout=RPC_TIMEOUT_S
+                )
         return self._info
 
     async def scheduler_ready(self) -> None:
@@ -55,7 +59,8 @@ class Backends:
     async def health(self) -> dict[str, bool]:
         """Whether each dependency answers its gRPC health check."""
         tokenizer, scheduler = await asyncio.gather(
-            _serving(self._tokenizer_channel), _serving(self._scheduler_channel))
+            _serving(self._tokenizer_channel), _serving(self._scheduler_channel)
+        )
         return {"tokenizer": tokenizer, "scheduler": scheduler}
 
     async def close(self) -> None:
@@ -66,7 +71,8 @@ class Backends:
 async def _serving(channel: grpc.aio.Channel) -> bool:
     try:
         reply = await health_pb2_grpc.HealthStub(channel).Check(
-            health_pb2.HealthCheckRequest(), timeout=HEALTH_TIMEOUT_S)
+            health_pb2.HealthCheckRequest(), timeout=HEALTH_TIMEOUT_S
+        )
     except grpc.aio.AioRpcError:
         return False
     return reply.status == health_pb2.HealthCheckResponse.SERVING

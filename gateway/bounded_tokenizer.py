@@ -41,12 +41,14 @@ class BoundedTokenizer:
         async with self._slot():
             return await self._stub.Tokenize(request, timeout=timeout)
 
-    async def ApplyChatTemplate(self, request: tokenizer_pb2.ApplyChatTemplateRequest,
-                                timeout: float) -> tokenizer_pb2.ApplyChatTemplateResponse:
+    async def ApplyChatTemplate(
+        self, request: tokenizer_pb2.ApplyChatTemplateRequest, timeout: float
+    ) -> tokenizer_pb2.ApplyChatTemplateResponse:
         async with self._slot():
             return await self._stub.ApplyChatTemplate(request, timeout=timeout)
 
-    async def CheckStructuredOutput(self, request: tokenizer_pb2.CheckStructuredOutputRequest,
-                                    timeout: float) -> tokenizer_pb2.CheckStructuredOutputResponse:
+    async def CheckStructuredOutput(
+        self, request: tokenizer_pb2.CheckStructuredOutputRequest, timeout: float
+    ) -> tokenizer_pb2.CheckStructuredOutputResponse:
         async with self._slot():
             return await self._stub.CheckStructuredOutput(request, timeout=timeout)

@@ -59,12 +59,20 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         if tools is not None:
             message, finish_reason = ToolCallOutput(tools).message(completion.text, finish_reason)
             text = message["content"] or ""
-            calls = [sampling_pb2.ToolCall(id=c["id"], name=c["function"]["name"], arguments=c["function"]["arguments"])
-                     for c in message.get("tool_calls", ())]
+            calls = [
+                sampling_pb2.ToolCall(id=c["id"], name=c["function"]["name"], arguments=c["function"]["arguments"])
+                for c in message.get("tool_calls", ())
+            ]
         return generation_pb2.GenerateResponse(
-            request_id=spec.request_id, text=text, token_ids=completion.token_ids,
-            logprobs=completion.logprobs, finish_reason=_FINISH_REASONS[finish_reason or "abort"],
-            usage=completion.usage, prompt_logprobs=completion.prompt_logprobs, tool_calls=calls)
+            request_id=spec.request_id,
+            text=text,
+            token_ids=completion.token_ids,
+            logprobs=completion.logprobs,
+            finish_reason=_FINISH_REASONS[finish_reason or "abort"],
+            usage=completion.usage,
+            prompt_logprobs=completion.prompt_logprobs,
+            tool_calls=calls,
+        )
 
     async def GenerateStream(
         self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -78,8 +86,9 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         try:
             with trace.use_span(span):  # current while submitting: the Submit rpc carries the trace
                 live = await self._runner.start(spec, span)
-            stream_out = self._tracer.start_span("stream_out", context=trace.set_span_in_context(span),
-                                                 attributes={attr.REQUEST_ID: spec.request_id})
+            stream_out = self._tracer.start_span(
+                "stream_out", context=trace.set_span_in_context(span), attributes={attr.REQUEST_ID: spec.request_id}
+            )
             try:
                 async for chunk in live.chunks():
                     yield _stream_response(spec.request_id, chunk, output)
@@ -128,10 +137,18 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         stop = StopMatcher(list(params.stop))
         eos = (await self._runner.backends.tokenizer_info()).eos_token_ids
         # Deltas wait in `buffered` until the record is in, so none is lost or doubled around Attach.
-        hub.register(RequestStream(info.request_id, info.usage.prompt_tokens, params.skip_special_tokens, stop,
-                                   buffered=[], min_tokens=params.min_tokens,
-                                   wants_prompt_logprobs=params.HasField("prompt_logprobs"),
-                                   stop_token_ids=frozenset(eos) | frozenset(params.stop_token_ids)))
+        hub.register(
+            RequestStream(
+                info.request_id,
+                info.usage.prompt_tokens,
+                params.skip_special_tokens,
+                stop,
+                buffered=[],
+                min_tokens=params.min_tokens,
+                wants_prompt_logprobs=params.HasField("prompt_logprobs"),
+                stop_token_ids=frozenset(eos) | frozenset(params.stop_token_ids),
+            )
+        )
         try:
             if running:
                 attach = scheduler_pb2.AttachRequest(request_id=info.request_id, gateway_id=self._gateway_id)
@@ -157,7 +174,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         as an unknown one is: with keys on, a key reads, resumes and cancels only its own requests."""
         with upstream("scheduler"):
             info = await self._scheduler.GetRequest(
-                common_pb2.GetRequestRequest(request_id=request_id), timeout=RPC_TIMEOUT_S)
+                common_pb2.GetRequestRequest(request_id=request_id), timeout=RPC_TIMEOUT_S
+            )
         if info.owner != self._keys.grpc_owner(context):
             raise NotFound(f"request_id: no request {request_id!r}")
         return info
@@ -171,8 +189,9 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         info = await self._runner.backends.tokenizer_info()
         resolve_parser(tools, self._runner.settings.tool_call_parser, info.tool_call_format, "tools.choice")
 
-    async def _spec(self, request: generation_pb2.GenerateRequest,
-                    owner: str) -> tuple[GenerationSpec, ToolRequest | None]:
+    async def _spec(
+        self, request: generation_pb2.GenerateRequest, owner: str
+    ) -> tuple[GenerationSpec, ToolRequest | None]:
         """The request as a GenerationSpec, and its tools (their constraint, if any, in its params)."""
         kind = request.WhichOneof("input")
         if kind is None:
@@ -180,8 +199,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         prompt = {
             "prompt": lambda: Prompt(text=request.prompt),
             "messages": lambda: Prompt(chat=_chat(request.messages), field="messages"),
-            "prompt_token_ids": lambda: Prompt(
-                token_ids=list(request.prompt_token_ids.ids), field="prompt_token_ids"),
+            "prompt_token_ids": lambda: Prompt(token_ids=list(request.prompt_token_ids.ids), field="prompt_token_ids"),
         }[kind]()
         if request.HasField("request_id"):
             request_id = require_id(request.request_id, "request_id", MAX_REQUEST_ID_LENGTH)
@@ -199,10 +217,17 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             await self._resolve_parser(tools)
             keep_tool_call_tags(tools, request.params)
         return GenerationSpec(
-            request_id=request_id, model=request.model, prompt=prompt, params=request.params,
-            default_max_tokens=self._runner.settings.default_max_tokens, priority=request.priority,
-            timeout_s=timeout_s, field_prefix="params.", structured_output_field=structured_output_field,
-            owner=owner), tools
+            request_id=request_id,
+            model=request.model,
+            prompt=prompt,
+            params=request.params,
+            default_max_tokens=self._runner.settings.default_max_tokens,
+            priority=request.priority,
+            timeout_s=timeout_s,
+            field_prefix="params.",
+            structured_output_field=structured_output_field,
+            owner=owner,
+        ), tools
 
 
 def _positive_seconds(duration: duration_pb2.Duration, field: str) -> float:
@@ -219,16 +244,22 @@ def _positive_seconds(duration: duration_pb2.Duration, field: str) -> float:
 
 def _chat(messages: generation_pb2.ChatMessages) -> tokenizer_pb2.ApplyChatTemplateRequest:
     generation_prompt = messages.add_generation_prompt if messages.HasField("add_generation_prompt") else None
-    return chat_request(list(messages.messages), generation_prompt, messages.continue_final_message,
-                        messages.template_kwargs_json, prefix="messages.")
+    return chat_request(
+        list(messages.messages),
+        generation_prompt,
+        messages.continue_final_message,
+        messages.template_kwargs_json,
+        prefix="messages.",
+    )
 
 
 def _tool_attributes(tools: ToolRequest | None) -> dict[str, str]:
     return {attr.TOOL_CHOICE: tools.choice} if tools is not None else {}
 
 
-def _stream_response(request_id: str, chunk: StreamChunk,
-                     tools: ToolCallOutput | None = None) -> generation_pb2.GenerateStreamResponse:
+def _stream_response(
+    request_id: str, chunk: StreamChunk, tools: ToolCallOutput | None = None
+) -> generation_pb2.GenerateStreamResponse:
     """One chunk on the wire; with tools, its text split into what the model said and its calls."""
     if (failure := chunk.failure()) is not None:
         raise failure
@@ -237,10 +268,17 @@ def _stream_response(request_id: str, chunk: StreamChunk,
         text, pieces = tools.feed(chunk.text, final=finish_reason is not None)
         finish_reason = tools.finish_reason(finish_reason)
     response = generation_pb2.GenerateStreamResponse(
-        request_id=request_id, text=text, token_ids=chunk.token_ids, offset=chunk.offset,
-        logprobs=chunk.logprobs, prompt_logprobs=chunk.prompt_logprobs,
-        tool_calls=[generation_pb2.ToolCallDelta(index=p.index, id=p.id or "", name=p.name or "",
-                                                 arguments=p.arguments) for p in pieces])
+        request_id=request_id,
+        text=text,
+        token_ids=chunk.token_ids,
+        offset=chunk.offset,
+        logprobs=chunk.logprobs,
+        prompt_logprobs=chunk.prompt_logprobs,
+        tool_calls=[
+            generation_pb2.ToolCallDelta(index=p.index, id=p.id or "", name=p.name or "", arguments=p.arguments)
+            for p in pieces
+        ],
+    )
     if finish_reason is not None:
         response.finish_reason = _FINISH_REASONS[finish_reason]
         response.usage.CopyFrom(chunk.usage)

@@ -40,8 +40,12 @@ class HealthMirror:
             dependencies = await self._backends.health()
             serving = all(dependencies.values()) and self._hub.connected
             if serving != self._serving:
-                logger.warning("gRPC health: %s (%s, subscribed: %s)", "SERVING" if serving else "NOT_SERVING",
-                               ", ".join(f"{name}: {ok}" for name, ok in dependencies.items()), self._hub.connected)
+                logger.warning(
+                    "gRPC health: %s (%s, subscribed: %s)",
+                    "SERVING" if serving else "NOT_SERVING",
+                    ", ".join(f"{name}: {ok}" for name, ok in dependencies.items()),
+                    self._hub.connected,
+                )
                 self._serving = serving
                 await self._server.set_serving(serving, self._names)
             await asyncio.sleep(CHECK_INTERVAL_S)

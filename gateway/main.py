@@ -24,9 +24,11 @@ def parse_settings(argv: list[str] | None) -> GatewaySettings:
     parser.add_argument("--api-keys", help="comma-separated accepted API keys (default: no authentication)")
     parser.add_argument("--max-prompt-tokens", type=int, help="longest prompt accepted, in tokens")
     parser.add_argument("--max-tokens-limit", type=int, help="largest max_tokens accepted")
-    parser.add_argument("--default-max-tokens", type=int,
-                        help="cap on max_tokens of chat and gRPC requests that give none (default: the rest "
-                             "of the context)")
+    parser.add_argument(
+        "--default-max-tokens",
+        type=int,
+        help="cap on max_tokens of chat and gRPC requests that give none (default: the rest of the context)",
+    )
     parser.add_argument("--request-timeout-s", type=float, help="per-request wall-clock budget (default 600)")
     args = parser.parse_args(argv)
     return GatewaySettings(**{key: value for key, value in vars(args).items() if value is not None})

@@ -25,8 +25,11 @@ from tracing.metrics import KV_CACHE_USAGE, MODEL_LABEL, QUEUE_DEPTH, RUNNING_RE
 # vllm:prompt_tokens_total, vllm:generation_tokens_total and vllm:request_success_total.
 PROMPT_TOKENS = Counter("shardline_prompt_tokens", "Prompt tokens of ended requests.", [MODEL_LABEL])
 GENERATION_TOKENS = Counter("shardline_generation_tokens", "Tokens generated for ended requests.", [MODEL_LABEL])
-REQUESTS = Counter("shardline_requests", "Requests ended, by finish reason (stop, length, abort, timeout, error).",
-                   [MODEL_LABEL, "finish_reason"])
+REQUESTS = Counter(
+    "shardline_requests",
+    "Requests ended, by finish reason (stop, length, abort, timeout, error).",
+    [MODEL_LABEL, "finish_reason"],
+)
 
 SCRAPE_TIMEOUT_S = 2.0
 # Gauges the scheduler and workers set in their own processes; here they come from the scheduler.
@@ -47,8 +50,9 @@ class _SchedulerView(Collector):
     def collect(self) -> Iterator[Metric]:
         yield _gauge(QUEUE_DEPTH, sum(self._stats.queue_depth.values()))
         yield _gauge(RUNNING_REQUESTS, self._stats.running)
-        yield GaugeMetricFamily("shardline_workers_alive", "Live workers in the scheduler's registry.",
-                                self._stats.workers)
+        yield GaugeMetricFamily(
+            "shardline_workers_alive", "Live workers in the scheduler's registry.", self._stats.workers
+        )
         kv = _gauge(KV_CACHE_USAGE, labels=["worker_id"])
         for state in self._pool.workers:
             if state.alive:
@@ -71,7 +75,8 @@ def metrics_handler(scheduler: scheduler_pb2_grpc.SchedulerStub):
         try:
             stats, pool = await asyncio.gather(
                 scheduler.GetStats(scheduler_pb2.GetStatsRequest(), timeout=SCRAPE_TIMEOUT_S),
-                scheduler.ListWorkers(scheduler_pb2.ListWorkersRequest(), timeout=SCRAPE_TIMEOUT_S))
+                scheduler.ListWorkers(scheduler_pb2.ListWorkersRequest(), timeout=SCRAPE_TIMEOUT_S),
+            )
             registry.register(_SchedulerView(stats, pool))
         except grpc.aio.AioRpcError:
             pass

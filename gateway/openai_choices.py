@@ -35,8 +35,9 @@ class Choice:
     span: trace.Span | None  # a child of the HTTP span; None when that span is the choice's own
 
 
-def choice_specs(parsed: OpenAIRequest, request_id: str, default_max_tokens: int | None,
-                 arrival_s: float, owner: str = "") -> list[GenerationSpec]:
+def choice_specs(
+    parsed: OpenAIRequest, request_id: str, default_max_tokens: int | None, arrival_s: float, owner: str = ""
+) -> list[GenerationSpec]:
     """One GenerationSpec per choice, in index order."""
     specs = []
     for p, prompt in enumerate(parsed.prompts):
@@ -46,30 +47,42 @@ def choice_specs(parsed: OpenAIRequest, request_id: str, default_max_tokens: int
             params.CopyFrom(parsed.params)
             if params.HasField("seed"):
                 params.seed = (params.seed + sample) % _UINT64
-            specs.append(GenerationSpec(
-                request_id=request_id if parsed.num_choices == 1 else f"{request_id}-{index}",
-                model=parsed.model, prompt=prompt, params=params, default_max_tokens=default_max_tokens,
-                priority=parsed.priority, max_tokens_field=parsed.max_tokens_field, arrival_s=arrival_s,
-                structured_output_field=parsed.structured_output_field or "structured_output", owner=owner))
+            specs.append(
+                GenerationSpec(
+                    request_id=request_id if parsed.num_choices == 1 else f"{request_id}-{index}",
+                    model=parsed.model,
+                    prompt=prompt,
+                    params=params,
+                    default_max_tokens=default_max_tokens,
+                    priority=parsed.priority,
+                    max_tokens_field=parsed.max_tokens_field,
+                    arrival_s=arrival_s,
+                    structured_output_field=parsed.structured_output_field or "structured_output",
+                    owner=owner,
+                )
+            )
     return specs
 
 
-async def start_choices(runner: RequestRunner, specs: list[GenerationSpec], n: int,
-                        span: trace.Span) -> list[Choice]:
+async def start_choices(runner: RequestRunner, specs: list[GenerationSpec], n: int, span: trace.Span) -> list[Choice]:
     """Submits every choice, once all of them are valid; if one is refused, the others are cancelled."""
     if len(specs) == 1:
         return [Choice(0, 0, await runner.start(specs[0], span), None)]
     # Each choice has its own span, current while it is prepared and submitted, so its trace reaches the workers.
     with runner.admission.admit(len(specs)):
-        spans = [runner.tracer.start_span("gateway.choice", attributes={attr.REQUEST_ID: s.request_id})
-                 for s in specs]
-        prepared = await asyncio.gather(*(_in_span(sp, runner.prepare(spec, sp)) for spec, sp in zip(specs, spans)),
-                                        return_exceptions=True)
+        spans = [runner.tracer.start_span("gateway.choice", attributes={attr.REQUEST_ID: s.request_id}) for s in specs]
+        prepared = await asyncio.gather(
+            *(_in_span(sp, runner.prepare(spec, sp)) for spec, sp in zip(specs, spans)), return_exceptions=True
+        )
         _raise_first(prepared, spans, [])
-        lives = await asyncio.gather(*(_in_span(sp, runner.submit(p)) for sp, p in zip(spans, prepared)),
-                                     return_exceptions=True)
-    started = [Choice(i, i % n, live, sp) for i, (live, sp) in enumerate(zip(lives, spans))
-               if not isinstance(live, BaseException)]
+        lives = await asyncio.gather(
+            *(_in_span(sp, runner.submit(p)) for sp, p in zip(spans, prepared)), return_exceptions=True
+        )
+    started = [
+        Choice(i, i % n, live, sp)
+        for i, (live, sp) in enumerate(zip(lives, spans))
+        if not isinstance(live, BaseException)
+    ]
     _raise_first(lives, spans, started)
     return started
 
@@ -132,8 +145,9 @@ async def merged_chunks(choices: list[Choice]) -> AsyncIterator[tuple[int, Strea
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def total_usage(choices: list[Choice], usages: list[sampling_pb2.Usage | None], echo_only: bool = False
-                ) -> sampling_pb2.Usage:
+def total_usage(
+    choices: list[Choice], usages: list[sampling_pb2.Usage | None], echo_only: bool = False
+) -> sampling_pb2.Usage:
     """The request's usage: each prompt counted once (with its first choice's cache hits), every choice's
     output tokens summed; none under `echo_only`, whose responses leave out the token sampled."""
     total = sampling_pb2.Usage()

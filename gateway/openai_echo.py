@@ -34,8 +34,9 @@ async def echoed_prompts(runner: RequestRunner, lives: list[LiveRequest], only: 
         if live.prompt.text is None:  # token ids: their decode, special tokens kept, as vLLM echoes them
             items.append(tokenizer_pb2.DetokenizeItem(new_token_ids=live.prompt_ids, final=True))
     with upstream("tokenizer"):
-        reply = await runner.backends.tokenizer.Detokenize(tokenizer_pb2.DetokenizeRequest(items=items),
-                                                           timeout=RPC_TIMEOUT_S)
+        reply = await runner.backends.tokenizer.Detokenize(
+            tokenizer_pb2.DetokenizeRequest(items=items), timeout=RPC_TIMEOUT_S
+        )
     texts = iter(result.text for result in reply.results)
     echoes = []
     for live in lives:
@@ -44,12 +45,22 @@ async def echoed_prompts(runner: RequestRunner, lives: list[LiveRequest], only: 
     return echoes
 
 
-def vllm_prompt_logprobs(prompt_logprobs: list[sampling_pb2.TokenLogprob],
-                         texts: dict[int, str]) -> list[dict[str, dict[str, Any]] | None]:
+def vllm_prompt_logprobs(
+    prompt_logprobs: list[sampling_pb2.TokenLogprob], texts: dict[int, str]
+) -> list[dict[str, dict[str, Any]] | None]:
     """vLLM's `prompt_logprobs`: None for the first prompt token, then per position the prompt token
     and the most likely alternatives, keyed by token id, each with its rank (the alternatives' are
     their places, 1 first)."""
-    return [None, *({str(t): {"logprob": v, "rank": rank, "decoded_token": texts[t]}
-                     for t, v, rank in [*((alt.token_id, alt.logprob, i + 1) for i, alt in enumerate(lp.top)),
-                                        (lp.token_id, lp.logprob, lp.rank)]}
-                    for lp in prompt_logprobs)]
+    return [
+        None,
+        *(
+            {
+                str(t): {"logprob": v, "rank": rank, "decoded_token": texts[t]}
+                for t, v, rank in [
+                    *((alt.token_id, alt.logprob, i + 1) for i, alt in enumerate(lp.top)),
+                    (lp.token_id, lp.logprob, lp.rank),
+                ]
+            }
+            for lp in prompt_logprobs
+        ),
+    ]

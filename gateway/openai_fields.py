@@ -13,20 +13,61 @@ from typing import Any
 from shardline.errors import InvalidArgument
 
 # Read by both endpoints (sampling, streaming, structured output, vLLM's extensions).
-_COMMON = frozenset({
-    "model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-    "repetition_penalty", "seed", "stop", "stop_token_ids", "logit_bias", "min_tokens", "ignore_eos",
-    "skip_special_tokens", "logprobs", "prompt_logprobs", "priority", "n", "stream", "stream_options", "echo",
-    "response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
-    "guided_whitespace_pattern", "guided_decoding_backend",
-})
+_COMMON = frozenset(
+    {
+        "model",
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "seed",
+        "stop",
+        "stop_token_ids",
+        "logit_bias",
+        "min_tokens",
+        "ignore_eos",
+        "skip_special_tokens",
+        "logprobs",
+        "prompt_logprobs",
+        "priority",
+        "n",
+        "stream",
+        "stream_options",
+        "echo",
+        "response_format",
+        "structured_outputs",
+        "guided_json",
+        "guided_regex",
+        "guided_choice",
+        "guided_grammar",
+        "guided_whitespace_pattern",
+        "guided_decoding_backend",
+    }
+)
 # Harmless: they tag a request for the client's own books and change nothing in the answer.
 _HARMLESS = frozenset({"user", "metadata"})
 COMPLETIONS_FIELDS = _COMMON | _HARMLESS | {"prompt", "best_of", "suffix"}
-CHAT_FIELDS = _COMMON | _HARMLESS | {
-    "messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls",
-    "chat_template", "chat_template_kwargs", "documents", "add_generation_prompt", "continue_final_message",
-}
+CHAT_FIELDS = (
+    _COMMON
+    | _HARMLESS
+    | {
+        "messages",
+        "max_completion_tokens",
+        "top_logprobs",
+        "tools",
+        "tool_choice",
+        "parallel_tool_calls",
+        "chat_template",
+        "chat_template_kwargs",
+        "documents",
+        "add_generation_prompt",
+        "continue_final_message",
+    }
+)
 # Why a known field of the other endpoint, or of an older API, is refused.
 _REASONS = {
     "functions": "is OpenAI's deprecated form of tools, which is not supported: use tools",
@@ -70,5 +111,8 @@ def _check_harmless(body: dict[str, Any]) -> None:
         raise InvalidArgument("metadata", f"must be an object of at most {_METADATA_PAIRS} string values")
     for key, value in metadata.items():
         if len(key) > _METADATA_KEY_CHARS or not isinstance(value, str) or len(value) > _METADATA_VALUE_CHARS:
-            raise InvalidArgument(f"metadata.{key[:64]}", f"keys may have {_METADATA_KEY_CHARS} characters and "
-                                                         f"values must be strings of {_METADATA_VALUE_CHARS} at most")
+            raise InvalidArgument(
+                f"metadata.{key[:64]}",
+                f"keys may have {_METADATA_KEY_CHARS} characters and "
+                f"values must be strings of {_METADATA_VALUE_CHARS} at most",
+            )

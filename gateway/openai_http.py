@@ -55,8 +55,9 @@ class BodyUnreadable(InvalidArgument):
     the connection is closed, since where the next request would start in it is unknown."""
 
 
-def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
-                   headers: dict[str, str] | None = None) -> web.Response:
+def error_response(
+    status: int, message: str, param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None
+) -> web.Response:
     headers = dict(headers or {})
     if status in (429, 503):
         headers["Retry-After"] = str(RETRY_AFTER_S)
@@ -71,8 +72,9 @@ async def openai_errors(
     try:
         return await handler(request)
     except ShardlineError as exc:
-        response = error_response(exc.http_status, str(exc), getattr(exc, "field", None),
-                                  getattr(exc, "openai_code", None))
+        response = error_response(
+            exc.http_status, str(exc), getattr(exc, "field", None), getattr(exc, "openai_code", None)
+        )
         if isinstance(exc, (BodyTimeout, BodyUnreadable)):
             # The rest of the body may still come, or cannot be read: this connection can serve no other.
             response.force_close()
@@ -102,7 +104,8 @@ class OpenAIHttpApi:
     def application(self) -> web.Application:
         app = web.Application(
             client_max_size=self._runner.settings.max_body_bytes,
-            middlewares=[openai_errors, http_auth_middleware(self._keys)])
+            middlewares=[openai_errors, http_auth_middleware(self._keys)],
+        )
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)
@@ -129,24 +132,39 @@ class OpenAIHttpApi:
             keep_tool_call_tags(parsed.tools, parsed.params)
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(16)}"
         default_max_tokens = self._runner.settings.default_max_tokens if chat else OPENAI_COMPLETIONS_DEFAULT_MAX_TOKENS
-        specs = choice_specs(parsed, request_id, default_max_tokens, arrival_s,
-                             self._keys.owner(request.headers.get("Authorization")))
+        specs = choice_specs(
+            parsed, request_id, default_max_tokens, arrival_s, self._keys.owner(request.headers.get("Authorization"))
+        )
         span_attributes = {"http.request.method": request.method, "url.path": request.path}
         if parsed.tools is not None:
             span_attributes[attr.TOOL_CHOICE] = parsed.tools.choice
         with start_http_server_span(self._tracer, "gateway.request", request.headers, span_attributes) as span:
             choices = await start_choices(self._runner, specs, parsed.n, span)
             if len(choices) > 1:  # the id the client gets back finds the whole trace; its choices have rows
-                span.set_attributes({attr.REQUEST_ID: request_id,
-                                     attr.CHOICES: [choice.live.request_id for choice in choices]})
+                span.set_attributes(
+                    {attr.REQUEST_ID: request_id, attr.CHOICES: [choice.live.request_id for choice in choices]}
+                )
             created = int(time.time())
             try:
-                echoes = (await echoed_prompts(self._runner, [c.live for c in choices], parsed.echo_only)
-                          if parsed.echo else None)
-                formatters = [ResponseFormatter(request_id, choice.live.model, chat, parsed.include_usage, choice.index,
-                                                created, echoes[i] if echoes else None, parsed.prompt_logprobs,
-                                                parsed.tools)
-                              for i, choice in enumerate(choices)]
+                echoes = (
+                    await echoed_prompts(self._runner, [c.live for c in choices], parsed.echo_only)
+                    if parsed.echo
+                    else None
+                )
+                formatters = [
+                    ResponseFormatter(
+                        request_id,
+                        choice.live.model,
+                        chat,
+                        parsed.include_usage,
+                        choice.index,
+                        created,
+                        echoes[i] if echoes else None,
+                        parsed.prompt_logprobs,
+                        parsed.tools,
+                    )
+                    for i, choice in enumerate(choices)
+                ]
                 if parsed.stream:
                     return await self._stream(request, request_id, choices, formatters, parsed)
                 completions = await asyncio.gather(*(choice.live.collect() for choice in choices))
@@ -157,21 +175,35 @@ class OpenAIHttpApi:
             if (failure := completion.failure()) is not None:
                 raise failure
         usage = total_usage(choices, [completion.usage for completion in completions], parsed.echo_only)
-        return web.json_response(ResponseFormatter.whole_of(formatters, completions, usage),
-                                 headers={"X-Request-Id": request_id})
+        return web.json_response(
+            ResponseFormatter.whole_of(formatters, completions, usage), headers={"X-Request-Id": request_id}
+        )
 
-    async def _stream(self, request: web.Request, request_id: str, choices: list[Choice],
-                      formatters: list[ResponseFormatter], parsed: OpenAIRequest) -> web.StreamResponse:
-        response = web.StreamResponse(headers={
-            "Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Request-Id": request_id})
+    async def _stream(
+        self,
+        request: web.Request,
+        request_id: str,
+        choices: list[Choice],
+        formatters: list[ResponseFormatter],
+        parsed: OpenAIRequest,
+    ) -> web.StreamResponse:
+        response = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Request-Id": request_id}
+        )
         await response.prepare(request)
         usages: list[sampling_pb2.Usage | None] = [None] * len(choices)
         with self._tracer.start_as_current_span("stream_out", attributes={attr.REQUEST_ID: request_id}):
             async for index, chunk in merged_chunks(choices):
                 if (failure := chunk.failure()) is not None:
                     # The same body a whole response's error has: the field at fault, OpenAI's code.
-                    events = [error_body(failure.http_status, str(failure), getattr(failure, "field", None),
-                                         getattr(failure, "openai_code", None))]
+                    events = [
+                        error_body(
+                            failure.http_status,
+                            str(failure),
+                            getattr(failure, "field", None),
+                            getattr(failure, "openai_code", None),
+                        )
+                    ]
                 else:
                     events = formatters[index].choice_events(chunk)
                 if chunk.finish_reason:
@@ -203,8 +235,13 @@ class OpenAIHttpApi:
         raise ModelNotFound(f"model {name!r} is not served here")
 
     def _model_card(self, m: generation_pb2.ModelInfo) -> dict[str, Any]:
-        return {"id": m.name, "object": "model", "created": self._started, "owned_by": "shardline",
-                "max_model_len": m.max_context_length}
+        return {
+            "id": m.name,
+            "object": "model",
+            "created": self._started,
+            "owned_by": "shardline",
+            "max_model_len": m.max_context_length,
+        }
 
     async def health(self, request: web.Request) -> web.Response:
         """200 when a request could be served now: the tokenizer and scheduler answer, this gateway's
@@ -216,8 +253,12 @@ class OpenAIHttpApi:
                 workers = sum(m.num_workers for m in await self._runner.served_models(HEALTH_TIMEOUT_S))
         subscribed = self._runner.hub.connected
         healthy = all(dependencies.values()) and subscribed and workers > 0
-        body = {"status": "ok" if healthy else "unavailable", **dependencies, "subscribed": subscribed,
-                "workers": workers}
+        body = {
+            "status": "ok" if healthy else "unavailable",
+            **dependencies,
+            "subscribed": subscribed,
+            "workers": workers,
+        }
         return web.json_response(body, status=200 if healthy else 503)
 
 

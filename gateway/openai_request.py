@@ -61,9 +61,10 @@ def parse_request(body: Any, chat: bool) -> OpenAIRequest:
         if constrain(tools, params, structured_output_field):
             structured_output_field = "tools"
     if len(prompts) * n > MAX_CHOICES:
-        raise InvalidArgument("n" if len(prompts) == 1 else "prompt",
-                              f"a request may ask for at most {MAX_CHOICES} completions (prompts x n), "
-                              f"got {len(prompts)} x {n}")
+        raise InvalidArgument(
+            "n" if len(prompts) == 1 else "prompt",
+            f"a request may ask for at most {MAX_CHOICES} completions (prompts x n), got {len(prompts)} x {n}",
+        )
     stream = bool(json_field(body, "stream", bool))
     options = json_field(body, "stream_options", dict)
     if options is not None and not stream:
@@ -77,8 +78,22 @@ def parse_request(body: Any, chat: bool) -> OpenAIRequest:
         if params.min_tokens:
             raise InvalidArgument("min_tokens", "must not exceed max_tokens")
         params.max_tokens = 1
-    return OpenAIRequest(chat, model, prompts, params, priority, stream, include_usage, max_tokens_field, n, echo,
-                         echo_only, body.get("prompt_logprobs") is not None, structured_output_field, tools)
+    return OpenAIRequest(
+        chat,
+        model,
+        prompts,
+        params,
+        priority,
+        stream,
+        include_usage,
+        max_tokens_field,
+        n,
+        echo,
+        echo_only,
+        body.get("prompt_logprobs") is not None,
+        structured_output_field,
+        tools,
+    )
 
 
 def _prompts(body: dict[str, Any]) -> list[Prompt]:
@@ -104,10 +119,14 @@ def chat_messages(body: dict[str, Any]) -> Prompt:
     continue_final_message, chat_template_kwargs and documents (a per-request chat_template is refused).
     The tokenizer service refuses variables that would replace its own (messages, tools...)."""
     if body.get("chat_template") is not None:
-        raise InvalidArgument("chat_template", "a request may not bring its own template (the server's "
-                                               "SHARDLINE_CHAT_TEMPLATE sets one)")
-    chat = chat_request(_turns(body), json_field(body, "add_generation_prompt", bool),
-                        bool(json_field(body, "continue_final_message", bool)))
+        raise InvalidArgument(
+            "chat_template", "a request may not bring its own template (the server's SHARDLINE_CHAT_TEMPLATE sets one)"
+        )
+    chat = chat_request(
+        _turns(body),
+        json_field(body, "add_generation_prompt", bool),
+        bool(json_field(body, "continue_final_message", bool)),
+    )
     variables = dict(json_field(body, "chat_template_kwargs", dict) or {})
     documents = json_field(body, "documents", list)
     if documents is not None:

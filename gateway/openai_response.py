@@ -39,8 +39,11 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
 def usage_body(usage: sampling_pb2.Usage | None) -> dict[str, int] | None:
     if usage is None:
         return None
-    body = {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
-            "total_tokens": usage.total_tokens}
+    body = {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.total_tokens,
+    }
     if usage.cached_tokens:
         body["prompt_tokens_details"] = {"cached_tokens": usage.cached_tokens}
     return body
@@ -53,9 +56,18 @@ class ResponseFormatter:
     with the request's id and `created`.
     """
 
-    def __init__(self, request_id: str, model: str, chat: bool, include_usage: bool = False, index: int = 0,
-                 created: int | None = None, echo: EchoedPrompt | None = None, prompt_logprobs: bool = False,
-                 tools: ToolRequest | None = None) -> None:
+    def __init__(
+        self,
+        request_id: str,
+        model: str,
+        chat: bool,
+        include_usage: bool = False,
+        index: int = 0,
+        created: int | None = None,
+        echo: EchoedPrompt | None = None,
+        prompt_logprobs: bool = False,
+        tools: ToolRequest | None = None,
+    ) -> None:
         self.request_id = request_id
         self.model = model
         self.chat = chat
@@ -87,15 +99,20 @@ class ResponseFormatter:
         if self.echo is not None and self.echo.only:  # max_tokens 0: no completion, the limit ended it
             choice = {"index": self.index, "text": prefix, "logprobs": echoed, "finish_reason": "length"}
         else:
-            choice = {"index": self.index, "text": prefix + completion.text, "logprobs": logprobs,
-                      "finish_reason": completion.finish_reason}
+            choice = {
+                "index": self.index,
+                "text": prefix + completion.text,
+                "logprobs": logprobs,
+                "finish_reason": completion.finish_reason,
+            }
         if self.prompt_logprobs:
             choice["prompt_logprobs"] = vllm_prompt_logprobs(completion.prompt_logprobs, completion.token_texts)
         return choice
 
     @staticmethod
-    def whole_of(formatters: list[ResponseFormatter], completions: list[Completion],
-                 usage: sampling_pb2.Usage | None) -> dict[str, Any]:
+    def whole_of(
+        formatters: list[ResponseFormatter], completions: list[Completion], usage: sampling_pb2.Usage | None
+    ) -> dict[str, Any]:
         """The non-streamed response with every choice, in index order."""
         choices = [f.choice(c) for f, c in zip(formatters, completions)]
         body = {**formatters[0]._head(chunk=False), "choices": choices, "usage": usage_body(usage)}
@@ -166,36 +183,50 @@ class ResponseFormatter:
             kind = "text_completion"
         return {"id": self.request_id, "object": kind, "created": self.created, "model": self.model}
 
-    def _echo(self, prompt_logprobs: list[sampling_pb2.TokenLogprob], logprobs: list[sampling_pb2.TokenLogprob],
-              texts: dict[int, str]) -> tuple[str, dict[str, Any] | None]:
+    def _echo(
+        self,
+        prompt_logprobs: list[sampling_pb2.TokenLogprob],
+        logprobs: list[sampling_pb2.TokenLogprob],
+        texts: dict[int, str],
+    ) -> tuple[str, dict[str, Any] | None]:
         """The echoed prompt's text, and its logprobs when the request asked for logprobs."""
         if self.echo is None:
             return "", None
         if not logprobs:  # prompt_logprobs alone answers in vLLM's own field, not in `logprobs`
             return self.echo.text, None
         # The prompt's first token has no logprob (nothing comes before it): null, as OpenAI sends it.
-        first = {"tokens": [self.echo.first_token_text], "token_logprobs": [None], "top_logprobs": [None],
-                 "text_offset": [0]}
+        first = {
+            "tokens": [self.echo.first_token_text],
+            "token_logprobs": [None],
+            "top_logprobs": [None],
+            "text_offset": [0],
+        }
         rest, self._text_offset = _legacy_logprobs(prompt_logprobs, texts, len(self.echo.first_token_text))
         return self.echo.text, _joined(first, rest)
 
-    def _logprobs(self, logprobs: list[sampling_pb2.TokenLogprob], texts: dict[int, str],
-                  raw: dict[int, bytes]) -> dict[str, Any] | None:
+    def _logprobs(
+        self, logprobs: list[sampling_pb2.TokenLogprob], texts: dict[int, str], raw: dict[int, bytes]
+    ) -> dict[str, Any] | None:
         if not logprobs:
             return None
         if self.chat:
-            return {"content": [
-                {**_token_entry(lp.token_id, lp.logprob, texts, raw),
-                 "top_logprobs": [_token_entry(alt.token_id, alt.logprob, texts, raw) for alt in lp.top]}
-                for lp in logprobs
-            ]}
+            return {
+                "content": [
+                    {
+                        **_token_entry(lp.token_id, lp.logprob, texts, raw),
+                        "top_logprobs": [_token_entry(alt.token_id, alt.logprob, texts, raw) for alt in lp.top],
+                    }
+                    for lp in logprobs
+                ]
+            }
         # Each token's offset in the completion's text, the same streamed or not.
         body, self._text_offset = _legacy_logprobs(logprobs, texts, self._text_offset)
         return body
 
 
-def _legacy_logprobs(logprobs: list[sampling_pb2.TokenLogprob], texts: dict[int, str], offset: int
-                     ) -> tuple[dict[str, list[Any]], int]:
+def _legacy_logprobs(
+    logprobs: list[sampling_pb2.TokenLogprob], texts: dict[int, str], offset: int
+) -> tuple[dict[str, list[Any]], int]:
     """/v1/completions' logprobs object for these tokens, their text offsets counted from `offset`;
     and the offset after them."""
     offsets = []
@@ -207,8 +238,9 @@ def _legacy_logprobs(logprobs: list[sampling_pb2.TokenLogprob], texts: dict[int,
         "token_logprobs": [lp.logprob for lp in logprobs],
         # The token itself is always among the alternatives, as OpenAI and vLLM send them
         # (so there are up to logprobs + 1 of them).
-        "top_logprobs": [{**{texts[alt.token_id]: alt.logprob for alt in lp.top}, texts[lp.token_id]: lp.logprob}
-                         for lp in logprobs],
+        "top_logprobs": [
+            {**{texts[alt.token_id]: alt.logprob for alt in lp.top}, texts[lp.token_id]: lp.logprob} for lp in logprobs
+        ],
         "text_offset": offsets,
     }, offset
 

@@ -102,8 +102,12 @@ def validate_sampling(
 
 
 def resolve_max_tokens(
-    params: sampling_pb2.SamplingParameters, prompt_tokens: int, limits: ModelLimits, default: int | None,
-    prefix: str = "", max_tokens_field: str = "max_tokens",
+    params: sampling_pb2.SamplingParameters,
+    prompt_tokens: int,
+    limits: ModelLimits,
+    default: int | None,
+    prefix: str = "",
+    max_tokens_field: str = "max_tokens",
 ) -> None:
     """Check or set max_tokens for a prompt of `prompt_tokens`: an explicit value must fit the context;
     without one, `default` shrinks to fit.
@@ -118,17 +122,22 @@ def resolve_max_tokens(
             raise ContextLengthExceeded(
                 prefix + max_tokens_field,
                 f"the prompt ({prompt_tokens} tokens) plus {max_tokens_field} ({params.max_tokens}) exceeds the "
-                f"model's context length ({limits.max_context_length})")
+                f"model's context length ({limits.max_context_length})",
+            )
         return
     if default is None and limits.max_tokens_limit >= room:
         if params.min_tokens > room:
-            raise InvalidArgument(prefix + "min_tokens", f"must not exceed the room the prompt ({prompt_tokens} "
-                                                         f"tokens) leaves in the model's context ({room} tokens)")
+            raise InvalidArgument(
+                prefix + "min_tokens",
+                f"must not exceed the room the prompt ({prompt_tokens} "
+                f"tokens) leaves in the model's context ({room} tokens)",
+            )
         return
     params.max_tokens = max(1, min(room if default is None else default, room, limits.max_tokens_limit))
     if params.min_tokens > params.max_tokens:  # checked here, not by the worker: it would fail it as its own fault
-        raise InvalidArgument(prefix + "min_tokens", f"must not exceed {max_tokens_field}, which is "
-                                                     f"{params.max_tokens} when not given")
+        raise InvalidArgument(
+            prefix + "min_tokens", f"must not exceed {max_tokens_field}, which is {params.max_tokens} when not given"
+        )
 
 
 def sampling_from_openai(body: dict[str, Any], chat: bool) -> tuple[sampling_pb2.SamplingParameters, int, str, int]:
@@ -196,8 +205,10 @@ def _reject_unsupported(body: dict[str, Any], chat: bool) -> None:
     if chat and json_field(body, "echo", bool):
         raise InvalidArgument("echo", "echo is only supported by /v1/completions")
     if json_field(body, "stream", bool) and body.get("prompt_logprobs") is not None:
-        raise InvalidArgument("prompt_logprobs", "is not available when stream is true (as in vLLM); "
-                                                 "/v1/completions' echo with logprobs streams them")
+        raise InvalidArgument(
+            "prompt_logprobs",
+            "is not available when stream is true (as in vLLM); /v1/completions' echo with logprobs streams them",
+        )
     if not chat and json_field(body, "suffix", str):
         raise InvalidArgument("suffix", "suffix is not supported")
 
@@ -226,8 +237,14 @@ def _check_range(field: str, value: float, low: float, high: float, low_allowed:
         raise InvalidArgument(field, f"must be in {bracket}{low:g}, {high:g}], got {value:g}")
 
 
-_JSON_TYPES = {float: "a number", int: "an integer", bool: "a boolean", str: "a string", list: "an array",
-               dict: "an object"}
+_JSON_TYPES = {
+    float: "a number",
+    int: "an integer",
+    bool: "a boolean",
+    str: "a string",
+    list: "an array",
+    dict: "an object",
+}
 
 
 def json_field(body: dict[str, Any], name: str, kind: type, path: str | None = None) -> Any:

@@ -37,8 +37,11 @@ class PromptBound:
         longest = await self.longest_token_bytes()
         least = math.ceil(size / (longest * NORMALIZER_SLACK))
         if least > max_tokens:
-            raise ContextLengthExceeded(field, f"the prompt has at least {least} tokens ({size} bytes, and no token "
-                                               f"is longer than {longest}); at most {max_tokens} fit")
+            raise ContextLengthExceeded(
+                field,
+                f"the prompt has at least {least} tokens ({size} bytes, and no token "
+                f"is longer than {longest}); at most {max_tokens} fit",
+            )
 
     async def longest_token_bytes(self) -> int:
         """The most bytes one token of the served vocabulary stands for."""
@@ -50,10 +53,13 @@ class PromptBound:
         vocab = (await self._backends.tokenizer_info()).vocab_size
         longest = 1
         for start in range(0, vocab, _PROBE_ITEMS):
-            items = [tokenizer_pb2.DetokenizeItem(new_token_ids=[i], final=True, raw_bytes=True)
-                     for i in range(start, min(vocab, start + _PROBE_ITEMS))]
+            items = [
+                tokenizer_pb2.DetokenizeItem(new_token_ids=[i], final=True, raw_bytes=True)
+                for i in range(start, min(vocab, start + _PROBE_ITEMS))
+            ]
             with upstream("tokenizer"):
                 reply = await self._backends.tokenizer.Detokenize(
-                    tokenizer_pb2.DetokenizeRequest(items=items), timeout=RPC_TIMEOUT_S)
+                    tokenizer_pb2.DetokenizeRequest(items=items), timeout=RPC_TIMEOUT_S
+                )
             longest = max(longest, *(len(result.raw_bytes) for result in reply.results))
         return longest

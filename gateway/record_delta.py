@@ -10,8 +10,12 @@ def record_delta(info: common_pb2.RequestInfo, offset: int) -> common_pb2.Reques
     """A delta holding a request record's tokens from `offset` on, with their logprobs (and, from
     0, the prompt's) where it asked for them; final when the record is."""
     delta = common_pb2.RequestDelta(
-        request_id=info.request_id, token_ids=info.output_token_ids[offset:], offset=offset,
-        logprobs=info.output_logprobs[offset:], prompt_logprobs=info.prompt_logprobs if offset == 0 else [])
+        request_id=info.request_id,
+        token_ids=info.output_token_ids[offset:],
+        offset=offset,
+        logprobs=info.output_logprobs[offset:],
+        prompt_logprobs=info.prompt_logprobs if offset == 0 else [],
+    )
     if info.status == sampling_pb2.REQUEST_STATUS_FINISHED:
         delta.finish_reason = info.finish_reason or sampling_pb2.FINISH_REASON_STOP
     elif info.status == sampling_pb2.REQUEST_STATUS_CANCELLED:

@@ -128,8 +128,16 @@ class Completion:
 class LiveRequest:
     """A submitted request: its chunks, and the bookkeeping when its consumer is done."""
 
-    def __init__(self, runner: RequestRunner, spec: GenerationSpec, model: str, stream: RequestStream,
-                 span: trace.Span, deadline_s: float, prompt_ids: list[int]) -> None:
+    def __init__(
+        self,
+        runner: RequestRunner,
+        spec: GenerationSpec,
+        model: str,
+        stream: RequestStream,
+        span: trace.Span,
+        deadline_s: float,
+        prompt_ids: list[int],
+    ) -> None:
         self.request_id = spec.request_id
         self.model = model
         self.prompt_tokens = stream.prompt_tokens
@@ -154,8 +162,9 @@ class LiveRequest:
                 logger.warning("%s: no end from the scheduler past the deadline; aborting", self.request_id)
                 self._runner.hub.release(self.request_id)
                 completed = self._stream.next_offset
-                chunk = StreamChunk("", [], completed, finish_reason="abort", error=self._timed_out(),
-                                    usage=self._stream.usage())
+                chunk = StreamChunk(
+                    "", [], completed, finish_reason="abort", error=self._timed_out(), usage=self._stream.usage()
+                )
             self._last = chunk
             yield chunk
 
@@ -194,8 +203,11 @@ class LiveRequest:
         if timing.detokenize_calls:
             # One span per request for all its per-step detokenize calls, which are batched across requests.
             span = self._runner.tracer.start_span(
-                "detokenize", context=trace.set_span_in_context(self._span), start_time=timing.detokenize_start_ns,
-                attributes={attr.REQUEST_ID: self.request_id, "shardline.detokenize_calls": timing.detokenize_calls})
+                "detokenize",
+                context=trace.set_span_in_context(self._span),
+                start_time=timing.detokenize_start_ns,
+                attributes={attr.REQUEST_ID: self.request_id, "shardline.detokenize_calls": timing.detokenize_calls},
+            )
             span.end(end_time=timing.detokenize_end_ns)
 
 
@@ -231,16 +243,21 @@ class RequestRunner:
             raise InvalidArgument(spec.prompt.field, "the prompt is empty")
         if len(prompt_ids) > limits.max_prompt_tokens:
             raise ContextLengthExceeded(
-                spec.prompt.field, f"the prompt has {len(prompt_ids)} tokens; at most {limits.max_prompt_tokens} fit")
-        resolve_max_tokens(params, len(prompt_ids), limits, spec.default_max_tokens, spec.field_prefix,
-                           spec.max_tokens_field)
+                spec.prompt.field, f"the prompt has {len(prompt_ids)} tokens; at most {limits.max_prompt_tokens} fit"
+            )
+        resolve_max_tokens(
+            params, len(prompt_ids), limits, spec.default_max_tokens, spec.field_prefix, spec.max_tokens_field
+        )
         if params.HasField("structured_output"):
             await self._check_structured_output(params.structured_output, spec.structured_output_field)
             span.set_attribute(attr.STRUCTURED_OUTPUT, params.structured_output.WhichOneof("kind"))
-        span.set_attributes({
-            attr.GEN_AI_REQUEST_MODEL: info.model, attr.GEN_AI_REQUEST_TEMPERATURE: params.temperature,
-            attr.GEN_AI_REQUEST_TOP_P: params.top_p,
-        })
+        span.set_attributes(
+            {
+                attr.GEN_AI_REQUEST_MODEL: info.model,
+                attr.GEN_AI_REQUEST_TEMPERATURE: params.temperature,
+                attr.GEN_AI_REQUEST_TOP_P: params.top_p,
+            }
+        )
         if params.HasField("max_tokens"):  # unset: up to the worker's context length
             span.set_attribute(attr.GEN_AI_REQUEST_MAX_TOKENS, params.max_tokens)
         return PreparedRequest(spec, span, info, params, prompt_ids)
@@ -253,14 +270,28 @@ class RequestRunner:
             raise Unavailable("the scheduler is unreachable: no output subscription")
         timeout_s = min(spec.timeout_s or self.settings.request_timeout_s, self.settings.request_timeout_s)
         stop = StopMatcher(list(params.stop))
-        stream = RequestStream(spec.request_id, len(prompt_ids), params.skip_special_tokens, stop,
-                               min_tokens=params.min_tokens, wants_prompt_logprobs=params.HasField("prompt_logprobs"),
-                               stop_token_ids=frozenset(info.eos_token_ids) | frozenset(params.stop_token_ids))
+        stream = RequestStream(
+            spec.request_id,
+            len(prompt_ids),
+            params.skip_special_tokens,
+            stop,
+            min_tokens=params.min_tokens,
+            wants_prompt_logprobs=params.HasField("prompt_logprobs"),
+            stop_token_ids=frozenset(info.eos_token_ids) | frozenset(params.stop_token_ids),
+        )
         self.hub.register(stream)
         submit = scheduler_pb2.SubmitRequest(
-            request_id=spec.request_id, gateway_id=self.settings.gateway_id, model=info.model,
-            prompt_token_ids=prompt_ids, params=params, eos_token_ids=info.eos_token_ids, priority=spec.priority,
-            arrival_time=spec.arrival_time, deadline=_now_timestamp(timeout_s), owner=spec.owner)
+            request_id=spec.request_id,
+            gateway_id=self.settings.gateway_id,
+            model=info.model,
+            prompt_token_ids=prompt_ids,
+            params=params,
+            eos_token_ids=info.eos_token_ids,
+            priority=spec.priority,
+            arrival_time=spec.arrival_time,
+            deadline=_now_timestamp(timeout_s),
+            owner=spec.owner,
+        )
         try:
             with upstream("scheduler"):
                 await self.backends.scheduler.Submit(submit, timeout=RPC_TIMEOUT_S)
@@ -281,8 +312,11 @@ class RequestRunner:
         if not workers:
             return []
         context = info.max_context_length
-        return [generation_pb2.ModelInfo(name=info.model, max_context_length=context, num_workers=workers,
-                                         vocab_size=info.vocab_size)]
+        return [
+            generation_pb2.ModelInfo(
+                name=info.model, max_context_length=context, num_workers=workers, vocab_size=info.vocab_size
+            )
+        ]
 
     def limits(self, info: tokenizer_pb2.TokenizerInfo) -> ModelLimits:
         context = info.max_context_length
@@ -297,7 +331,8 @@ class RequestRunner:
         """A constraint that does not compile is the client's error, found before anything is queued."""
         with upstream("tokenizer"):
             reply = await self.backends.tokenizer.CheckStructuredOutput(
-                tokenizer_pb2.CheckStructuredOutputRequest(structured_output=constraint), timeout=RPC_TIMEOUT_S)
+                tokenizer_pb2.CheckStructuredOutputRequest(structured_output=constraint), timeout=RPC_TIMEOUT_S
+            )
         if reply.error:
             raise InvalidArgument(field, reply.error)
 
@@ -314,7 +349,8 @@ class RequestRunner:
         try:
             with upstream("tokenizer"):
                 tokens = await self.backends.tokenizer.Tokenize(
-                    tokenizer_pb2.TokenizeRequest(texts=[prompt.text or ""]), timeout=RPC_TIMEOUT_S)
+                    tokenizer_pb2.TokenizeRequest(texts=[prompt.text or ""]), timeout=RPC_TIMEOUT_S
+                )
         except InvalidArgument as exc:  # the tokenizer's own refusal by size names its texts[0]
             raise ContextLengthExceeded(prompt.field, str(exc).partition(": ")[2]) from exc
         return list(tokens.token_ids[0].ids)

@@ -8,9 +8,8 @@ from dataclasses import dataclass, field
 
 from gateway.stop_matcher import StopMatcher
 from shardline.errors import STREAM_INTERRUPTED, DeadlineExceeded, InvalidArgument, ShardlineError, Unavailable
-from shardline.structured_output import DEAD_END
 from shardline.proto import common_pb2, sampling_pb2
-
+from shardline.structured_output import DEAD_END
 
 # The error of a stream the gateway could not detokenize because the tokenizer stayed unreachable:
 # the request itself runs on, so the client gets UNAVAILABLE (retry or resume), not INTERNAL.
@@ -103,5 +102,8 @@ async def drain(stream: RequestStream) -> AsyncIterator[StreamChunk]:
 def usage_of(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> sampling_pb2.Usage:
     """OpenAI-style token accounting."""
     return sampling_pb2.Usage(
-        prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-        total_tokens=prompt_tokens + completion_tokens, cached_tokens=cached_tokens)
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        total_tokens=prompt_tokens + completion_tokens,
+        cached_tokens=cached_tokens,
+    )

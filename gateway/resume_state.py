@@ -20,8 +20,9 @@ def tail(ids: list[int], size: int) -> list[int]:
     return ids[max(0, len(ids) - size) :]
 
 
-async def restore_held_back(backends: Backends, stream: RequestStream, info: common_pb2.RequestInfo,
-                            offset: int) -> None:
+async def restore_held_back(
+    backends: Backends, stream: RequestStream, info: common_pb2.RequestInfo, offset: int
+) -> None:
     """Puts `stream`, resumed at output `offset`, where a stream that had sent those tokens itself
     would be: those tokens stay pending and the stop matcher holds the same text again, so what the
     client had plus what it gets is the whole text."""
@@ -34,9 +35,13 @@ async def restore_held_back(backends: Backends, stream: RequestStream, info: com
     cut = max(0, len(before) - _RESUME_TAIL)
     specials = frozenset(tokenizer.special_token_ids) if stream.skip_special_tokens else frozenset()
     early = [t for t in before[:cut] if t not in specials]
-    items = [tokenizer_pb2.DetokenizeItem(
-        prefix_token_ids=tail(early, tokenizer.detokenize_prefix_window), new_token_ids=before[cut:],
-        skip_special_tokens=stream.skip_special_tokens)]
+    items = [
+        tokenizer_pb2.DetokenizeItem(
+            prefix_token_ids=tail(early, tokenizer.detokenize_prefix_window),
+            new_token_ids=before[cut:],
+            skip_special_tokens=stream.skip_special_tokens,
+        )
+    ]
     if stream.stop.holds_text and early:  # the matcher must see the text, not only its last tokens
         items.append(tokenizer_pb2.DetokenizeItem(new_token_ids=early, final=True, skip_special_tokens=False))
     with upstream("tokenizer"):

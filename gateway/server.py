@@ -65,15 +65,20 @@ async def start_gateway(settings: GatewaySettings, tracer: trace.Tracer | None =
         hub.start()
         undo.push_async_callback(hub.stop)
         if not await hub.wait_connected(STARTUP_SUBSCRIBE_WAIT_S):
-            logger.warning("scheduler at %s not reachable yet; requests get 503 until it is",
-                           settings.scheduler_address)
+            logger.warning(
+                "scheduler at %s not reachable yet; requests get 503 until it is", settings.scheduler_address
+            )
         runner = RequestRunner(settings, backends, hub, tracer)
         keys = ApiKeys(settings.api_keys)
-        service = GrpcService(GenerationService(runner, keys), generation_pb2_grpc.add_GenerationServicer_to_server,
-                              SERVICE_NAME)
+        service = GrpcService(
+            GenerationService(runner, keys), generation_pb2_grpc.add_GenerationServicer_to_server, SERVICE_NAME
+        )
         grpc_server = await start_grpc_server(
-            [service], settings.grpc_port, host=settings.host,
-            interceptors=[TracingServerInterceptor(tracer), GrpcAuthInterceptor(keys, SERVICE_NAME)])
+            [service],
+            settings.grpc_port,
+            host=settings.host,
+            interceptors=[TracingServerInterceptor(tracer), GrpcAuthInterceptor(keys, SERVICE_NAME)],
+        )
         undo.push_async_callback(grpc_server.stop, 0)
         health = HealthMirror(backends, hub, grpc_server, ["", SERVICE_NAME])
         health.start()

@@ -49,8 +49,9 @@ class StopMatcher:
         """
         held, buffer = len(self._held), self._held + text
         self._held = ""
-        matches = [(index + len(stop), index) for stop in self._stops if (index := buffer.find(stop)) >= 0] \
-            if armed else []
+        matches = (
+            [(index + len(stop), index) for stop in self._stops if (index := buffer.find(stop)) >= 0] if armed else []
+        )
         if matches:
             end, start = matches[0] if one_token else min(matches)
             self.match_end = end - held

@@ -46,13 +46,18 @@ async def find_stop_tokens(tokenizer: BoundedTokenizer, searches: list[StopSearc
     """
     first = True
     while open_ := [s for s in searches if s.lo < s.hi]:
-        plan = [(s, [s.hi - 1] if first else list(range(s.lo, s.hi, -(-(s.hi - s.lo) // _CUT_PROBES))))
-                for s in open_]
-        items = [tokenizer_pb2.DetokenizeItem(
-            prefix_token_ids=s.item.prefix_token_ids,
-            new_token_ids=s.item.new_token_ids[: len(s.item.new_token_ids) - s.num_new + k],
-            skip_special_tokens=s.item.skip_special_tokens, final=final)
-            for s, counts in plan for k in counts for final in (False, True)]
+        plan = [(s, [s.hi - 1] if first else list(range(s.lo, s.hi, -(-(s.hi - s.lo) // _CUT_PROBES)))) for s in open_]
+        items = [
+            tokenizer_pb2.DetokenizeItem(
+                prefix_token_ids=s.item.prefix_token_ids,
+                new_token_ids=s.item.new_token_ids[: len(s.item.new_token_ids) - s.num_new + k],
+                skip_special_tokens=s.item.skip_special_tokens,
+                final=final,
+            )
+            for s, counts in plan
+            for k in counts
+            for final in (False, True)
+        ]
         with upstream("tokenizer"):
             reply = await tokenizer.Detokenize(tokenizer_pb2.DetokenizeRequest(items=items), timeout=RPC_TIMEOUT_S)
         results = iter(reply.results)

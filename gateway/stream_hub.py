@@ -115,7 +115,6 @@ class StreamHub:
             await self._handle(deltas)
             return stream
 
-
     async def _subscribe_forever(self) -> None:
         backoff = _FIRST_BACKOFF_S
         request = scheduler_pb2.SubscribeRequest(gateway_id=self._gateway_id)
@@ -157,9 +156,14 @@ class StreamHub:
             if stream is None or isinstance(record, BaseException):
                 continue
             if record is None:
-                deltas.append(common_pb2.RequestDelta(
-                    request_id=rid, offset=stream.next_offset, finish_reason=sampling_pb2.FINISH_REASON_ERROR,
-                    error="the scheduler has no record of this request any more"))
+                deltas.append(
+                    common_pb2.RequestDelta(
+                        request_id=rid,
+                        offset=stream.next_offset,
+                        finish_reason=sampling_pb2.FINISH_REASON_ERROR,
+                        error="the scheduler has no record of this request any more",
+                    )
+                )
             else:
                 deltas.append(record_delta(record, stream.next_offset))
         async with self._lock:
@@ -168,7 +172,8 @@ class StreamHub:
     async def _record(self, request_id: str) -> common_pb2.RequestInfo | None:
         try:
             return await self._backends.scheduler.GetRequest(
-                common_pb2.GetRequestRequest(request_id=request_id), timeout=RPC_TIMEOUT_S)
+                common_pb2.GetRequestRequest(request_id=request_id), timeout=RPC_TIMEOUT_S
+            )
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.NOT_FOUND:
                 return None
@@ -200,8 +205,17 @@ class StreamHub:
             if first and stream.wants_prompt_logprobs and len(prompt_logprobs) != stream.prompt_tokens - 1:
                 # Its first token came from a Redis record without them (the scheduler keeps them
                 # since 2026-11-30, an older one did not): an error the client can retry, not a short answer.
-                self._finish(stream, StreamChunk("", [], 0, error="its prompt logprobs were lost in a "
-                                                 "reconnection to the scheduler; send it again"), "error", cancel=True)
+                self._finish(
+                    stream,
+                    StreamChunk(
+                        "",
+                        [],
+                        0,
+                        error="its prompt logprobs were lost in a reconnection to the scheduler; send it again",
+                    ),
+                    "error",
+                    cancel=True,
+                )
                 continue
             if merged is not None:
                 merged.new += new
@@ -209,8 +223,9 @@ class StreamHub:
                 merged.prompt_logprobs += prompt_logprobs
                 merged.final, merged.delta = final, delta if final else merged.delta
             elif new or final:
-                work[delta.request_id] = DeltaWork(stream, delta, new, logprobs, delta.offset + skip, final,
-                                               prompt_logprobs)
+                work[delta.request_id] = DeltaWork(
+                    stream, delta, new, logprobs, delta.offset + skip, final, prompt_logprobs
+                )
         if work:
             await self._detokenize(list(work.values()))
 
@@ -220,8 +235,11 @@ class StreamHub:
         spoken = [w.new[:-1] if _stopped_by_token(w) else w.new for w in work]
         items = [
             tokenizer_pb2.DetokenizeItem(
-                prefix_token_ids=w.stream.prefix, new_token_ids=w.stream.pending + new, final=w.final,
-                skip_special_tokens=w.stream.skip_special_tokens)
+                prefix_token_ids=w.stream.prefix,
+                new_token_ids=w.stream.pending + new,
+                final=w.final,
+                skip_special_tokens=w.stream.skip_special_tokens,
+            )
             for w, new in zip(work, spoken)
         ]
         # Logprobs name tokens by id; their texts ride in the same call, one final item per distinct id.
@@ -232,9 +250,13 @@ class StreamHub:
         crossing = [i for i, w in enumerate(work) if 0 < unarmed_tokens(w) < len(w.new)]
         splits = {i: len(items) + n for n, i in enumerate(crossing)}  # work index -> its extra item
         for w in (work[i] for i in crossing):
-            items.append(tokenizer_pb2.DetokenizeItem(
-                prefix_token_ids=w.stream.prefix, new_token_ids=w.stream.pending + w.new[: unarmed_tokens(w)],
-                skip_special_tokens=w.stream.skip_special_tokens))
+            items.append(
+                tokenizer_pb2.DetokenizeItem(
+                    prefix_token_ids=w.stream.prefix,
+                    new_token_ids=w.stream.pending + w.new[: unarmed_tokens(w)],
+                    skip_special_tokens=w.stream.skip_special_tokens,
+                )
+            )
         start_ns = time.time_ns()
         try:
             tokenizer, reply = await self._detokenize_call(tokenizer_pb2.DetokenizeRequest(items=items))
@@ -245,10 +267,14 @@ class StreamHub:
                 # requests run on and are recorded, so each client may Resume from its offset then.
                 # Any other failure is this gateway's: the request is ended upstream too.
                 down = isinstance(exc, Unavailable)
-                error = (f"{TOKENIZER_DOWN}: the request runs on; resume it at offset {w.offset}" if down
-                         else f"detokenize failed: {exc}")
-                self._finish(w.stream, StreamChunk("", w.new, w.offset, error=error), "error",
-                             cancel=not w.final and not down)
+                error = (
+                    f"{TOKENIZER_DOWN}: the request runs on; resume it at offset {w.offset}"
+                    if down
+                    else f"detokenize failed: {exc}"
+                )
+                self._finish(
+                    w.stream, StreamChunk("", w.new, w.offset, error=error), "error", cancel=not w.final and not down
+                )
             return
         end_ns, now = time.time_ns(), time.perf_counter()
         named_results = reply.results[len(work) : len(work) + len(named)]
@@ -277,8 +303,15 @@ class StreamHub:
                 chunk.token_texts = {t: texts[t] for t in _named_tokens(w.logprobs, w.prompt_logprobs)}
                 chunk.token_bytes = {t: broken[t] for t in chunk.token_texts if t in broken}
             if end is not None and len(w.new) > 1:  # which of its tokens completed the stop string?
-                search = StopSearch(item, len(spoken[i]), result.text, end, lo=unarmed_tokens(w) + 1, hi=len(spoken[i]),
-                                    hi_text=result.text)
+                search = StopSearch(
+                    item,
+                    len(spoken[i]),
+                    result.text,
+                    end,
+                    lo=unarmed_tokens(w) + 1,
+                    hi=len(spoken[i]),
+                    hi_text=result.text,
+                )
                 overshot.append(Overshot(w, chunk, held, search))
             elif end is not None:
                 self._finish(stream, chunk, "stop", cancel=not w.final)
@@ -292,8 +325,9 @@ class StreamHub:
         if overshot:
             await self._cut_after_stops(overshot)
 
-    async def _detokenize_call(self, request: tokenizer_pb2.DetokenizeRequest) -> tuple[
-            tokenizer_pb2.TokenizerInfo, tokenizer_pb2.DetokenizeReply]:
+    async def _detokenize_call(
+        self, request: tokenizer_pb2.DetokenizeRequest
+    ) -> tuple[tokenizer_pb2.TokenizerInfo, tokenizer_pb2.DetokenizeReply]:
         """Detokenize, retried while the tokenizer is unreachable: `shardline up` or compose restarts a
         dead one in seconds, and failing every live stream for that would be worse than a pause (the
         stateless call is safe to repeat). Raises Unavailable once TOKENIZER_OUTAGE_S has passed."""
@@ -305,7 +339,8 @@ class StreamHub:
                 with upstream("tokenizer"):
                     # wait_for_ready: a call made while the channel reconnects waits for it, not fails.
                     reply = await self._backends.tokenizer.Detokenize(
-                        request, timeout=max(0.1, deadline - time.monotonic()), wait_for_ready=True)
+                        request, timeout=max(0.1, deadline - time.monotonic()), wait_for_ready=True
+                    )
                 return tokenizer, reply
             except Unavailable as exc:
                 if time.monotonic() + backoff >= deadline:
@@ -339,8 +374,14 @@ class StreamHub:
             w.stream.next_offset = w.offset + keep  # its usage counts the kept tokens
             self._finish(w.stream, chunk, "stop", cancel=not w.final)
 
-    def _finish(self, stream: RequestStream, chunk: StreamChunk, reason: str, cancel: bool,
-                usage: sampling_pb2.Usage | None = None) -> None:
+    def _finish(
+        self,
+        stream: RequestStream,
+        chunk: StreamChunk,
+        reason: str,
+        cancel: bool,
+        usage: sampling_pb2.Usage | None = None,
+    ) -> None:
         # `cancel`: the gateway ends a request the scheduler still runs (a stop string, a failure here).
         chunk.finish_reason = reason
         chunk.usage = usage or stream.usage()
@@ -362,7 +403,8 @@ class StreamHub:
         try:
             # Our gateway id: if a client has resumed the request on another gateway, it runs on.
             await self._backends.scheduler.Cancel(
-                common_pb2.CancelRequest(request_id=request_id, gateway_id=self._gateway_id), timeout=RPC_TIMEOUT_S)
+                common_pb2.CancelRequest(request_id=request_id, gateway_id=self._gateway_id), timeout=RPC_TIMEOUT_S
+            )
         except grpc.aio.AioRpcError as exc:
             if exc.code() != grpc.StatusCode.NOT_FOUND:
                 # The scheduler is down or restarting: it will recover the request from Redis and run
@@ -375,8 +417,9 @@ class StreamHub:
 
 def _named_tokens(*logprob_lists: list[sampling_pb2.TokenLogprob]) -> list[int]:
     """Every token id the logprobs name: each token and its alternatives."""
-    return [t for logprobs in logprob_lists for lp in logprobs
-            for t in (lp.token_id, *(alt.token_id for alt in lp.top))]
+    return [
+        t for logprobs in logprob_lists for lp in logprobs for t in (lp.token_id, *(alt.token_id for alt in lp.top))
+    ]
 
 
 def _record_timing(timing: StreamTiming, has_tokens: bool, now: float, start_ns: int, end_ns: int) -> None:
@@ -392,5 +435,9 @@ def _record_timing(timing: StreamTiming, has_tokens: bool, now: float, start_ns:
 def _stopped_by_token(w: DeltaWork) -> bool:
     """The delta ends its request on one of its stop tokens: EOS or a stop token id (a complete
     structured output ends on EOS too)."""
-    return (w.final and w.delta.finish_reason == sampling_pb2.FINISH_REASON_STOP and bool(w.new)
-            and w.new[-1] in w.stream.stop_token_ids)
+    return (
+        w.final
+        and w.delta.finish_reason == sampling_pb2.FINISH_REASON_STOP
+        and bool(w.new)
+        and w.new[-1] in w.stream.stop_token_ids
+    )

@@ -18,10 +18,19 @@ from shardline.errors import InvalidArgument
 from shardline.proto import sampling_pb2
 
 # vLLM's names, each with the StructuredOutput field it sets.
-_GUIDED = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice",
-           "guided_grammar": "grammar"}
-_STRUCTURED_OUTPUTS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar",
-                       "json_object": "json_object"}
+_GUIDED = {
+    "guided_json": "json_schema",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+}
+_STRUCTURED_OUTPUTS = {
+    "json": "json_schema",
+    "regex": "regex",
+    "choice": "choice",
+    "grammar": "grammar",
+    "json_object": "json_object",
+}
 # structured_outputs' other keys that mean something here (disable_fallback: there is one backend).
 _OPTIONS = ("disable_any_whitespace", "disable_fallback")
 # vLLM's names for the one backend there is, and the option its older spelling could carry.
@@ -43,8 +52,11 @@ def structured_output_from_openai(body: dict[str, Any]) -> tuple[sampling_pb2.St
         if unknown:
             raise InvalidArgument(f"structured_outputs.{unknown[0]}", "is not supported")
         # json_object: false is vLLM's way of leaving it out.
-        given = [key for key in _STRUCTURED_OUTPUTS
-                 if options.get(key) is not None and not (key == "json_object" and options[key] is False)]
+        given = [
+            key
+            for key in _STRUCTURED_OUTPUTS
+            if options.get(key) is not None and not (key == "json_object" and options[key] is False)
+        ]
         if len(given) != 1:
             raise InvalidArgument("structured_outputs", "give exactly one of " + ", ".join(_STRUCTURED_OUTPUTS))
         field = f"structured_outputs.{given[0]}"
@@ -64,13 +76,16 @@ def structured_output_from_openai(body: dict[str, Any]) -> tuple[sampling_pb2.St
         name, _, extra = backend.partition(":")
         flags = [flag for flag in extra.split(",") if flag]
         if name not in _BACKENDS or any(flag not in _BACKEND_OPTIONS for flag in flags):
-            raise InvalidArgument("guided_decoding_backend", "the only backend is xgrammar "
-                                                             "(with the options disable-any-whitespace, no-fallback)")
+            raise InvalidArgument(
+                "guided_decoding_backend",
+                "the only backend is xgrammar (with the options disable-any-whitespace, no-fallback)",
+            )
         for constraint, _ in found:
             _compact(constraint, "disable-any-whitespace" in flags)
     if len(found) > 1:
-        raise InvalidArgument(found[1][1], f"only one structured output constraint is allowed; {found[0][1]} "
-                                           f"is given too")
+        raise InvalidArgument(
+            found[1][1], f"only one structured output constraint is allowed; {found[0][1]} is given too"
+        )
     return found[0] if found else (None, "")
 
 

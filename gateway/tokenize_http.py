@@ -53,8 +53,9 @@ class TokenizeApi:
                     raise InvalidArgument("prompt", "give a prompt (a string) or messages")
                 special = json_field(body, "add_special_tokens", bool)
                 await self._runner.prompt_bound.check([prompt], info.max_context_length, "prompt")
-                request = tokenizer_pb2.TokenizeRequest(texts=[prompt],
-                                                        add_special_tokens=True if special is None else special)
+                request = tokenizer_pb2.TokenizeRequest(
+                    texts=[prompt], add_special_tokens=True if special is None else special
+                )
                 try:
                     with upstream("tokenizer"):
                         encoded = await tokenizer.Tokenize(request, timeout=RPC_TIMEOUT_S)
@@ -72,9 +73,12 @@ class TokenizeApi:
         if outside := [t for t in tokens if not 0 <= t < info.vocab_size]:
             raise InvalidArgument("tokens", f"token id {outside[0]} is outside the vocabulary")
         with upstream("tokenizer"):
-            reply = await self._runner.backends.tokenizer.Detokenize(tokenizer_pb2.DetokenizeRequest(items=[
-                tokenizer_pb2.DetokenizeItem(new_token_ids=tokens, final=True, skip_special_tokens=False)]),
-                timeout=RPC_TIMEOUT_S)
+            reply = await self._runner.backends.tokenizer.Detokenize(
+                tokenizer_pb2.DetokenizeRequest(
+                    items=[tokenizer_pb2.DetokenizeItem(new_token_ids=tokens, final=True, skip_special_tokens=False)]
+                ),
+                timeout=RPC_TIMEOUT_S,
+            )
         return web.json_response({"prompt": reply.results[0].text})
 
     async def _model_info(self, body: Any) -> tokenizer_pb2.TokenizerInfo:

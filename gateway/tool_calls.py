@@ -30,8 +30,12 @@ class CallPiece:
         """The piece as an entry of a streamed delta's `tool_calls`."""
         if self.id is None:
             return {"index": self.index, "function": {"arguments": self.arguments}}
-        return {"index": self.index, "id": self.id, "type": "function",
-                "function": {"name": self.name, "arguments": self.arguments}}
+        return {
+            "index": self.index,
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
 
 
 def _call_id() -> str:
@@ -177,11 +181,11 @@ class _HermesReader:
             if start < 0:
                 # Hold back an end that may be the start of a tag still arriving.
                 keep = 0 if final else _partial_tag(self._buffer)
-                content.append(self._content(self._buffer[:len(self._buffer) - keep]))
-                self._buffer = self._buffer[len(self._buffer) - keep:]
+                content.append(self._content(self._buffer[: len(self._buffer) - keep]))
+                self._buffer = self._buffer[len(self._buffer) - keep :]
                 break
             content.append(self._content(self._buffer[:start]))
-            self._buffer, self._in_call = self._buffer[start + len(_OPEN):], True
+            self._buffer, self._in_call = self._buffer[start + len(_OPEN) :], True
         if final and self._in_call:  # an unclosed call is text, as written
             content.append(self._content(_OPEN + self._buffer))
             self._buffer, self._in_call = "", False
@@ -203,7 +207,7 @@ class _HermesReader:
             if first < 0 or not final:
                 return None
             end, call = first, None  # nothing parsed up to any tag: the first block is text
-        text, self._buffer = self._buffer[:end], self._buffer[end + len(_CLOSE):]
+        text, self._buffer = self._buffer[:end], self._buffer[end + len(_CLOSE) :]
         return text, call
 
     def _content(self, text: str) -> str:
@@ -338,8 +342,9 @@ class ToolCallOutput:
         calls: list[dict[str, Any]] = []
         for piece in pieces:
             if piece.id is not None:  # a whole response's calls have no index: only stream deltas do
-                calls.append({"id": piece.id, "type": "function",
-                              "function": {"name": piece.name, "arguments": piece.arguments}})
+                calls.append(
+                    {"id": piece.id, "type": "function", "function": {"name": piece.name, "arguments": piece.arguments}}
+                )
             else:
                 calls[piece.index]["function"]["arguments"] += piece.arguments
         # OpenAI's content is null beside calls when the model said nothing else.

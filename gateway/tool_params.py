@@ -20,8 +20,8 @@ from typing import Any, Literal
 
 from gateway.params import json_field
 from shardline.errors import InvalidArgument
-from shardline.structured_output import MAX_SPEC_CHARS
 from shardline.proto import generation_pb2, sampling_pb2
+from shardline.structured_output import MAX_SPEC_CHARS
 
 ToolChoice = Literal["none", "auto", "required", "named"]
 # The parsers of "auto" output: the chat template formats they read.
@@ -54,16 +54,20 @@ class ToolRequest:
         """The structured output that "required" and a named function put on the output. Arguments are
         written compactly, as OpenAI's are: fewer tokens, and small models loop on free whitespace."""
         if self.choice == "named":
-            return sampling_pb2.StructuredOutput(json_schema=json.dumps(self.schemas[self.name]),
-                                                 disable_any_whitespace=True)
+            return sampling_pb2.StructuredOutput(
+                json_schema=json.dumps(self.schemas[self.name]), disable_any_whitespace=True
+            )
         if self.choice == "required":
             try:
                 schema = json.dumps(self._calls_schema())
             except RecursionError:
                 raise InvalidArgument("tools", "a tool's parameters schema is nested too deeply") from None
             if len(schema) > MAX_SPEC_CHARS:
-                raise InvalidArgument("tools", f"tool_choice \"required\" needs a schema of all the tools, and theirs "
-                                               f"come to {len(schema)} characters; at most {MAX_SPEC_CHARS}")
+                raise InvalidArgument(
+                    "tools",
+                    f'tool_choice "required" needs a schema of all the tools, and theirs '
+                    f"come to {len(schema)} characters; at most {MAX_SPEC_CHARS}",
+                )
             return sampling_pb2.StructuredOutput(json_schema=schema, disable_any_whitespace=True)
         return None
 
@@ -77,9 +81,17 @@ class ToolRequest:
         calls = []
         for i, (name, schema) in enumerate(self.schemas.items()):
             defs[f"tool_{i}"] = _rebased(schema, f"#/$defs/tool_{i}")
-            calls.append({"type": "object", "properties": {"name": {"type": "string", "enum": [name]},
-                                                           "parameters": {"$ref": f"#/$defs/tool_{i}"}},
-                          "required": ["name", "parameters"], "additionalProperties": False})
+            calls.append(
+                {
+                    "type": "object",
+                    "properties": {
+                        "name": {"type": "string", "enum": [name]},
+                        "parameters": {"$ref": f"#/$defs/tool_{i}"},
+                    },
+                    "required": ["name", "parameters"],
+                    "additionalProperties": False,
+                }
+            )
         array: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}, "$defs": defs}
         if not self.parallel:
             array["maxItems"] = 1
@@ -105,8 +117,7 @@ def tools_from_grpc(tools: generation_pb2.Tools) -> ToolRequest | None:
         definitions = json.loads(tools.tools_json) if tools.tools_json else None
         json.dumps(definitions, ensure_ascii=False).encode()  # an escaped lone surrogate is no text
     except (ValueError, RecursionError):
-        raise InvalidArgument("tools.tools_json", "must be a JSON array of tool definitions, "
-                                                  "in Unicode text") from None
+        raise InvalidArgument("tools.tools_json", "must be a JSON array of tool definitions, in Unicode text") from None
     body: dict[str, Any] = {"tools": definitions}
     if tools.function:
         body["tool_choice"] = {"type": "function", "function": {"name": tools.function}}
@@ -121,7 +132,7 @@ def tools_from_grpc(tools: generation_pb2.Tools) -> ToolRequest | None:
     except InvalidArgument as exc:
         field = exc.field
         if field.startswith("tools"):
-            field = "tools.tools_json" + field[len("tools"):]
+            field = "tools.tools_json" + field[len("tools") :]
         elif field.startswith("tool_choice.function"):
             field = "tools.function"
         else:
@@ -132,8 +143,12 @@ def tools_from_grpc(tools: generation_pb2.Tools) -> ToolRequest | None:
 def _rebased(node: Any, base: str) -> Any:
     """A schema with its local references ("#..." JSON pointers) moved under `base`."""
     if isinstance(node, dict):
-        return {key: base + value[1:] if key == "$ref" and isinstance(value, str) and value.startswith("#")
-                else _rebased(value, base) for key, value in node.items()}
+        return {
+            key: base + value[1:]
+            if key == "$ref" and isinstance(value, str) and value.startswith("#")
+            else _rebased(value, base)
+            for key, value in node.items()
+        }
     if isinstance(node, list):
         return [_rebased(value, base) for value in node]
     return node
@@ -163,8 +178,9 @@ def tools_from_openai(body: dict[str, Any]) -> ToolRequest | None:
             raise InvalidArgument("tool_choice.function.name", f"names no tool in tools: {str(name)[:64]!r}")
         request.choice, request.name = "named", name
     else:
-        raise InvalidArgument("tool_choice", 'must be "none", "auto", "required" or '
-                                             '{"type": "function", "function": {"name": ...}}')
+        raise InvalidArgument(
+            "tool_choice", 'must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}'
+        )
     return request
 
 
@@ -198,9 +214,12 @@ def resolve_parser(request: ToolRequest, configured: str, template_format: str, 
         return
     parser = configured or template_format
     if parser not in TOOL_CALL_PARSERS:  # "none" too: the operator turned "auto" off
-        raise InvalidArgument(field, '"auto" needs a model whose chat template writes tool calls, and this '
-                                             "one's writes none; use \"required\" or a named function, which "
-                                             "constrain the output to a call (or set SHARDLINE_TOOL_CALL_PARSER)")
+        raise InvalidArgument(
+            field,
+            '"auto" needs a model whose chat template writes tool calls, and this '
+            'one\'s writes none; use "required" or a named function, which '
+            "constrain the output to a call (or set SHARDLINE_TOOL_CALL_PARSER)",
+        )
     request.parser = parser
 
 

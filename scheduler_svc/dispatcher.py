@@ -65,9 +65,11 @@ class Dispatcher:
     async def start(self) -> None:
         """Re-queues every unfinished request found in Redis, then starts dispatching."""
         await self._recover()
-        self._tasks = [asyncio.create_task(self._dispatch_loop(), name="dispatch"),
-                       asyncio.create_task(self._watch_heartbeats(), name="heartbeats"),
-                       asyncio.create_task(self._watch_store(), name="store")]
+        self._tasks = [
+            asyncio.create_task(self._dispatch_loop(), name="dispatch"),
+            asyncio.create_task(self._watch_heartbeats(), name="heartbeats"),
+            asyncio.create_task(self._watch_store(), name="store"),
+        ]
 
     async def stop(self) -> None:
         """Stops dispatching and drops the worker streams; Redis keeps every request for the next start."""
@@ -131,14 +133,16 @@ class Dispatcher:
             if record is None:
                 raise NotFound(f"request_id: no request {request_id!r}")
             if not record.status.is_finished and await self._store.finish(
-                    request_id, RequestStatus.CANCELLED, FinishReason.ABORT):
+                request_id, RequestStatus.CANCELLED, FinishReason.ABORT
+            ):
                 # Live in Redis but held by no one here (left by a crash mid-write): nothing runs it.
                 log.warning("request %s was live in Redis only: cancelled there", request_id)
                 return RequestStatus.CANCELLED
             return record.status
         if gateway_id and request.gateway_id != gateway_id:
-            log.info("request %s: cancel from %s ignored, %s streams it now", request_id, gateway_id,
-                     request.gateway_id)
+            log.info(
+                "request %s: cancel from %s ignored, %s streams it now", request_id, gateway_id, request.gateway_id
+            )
             return RequestStatus.RUNNING if request.worker_id is not None else RequestStatus.QUEUED
         if self.queue.remove(request):
             await self.requests.finish([Outcome(request, RequestStatus.CANCELLED, FinishReason.ABORT)])
@@ -170,10 +174,16 @@ class Dispatcher:
             log.warning("worker %s registered again: re-queueing what its previous run held", info.worker_id)
             await old.close("its worker registered again")
         self._sessions[info.worker_id] = await WorkerSession.open(
-            info, self.requests.handle_steps, self._on_worker_lost, self._settings.worker_connect_timeout_s)
+            info, self.requests.handle_steps, self._on_worker_lost, self._settings.worker_connect_timeout_s
+        )
         self.registry.add(info)
-        log.info("worker %s registered at %s (%s, max_num_seqs=%d)",
-                 info.worker_id, info.address, info.model, info.max_num_seqs)
+        log.info(
+            "worker %s registered at %s (%s, max_num_seqs=%d)",
+            info.worker_id,
+            info.address,
+            info.model,
+            info.max_num_seqs,
+        )
         self._wake.set()
 
     def heartbeat(self, worker_id: str, running: int, waiting: int, kv_blocks_used: int) -> bool:
@@ -206,9 +216,15 @@ class Dispatcher:
             worker.in_flight.add(request.request_id)
             request.worker_id, request.attempt = worker.worker_id, request.attempt + 1
             span = self._tracer.start_span(
-                "dispatch", context=extract_context({"traceparent": request.traceparent}),
-                attributes={attr.REQUEST_ID: request.request_id, "shardline.worker_id": worker.worker_id,
-                            "shardline.attempt": request.attempt, attr.QUEUE_DEPTH: len(self.queue)})
+                "dispatch",
+                context=extract_context({"traceparent": request.traceparent}),
+                attributes={
+                    attr.REQUEST_ID: request.request_id,
+                    "shardline.worker_id": worker.worker_id,
+                    "shardline.attempt": request.attempt,
+                    attr.QUEUE_DEPTH: len(self.queue),
+                },
+            )
             adds[worker.worker_id].append(request.new_request())
             # Redis has these; a later re-dispatch reads them back with whatever came after.
             request.output_token_ids = []
@@ -350,9 +366,14 @@ class Dispatcher:
 
     def _open_queue_span(self, request: LiveRequest) -> None:
         request.queue_span = self._tracer.start_span(
-            "queue", context=extract_context({"traceparent": request.traceparent}),
-            attributes={attr.REQUEST_ID: request.request_id, attr.QUEUE_DEPTH: len(self.queue),
-                        attr.GEN_AI_REQUEST_MODEL: request.model})
+            "queue",
+            context=extract_context({"traceparent": request.traceparent}),
+            attributes={
+                attr.REQUEST_ID: request.request_id,
+                attr.QUEUE_DEPTH: len(self.queue),
+                attr.GEN_AI_REQUEST_MODEL: request.model,
+            },
+        )
 
     def _arm_deadline(self, request: LiveRequest) -> None:
         if request.deadline_ts is None:
@@ -360,7 +381,8 @@ class Dispatcher:
         delay = max(0.0, request.deadline_ts - time.time())
         request_id = request.request_id
         request.deadline_timer = asyncio.get_running_loop().call_later(
-            delay, lambda: self._spawn(self._expire(request_id)))
+            delay, lambda: self._spawn(self._expire(request_id))
+        )
 
     async def _expire(self, request_id: str) -> None:
         log.info("request %s passed its deadline: cancelling it", request_id)

@@ -21,8 +21,7 @@ def parse_args(argv: list[str] | None) -> tuple[SchedulerSettings, str]:
     parser.add_argument("--max-attempts", type=int, help="dispatches per request before it fails")
     parser.add_argument("--request-retention-s", type=float, help="how long finished requests stay in Redis")
     parser.add_argument("--metrics-port", type=int, help="Prometheus /metrics port; 0 turns it off")
-    parser.add_argument("--tracing", action=argparse.BooleanOptionalAction, default=None,
-                        help="export spans over OTLP")
+    parser.add_argument("--tracing", action=argparse.BooleanOptionalAction, default=None, help="export spans over OTLP")
     parser.add_argument("--instance-id", help="service.instance.id of this scheduler's spans")
     parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
     args = vars(parser.parse_args(argv))

@@ -50,8 +50,14 @@ class RequestTable:
     terminal state goes to Redis and their worker slot is given back.
     """
 
-    def __init__(self, store: RequestStore, relay: Relay, registry: WorkerRegistry,
-                 on_change: Callable[[], None], outage: StoreOutage | None = None) -> None:
+    def __init__(
+        self,
+        store: RequestStore,
+        relay: Relay,
+        registry: WorkerRegistry,
+        on_change: Callable[[], None],
+        outage: StoreOutage | None = None,
+    ) -> None:
         self._store = store
         self._relay = relay
         self._registry = registry
@@ -87,8 +93,9 @@ class RequestTable:
         async with self._persisting[request.worker_id]:
             yield
 
-    async def handle_steps(self, worker_id: str, steps: list[worker_pb2.StepOutput],
-                           backlog: Callable[[], int] = lambda: 0) -> None:
+    async def handle_steps(
+        self, worker_id: str, steps: list[worker_pb2.StepOutput], backlog: Callable[[], int] = lambda: 0
+    ) -> None:
         """Persists, relays and finalises what consecutive steps of one worker produced.
 
         Nothing is relayed before it is in Redis. While Redis does not answer, the write is retried
@@ -99,8 +106,9 @@ class RequestTable:
         async with self._persisting[worker_id]:
             await self._handle_steps(worker_id, steps, backlog)
 
-    async def _handle_steps(self, worker_id: str, steps: list[worker_pb2.StepOutput],
-                            backlog: Callable[[], int]) -> None:
+    async def _handle_steps(
+        self, worker_id: str, steps: list[worker_pb2.StepOutput], backlog: Callable[[], int]
+    ) -> None:
         now = time.time()
         offsets: dict[str, int] = {}  # each request's output length before these steps
         new_tokens: dict[str, list[int]] = defaultdict(list)
@@ -130,8 +138,7 @@ class RequestTable:
                     if delta.logprobs:
                         logprobs[request.request_id] += [lp.SerializeToString() for lp in delta.logprobs]
                     if delta.offset == 0 and delta.prompt_logprobs:
-                        prompt_logprobs[request.request_id] = [lp.SerializeToString()
-                                                               for lp in delta.prompt_logprobs]
+                        prompt_logprobs[request.request_id] = [lp.SerializeToString() for lp in delta.prompt_logprobs]
                 if delta.finish_reason:
                     _fill_usage(request, delta.usage)
                     reason = FinishReason(delta.finish_reason)
@@ -144,9 +151,13 @@ class RequestTable:
         # step's tokens and its finishes land together: recovery never sees a complete output RUNNING.
         runs = {rid: (offsets[rid], tokens) for rid, tokens in new_tokens.items()}
         try:
-            await self._outage.retry(lambda: self._store.append_step(
-                runs, first_token_ts, [o.stored() for o in finished], cached_tokens, logprobs, prompt_logprobs),
-                f"worker {worker_id}: recording {len(steps)} steps", backlog)
+            await self._outage.retry(
+                lambda: self._store.append_step(
+                    runs, first_token_ts, [o.stored() for o in finished], cached_tokens, logprobs, prompt_logprobs
+                ),
+                f"worker {worker_id}: recording {len(steps)} steps",
+                backlog,
+            )
         except Exception:
             # Not recorded, so not relayed: the requests' outputs end where Redis has them.
             for request_id, offset in offsets.items():
@@ -165,13 +176,17 @@ class RequestTable:
             return
         for outcome in outcomes:
             self._forget(outcome.request)
-        await self._outage.retry(lambda: self._store.finish_many([o.stored() for o in outcomes]),
-                                 f"finishing {len(outcomes)} requests")
+        await self._outage.retry(
+            lambda: self._store.finish_many([o.stored() for o in outcomes]), f"finishing {len(outcomes)} requests"
+        )
         finals = []
         for outcome in outcomes:
             delta = common_pb2.RequestDelta(
-                request_id=outcome.request.request_id, offset=outcome.request.num_output_tokens,
-                finish_reason=outcome.reason, error=outcome.error or "")
+                request_id=outcome.request.request_id,
+                offset=outcome.request.num_output_tokens,
+                finish_reason=outcome.reason,
+                error=outcome.error or "",
+            )
             _fill_usage(outcome.request, delta.usage)
             finals.append((outcome.request, delta))
         # Not from any worker step: worker_id and step stay empty.
@@ -184,16 +199,27 @@ class RequestTable:
         deltas = []
         for request in requests:
             offset = request.num_output_tokens
-            deltas.append((request, common_pb2.RequestDelta(
-                request_id=request.request_id, offset=offset, finish_reason=sampling_pb2.FINISH_REASON_ERROR,
-                error=f"{STREAM_INTERRUPTED} ({reason}): the request runs on; resume it at offset {offset}")))
+            deltas.append(
+                (
+                    request,
+                    common_pb2.RequestDelta(
+                        request_id=request.request_id,
+                        offset=offset,
+                        finish_reason=sampling_pb2.FINISH_REASON_ERROR,
+                        error=f"{STREAM_INTERRUPTED} ({reason}): the request runs on; resume it at offset {offset}",
+                    ),
+                )
+            )
         self._publish("", 0, deltas)
 
     def moved(self, request: LiveRequest, previous_gateway: str) -> None:
         """Ends `previous_gateway`'s stream of a request that now streams to another gateway."""
         delta = common_pb2.RequestDelta(
-            request_id=request.request_id, offset=request.num_output_tokens,
-            finish_reason=sampling_pb2.FINISH_REASON_ABORT, error=f"resumed on gateway {request.gateway_id}")
+            request_id=request.request_id,
+            offset=request.num_output_tokens,
+            finish_reason=sampling_pb2.FINISH_REASON_ABORT,
+            error=f"resumed on gateway {request.gateway_id}",
+        )
         _fill_usage(request, delta.usage)
         self._relay.publish(previous_gateway, scheduler_pb2.TokenBatch(deltas=[delta]))
 
@@ -215,14 +241,14 @@ class RequestTable:
         if request.deadline_timer is not None:
             request.deadline_timer.cancel()
 
-    def _publish(self, worker_id: str, step: int,
-                 deltas: list[tuple[LiveRequest, common_pb2.RequestDelta]]) -> None:
+    def _publish(self, worker_id: str, step: int, deltas: list[tuple[LiveRequest, common_pb2.RequestDelta]]) -> None:
         by_gateway: dict[str, list[common_pb2.RequestDelta]] = defaultdict(list)
         for request, delta in deltas:
             by_gateway[request.gateway_id].append(delta)
         for gateway_id, gateway_deltas in by_gateway.items():
-            self._relay.publish(gateway_id, scheduler_pb2.TokenBatch(worker_id=worker_id, step=step,
-                                                                     deltas=gateway_deltas))
+            self._relay.publish(
+                gateway_id, scheduler_pb2.TokenBatch(worker_id=worker_id, step=step, deltas=gateway_deltas)
+            )
 
 
 def _drop_repeats(request: LiveRequest, delta: common_pb2.RequestDelta) -> bool:

@@ -4,9 +4,9 @@ import hashlib
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from shardline.prefix_hash import hash_block_tokens
 from scheduler_svc.live_request import LiveRequest
 from scheduler_svc.worker_registry import RegisteredWorker
+from shardline.prefix_hash import hash_block_tokens
 
 # Used when a worker registers without a block size.
 DEFAULT_BLOCK_SIZE = 16
@@ -17,7 +17,7 @@ def prefix_hashes(prompt: Sequence[int], block_size: int, max_blocks: int) -> li
     hashes: list[int] = []
     parent: int | None = None
     for start in range(0, min(len(prompt) // block_size, max_blocks) * block_size, block_size):
-        parent = hash_block_tokens(parent, prompt[start:start + block_size])
+        parent = hash_block_tokens(parent, prompt[start : start + block_size])
         hashes.append(parent)
     return hashes
 

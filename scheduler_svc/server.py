@@ -61,13 +61,20 @@ async def start_scheduler(settings: SchedulerSettings, tracer: trace.Tracer | No
     servicer = SchedulerService(settings, dispatcher, store, relay)
     running = await start_grpc_server(
         [GrpcService(servicer, scheduler_pb2_grpc.add_SchedulerServicer_to_server, SERVICE_NAME)],
-        settings.port, settings.host, interceptors=[TracingServerInterceptor(tracer)])
+        settings.port,
+        settings.host,
+        interceptors=[TracingServerInterceptor(tracer)],
+    )
     # Not serving while Redis does not answer: a load balancer or the gateway's /health then looks
     # elsewhere, and every call that needs Redis answers UNAVAILABLE meanwhile.
     dispatcher.on_store_health = lambda up: running.set_serving(up, ["", SERVICE_NAME])
     metrics = start_metrics_server(settings.metrics_port) if settings.metrics_port > 0 else None
-    log.info("scheduler serving on port %d (redis %s, queue capacity %d)",
-             running.port, redacted(settings.redis_url), settings.queue_capacity)
+    log.info(
+        "scheduler serving on port %d (redis %s, queue capacity %d)",
+        running.port,
+        redacted(settings.redis_url),
+        settings.queue_capacity,
+    )
     return SchedulerServer(running, dispatcher, relay, store, metrics)
 
 

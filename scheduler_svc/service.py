@@ -18,6 +18,7 @@ from shardline.request_record import RequestRecord
 from shardline.request_store import RequestStore
 from tracing.grpc_context import inject_metadata
 
+
 def _seconds(ts: timestamp_pb2.Timestamp) -> float:
     return ts.ToNanoseconds() / 1e9
 
@@ -25,15 +26,15 @@ def _seconds(ts: timestamp_pb2.Timestamp) -> float:
 class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     """Serves shardline.v1.Scheduler; bad input raises shardline.errors, which the server maps to codes."""
 
-    def __init__(self, settings: SchedulerSettings, dispatcher: Dispatcher, store: RequestStore,
-                 relay: Relay) -> None:
+    def __init__(self, settings: SchedulerSettings, dispatcher: Dispatcher, store: RequestStore, relay: Relay) -> None:
         self._settings = settings
         self._dispatcher = dispatcher
         self._store = store
         self._relay = relay
 
-    async def Submit(self, request: scheduler_pb2.SubmitRequest, context: grpc.aio.ServicerContext
-                     ) -> scheduler_pb2.SubmitResponse:
+    async def Submit(
+        self, request: scheduler_pb2.SubmitRequest, context: grpc.aio.ServicerContext
+    ) -> scheduler_pb2.SubmitResponse:
         require_id(request.request_id, "request_id")
         require_id(request.gateway_id, "gateway_id")
         if not request.prompt_token_ids:
@@ -46,12 +47,18 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             # Refused here, with the field at fault, rather than failed by the worker it reaches.
             prompt = len(request.prompt_token_ids)
             if prompt >= longest:
-                raise InvalidArgument("prompt_token_ids", f"{prompt} tokens leave no room in the longest sequence "
-                                                          f"the workers of this model hold ({longest} tokens)")
+                raise InvalidArgument(
+                    "prompt_token_ids",
+                    f"{prompt} tokens leave no room in the longest sequence "
+                    f"the workers of this model hold ({longest} tokens)",
+                )
             if params.HasField("max_tokens") and prompt + params.max_tokens > longest:
-                raise InvalidArgument("params.max_tokens", f"the prompt ({prompt} tokens) plus max_tokens "
-                                      f"({params.max_tokens}) exceeds the longest sequence the workers of this "
-                                      f"model hold ({longest} tokens)")
+                raise InvalidArgument(
+                    "params.max_tokens",
+                    f"the prompt ({prompt} tokens) plus max_tokens "
+                    f"({params.max_tokens}) exceeds the longest sequence the workers of this "
+                    f"model hold ({longest} tokens)",
+                )
         if not params.HasField("seed"):
             # Resuming after a worker failure replays (seed, index): the seed must be fixed now.
             params.seed = secrets.randbits(63)
@@ -73,13 +80,15 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         position = await self._dispatcher.submit(live)
         return scheduler_pb2.SubmitResponse(queue_position=position)
 
-    async def Cancel(self, request: common_pb2.CancelRequest, context: grpc.aio.ServicerContext
-                     ) -> common_pb2.CancelResponse:
+    async def Cancel(
+        self, request: common_pb2.CancelRequest, context: grpc.aio.ServicerContext
+    ) -> common_pb2.CancelResponse:
         status = await self._dispatcher.cancel(require_id(request.request_id, "request_id"), request.gateway_id)
         return common_pb2.CancelResponse(status=int(status))
 
-    async def Subscribe(self, request: scheduler_pb2.SubscribeRequest, context: grpc.aio.ServicerContext
-                        ) -> AsyncIterator[scheduler_pb2.TokenBatch]:
+    async def Subscribe(
+        self, request: scheduler_pb2.SubscribeRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[scheduler_pb2.TokenBatch]:
         subscription = self._relay.subscribe(require_id(request.gateway_id, "gateway_id"))
         try:
             # Tells the gateway its stream is live, so it knows when submitting is safe.
@@ -89,14 +98,16 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         finally:
             self._relay.unsubscribe(subscription)
 
-    async def Attach(self, request: scheduler_pb2.AttachRequest, context: grpc.aio.ServicerContext
-                     ) -> common_pb2.RequestInfo:
+    async def Attach(
+        self, request: scheduler_pb2.AttachRequest, context: grpc.aio.ServicerContext
+    ) -> common_pb2.RequestInfo:
         request_id = require_id(request.request_id, "request_id")
         gateway_id = require_id(request.gateway_id, "gateway_id")
         return await self._dispatcher.attach(request_id, gateway_id, lambda: self._request_info(request_id))
 
-    async def RegisterWorker(self, request: scheduler_pb2.RegisterWorkerRequest,
-                             context: grpc.aio.ServicerContext) -> scheduler_pb2.RegisterWorkerResponse:
+    async def RegisterWorker(
+        self, request: scheduler_pb2.RegisterWorkerRequest, context: grpc.aio.ServicerContext
+    ) -> scheduler_pb2.RegisterWorkerResponse:
         info = request.worker
         require_id(info.worker_id, "worker.worker_id")
         if not info.address:
@@ -108,31 +119,43 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         interval.FromNanoseconds(round(self._settings.heartbeat_interval_s * 1e9))
         return scheduler_pb2.RegisterWorkerResponse(heartbeat_interval=interval)
 
-    async def Heartbeat(self, request: scheduler_pb2.HeartbeatRequest, context: grpc.aio.ServicerContext
-                        ) -> scheduler_pb2.HeartbeatResponse:
+    async def Heartbeat(
+        self, request: scheduler_pb2.HeartbeatRequest, context: grpc.aio.ServicerContext
+    ) -> scheduler_pb2.HeartbeatResponse:
         registered = self._dispatcher.heartbeat(
-            request.worker_id, request.running, request.waiting, request.kv_blocks_used)
+            request.worker_id, request.running, request.waiting, request.kv_blocks_used
+        )
         return scheduler_pb2.HeartbeatResponse(registered=registered)
 
-    async def GetRequest(self, request: common_pb2.GetRequestRequest, context: grpc.aio.ServicerContext
-                         ) -> common_pb2.RequestInfo:
+    async def GetRequest(
+        self, request: common_pb2.GetRequestRequest, context: grpc.aio.ServicerContext
+    ) -> common_pb2.RequestInfo:
         return await self._request_info(require_id(request.request_id, "request_id"))
 
-    async def ListWorkers(self, request: scheduler_pb2.ListWorkersRequest, context: grpc.aio.ServicerContext
-                          ) -> scheduler_pb2.ListWorkersResponse:
+    async def ListWorkers(
+        self, request: scheduler_pb2.ListWorkersRequest, context: grpc.aio.ServicerContext
+    ) -> scheduler_pb2.ListWorkersResponse:
         states = []
         for worker in self._dispatcher.registry:
-            state = scheduler_pb2.WorkerState(worker=worker.info, running=worker.running, waiting=worker.waiting,
-                                              kv_blocks_used=worker.kv_blocks_used, alive=True)
+            state = scheduler_pb2.WorkerState(
+                worker=worker.info,
+                running=worker.running,
+                waiting=worker.waiting,
+                kv_blocks_used=worker.kv_blocks_used,
+                alive=True,
+            )
             state.last_seen.FromNanoseconds(round(worker.last_seen_wall * 1e9))
             states.append(state)
         return scheduler_pb2.ListWorkersResponse(workers=states)
 
-    async def GetStats(self, request: scheduler_pb2.GetStatsRequest, context: grpc.aio.ServicerContext
-                       ) -> scheduler_pb2.SchedulerStats:
-        return scheduler_pb2.SchedulerStats(queue_depth=self._dispatcher.queue.depth_by_priority(),
-                                            running=self._dispatcher.running(),
-                                            workers=len(self._dispatcher.registry))
+    async def GetStats(
+        self, request: scheduler_pb2.GetStatsRequest, context: grpc.aio.ServicerContext
+    ) -> scheduler_pb2.SchedulerStats:
+        return scheduler_pb2.SchedulerStats(
+            queue_depth=self._dispatcher.queue.depth_by_priority(),
+            running=self._dispatcher.running(),
+            workers=len(self._dispatcher.registry),
+        )
 
     async def _request_info(self, request_id: str) -> common_pb2.RequestInfo:
         record = await self._store.get(request_id)
@@ -144,8 +167,9 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             # A step may have landed between the two reads: its logprobs go with tokens not read yet.
             # Fewer than the tokens (a record from before they were kept) pair with none of them.
             if len(output) >= len(info.output_token_ids):
-                info.output_logprobs.extend(sampling_pb2.TokenLogprob.FromString(lp)
-                                            for lp in output[: len(info.output_token_ids)])
+                info.output_logprobs.extend(
+                    sampling_pb2.TokenLogprob.FromString(lp) for lp in output[: len(info.output_token_ids)]
+                )
             info.prompt_logprobs.extend(sampling_pb2.TokenLogprob.FromString(lp) for lp in prompt)
         return info
 
@@ -161,13 +185,21 @@ def _to_request_info(record: RequestRecord, tokens: list[int]) -> common_pb2.Req
         attempt=record.attempt,
         finish_reason=int(record.finish_reason or 0),
         error=record.error or "",
-        usage=sampling_pb2.Usage(prompt_tokens=record.prompt_len, completion_tokens=len(tokens),
-                                 total_tokens=record.prompt_len + len(tokens), cached_tokens=record.cached_tokens),
+        usage=sampling_pb2.Usage(
+            prompt_tokens=record.prompt_len,
+            completion_tokens=len(tokens),
+            total_tokens=record.prompt_len + len(tokens),
+            cached_tokens=record.cached_tokens,
+        ),
         output_token_ids=tokens,
         owner=record.owner,
     )
-    for name, ts in (("arrival_time", record.arrival_ts), ("dispatch_time", record.dispatch_ts),
-                     ("first_token_time", record.first_token_ts), ("finish_time", record.finish_ts)):
+    for name, ts in (
+        ("arrival_time", record.arrival_ts),
+        ("dispatch_time", record.dispatch_ts),
+        ("first_token_time", record.first_token_ts),
+        ("finish_time", record.finish_ts),
+    ):
         if ts is not None:
             getattr(info, name).FromNanoseconds(round(ts * 1e9))
     return info

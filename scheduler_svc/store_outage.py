@@ -25,8 +25,7 @@ class StoreOutage:
     first_backoff_s: float = 0.05
     max_backoff_s: float = 1.0
 
-    async def retry(self, write: Callable[[], Awaitable[T]], what: str,
-                    backlog: Callable[[], int] = lambda: 0) -> T:
+    async def retry(self, write: Callable[[], Awaitable[T]], what: str, backlog: Callable[[], int] = lambda: 0) -> T:
         """`write()`'s result, calling it again while it raises StoreUnavailable; raises the last
         StoreUnavailable once `max_s` has passed or `backlog()` exceeds `max_backlog`. `write` must be
         safe to repeat: a failed attempt may have landed."""
@@ -38,8 +37,13 @@ class StoreOutage:
             except StoreUnavailable as exc:
                 waited = time.monotonic() - started
                 if waited + backoff > self.max_s or backlog() > self.max_backlog:
-                    log.error("%s: redis still unavailable after %.1f s, %d steps waiting: giving up (%s)",
-                              what, waited, backlog(), exc)
+                    log.error(
+                        "%s: redis still unavailable after %.1f s, %d steps waiting: giving up (%s)",
+                        what,
+                        waited,
+                        backlog(),
+                        exc,
+                    )
                     raise
                 if backoff == self.first_backoff_s:
                     log.warning("%s: %s; retrying for up to %.0f s", what, exc, self.max_s)

@@ -47,8 +47,9 @@ class WorkerRegistry:
     in the same engine step instead of after a round trip to the scheduler.
     """
 
-    def __init__(self, overcommit: float, heartbeat_timeout_s: float,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, overcommit: float, heartbeat_timeout_s: float, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self._overcommit = overcommit
         self._timeout_s = heartbeat_timeout_s
         self._clock = clock

@@ -36,8 +36,7 @@ class WorkerSession:
     Redis does not have, and none is dropped from a request that runs on.
     """
 
-    def __init__(self, worker_id: str, channel: grpc.aio.Channel, on_steps: StepsHandler,
-                 on_lost: LostHandler) -> None:
+    def __init__(self, worker_id: str, channel: grpc.aio.Channel, on_steps: StepsHandler, on_lost: LostHandler) -> None:
         self.worker_id = worker_id
         self._channel = channel
         self._on_steps = on_steps
@@ -48,12 +47,16 @@ class WorkerSession:
         self._unrecorded = False  # a batch of steps could not be recorded: the ones after it are dropped
         self._call = worker_pb2_grpc.WorkerStub(channel).Session()
         self._writer = asyncio.create_task(self._write(), name=f"session-write-{worker_id}")
-        self._tasks = [self._writer, asyncio.create_task(self._read(), name=f"session-read-{worker_id}"),
-                       asyncio.create_task(self._handle(), name=f"session-handle-{worker_id}")]
+        self._tasks = [
+            self._writer,
+            asyncio.create_task(self._read(), name=f"session-read-{worker_id}"),
+            asyncio.create_task(self._handle(), name=f"session-handle-{worker_id}"),
+        ]
 
     @classmethod
-    async def open(cls, info: worker_pb2.WorkerInfo, on_steps: StepsHandler, on_lost: LostHandler,
-                   connect_timeout_s: float) -> "WorkerSession":
+    async def open(
+        cls, info: worker_pb2.WorkerInfo, on_steps: StepsHandler, on_lost: LostHandler, connect_timeout_s: float
+    ) -> "WorkerSession":
         """Connects to the worker and opens its stream; Unavailable when the address does not answer,
         so a worker that advertises a wrong address fails to register instead of burning dispatch attempts."""
         channel = grpc.aio.insecure_channel(info.address, options=GRPC_OPTIONS, interceptors=aio_client_interceptors())
@@ -61,8 +64,9 @@ class WorkerSession:
             await asyncio.wait_for(channel.channel_ready(), connect_timeout_s)
         except TimeoutError:
             await channel.close()
-            raise Unavailable(f"worker.address: cannot connect to {info.address} "
-                              f"within {connect_timeout_s:.1f}s") from None
+            raise Unavailable(
+                f"worker.address: cannot connect to {info.address} within {connect_timeout_s:.1f}s"
+            ) from None
         return cls(info.worker_id, channel, on_steps, on_lost)
 
     @property
@@ -117,9 +121,14 @@ class WorkerSession:
                 try:
                     await self._on_steps(self.worker_id, steps, self._steps.qsize)
                 except Exception as exc:
-                    log.error("worker %s: %d steps could not be recorded (%s): ending its session, its "
-                              "requests go back to the queue", self.worker_id, len(steps), exc,
-                              exc_info=not isinstance(exc, StoreUnavailable))
+                    log.error(
+                        "worker %s: %d steps could not be recorded (%s): ending its session, its "
+                        "requests go back to the queue",
+                        self.worker_id,
+                        len(steps),
+                        exc,
+                        exc_info=not isinstance(exc, StoreUnavailable),
+                    )
                     self._unrecorded = True
                     self._close_reason = self._close_reason or f"its steps could not be recorded: {exc}"
                     self._call.cancel()

@@ -60,14 +60,16 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
             return None
         if handler.unary_unary:
             return grpc.unary_unary_rpc_method_handler(
-                _wrap_unary(handler.unary_unary), _tolerant(handler.request_deserializer), handler.response_serializer)
+                _wrap_unary(handler.unary_unary), _tolerant(handler.request_deserializer), handler.response_serializer
+            )
         if handler.unary_stream:
             return grpc.unary_stream_rpc_method_handler(
-                _wrap_stream(handler.unary_stream), _tolerant(handler.request_deserializer),
-                handler.response_serializer)
+                _wrap_stream(handler.unary_stream), _tolerant(handler.request_deserializer), handler.response_serializer
+            )
         if handler.stream_stream:
             return grpc.stream_stream_rpc_method_handler(
-                _wrap_stream(handler.stream_stream), handler.request_deserializer, handler.response_serializer)
+                _wrap_stream(handler.stream_stream), handler.request_deserializer, handler.response_serializer
+            )
         return handler
 
 
@@ -114,6 +116,7 @@ def _wrap_unary(fn):
             raise  # the handler chose its own status
         except Exception as exc:
             await _abort_for(exc, context)
+
     return wrapper
 
 
@@ -127,6 +130,7 @@ def _wrap_stream(fn):
             raise
         except Exception as exc:
             await _abort_for(exc, context)
+
     return wrapper
 
 
@@ -156,8 +160,12 @@ class RunningServer:
         await self.server.stop(grace_s)
         self._stopping.set()
 
-    async def wait_for_signal(self, on_stop: Callable[[], Awaitable[None]] | None = None,
-                              grace_s: float = 5.0, stop: asyncio.Event | None = None) -> None:
+    async def wait_for_signal(
+        self,
+        on_stop: Callable[[], Awaitable[None]] | None = None,
+        grace_s: float = 5.0,
+        stop: asyncio.Event | None = None,
+    ) -> None:
         """Block until SIGTERM/SIGINT, then run `on_stop` and stop the server gracefully.
 
         `stop`: the event a caller's own signal handlers set before this was called (a signal that
@@ -180,8 +188,12 @@ class RunningServer:
             await self.stop(grace_s)
 
 
-async def start_grpc_server(services: list[GrpcService], port: int, host: str = "0.0.0.0",
-                            interceptors: list[grpc.aio.ServerInterceptor] | None = None) -> RunningServer:
+async def start_grpc_server(
+    services: list[GrpcService],
+    port: int,
+    host: str = "0.0.0.0",
+    interceptors: list[grpc.aio.ServerInterceptor] | None = None,
+) -> RunningServer:
     """Start a server with health + reflection; port 0 picks a free port."""
     server = grpc.aio.server(interceptors=[*(interceptors or []), ErrorMappingInterceptor()], options=GRPC_OPTIONS)
     health_servicer = health.aio.HealthServicer()

@@ -62,8 +62,11 @@ _MMAP_THRESHOLD = 1 << 30
 _MMAP_THRESHOLD_FALLBACK = 32 << 20
 _TRIM_THRESHOLD = (1 << 31) - 1  # an int: never trim
 # The same settings as glibc reads them at process start.
-MALLOC_ENV = {"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_THRESHOLD_": str(_MMAP_THRESHOLD),
-              "MALLOC_TRIM_THRESHOLD_": str(_TRIM_THRESHOLD)}
+MALLOC_ENV = {
+    "MALLOC_ARENA_MAX": "1",
+    "MALLOC_MMAP_THRESHOLD_": str(_MMAP_THRESHOLD),
+    "MALLOC_TRIM_THRESHOLD_": str(_TRIM_THRESHOLD),
+}
 # Set beside MALLOC_ENV by the restart: this process's malloc settings are Shardline's, not the user's
 # (the stack does not pass them on to its other services, and the worker sets its own).
 REEXEC_MARKER = "SHARDLINE_MALLOC_TUNED"
@@ -86,8 +89,9 @@ def reexec_with_malloc_env() -> None:
     for stream in (sys.stdout, sys.stderr):
         stream.flush()  # what is buffered would be lost with the old process image
     try:
-        os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]],
-                  {**os.environ, **MALLOC_ENV, REEXEC_MARKER: "1"})
+        os.execve(
+            sys.executable, [sys.executable, *sys.orig_argv[1:]], {**os.environ, **MALLOC_ENV, REEXEC_MARKER: "1"}
+        )
     except OSError as exc:
         log.warning("could not restart under %s (%s): host memory is left to malloc's defaults", MALLOC_ENV, exc)
 

@@ -19,6 +19,7 @@ def require_id(value: str, field: str, max_length: int = MAX_ID_LENGTH) -> str:
         # Only the start of a long value: the whole would be echoed into gRPC's error trailer, whose
         # size clients cap (16 KB), and the caller would get RESOURCE_EXHAUSTED instead of this.
         shown = repr(value) if len(value) <= max_length else f"{value[:32]!r}... ({len(value)} characters)"
-        raise InvalidArgument(field, f"must be 1 to {max_length} printable ASCII characters, with no space "
-                                     f"and no ':', got {shown}")
+        raise InvalidArgument(
+            field, f"must be 1 to {max_length} printable ASCII characters, with no space and no ':', got {shown}"
+        )
     return value

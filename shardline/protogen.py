@@ -78,9 +78,14 @@ def _run_protoc(out_dir: Path, protos: list[Path]) -> None:
     # A subprocess rather than grpc_tools.protoc.main(), so protoc's diagnostics
     # (written to fd 2 by C++ code) end up in the exception.
     command = [
-        sys.executable, "-m", "grpc_tools.protoc",
-        f"-I{PROTO_ROOT}", f"-I{WELL_KNOWN_INCLUDE}",
-        f"--python_out={out_dir}", f"--pyi_out={out_dir}", f"--grpc_python_out={out_dir}",
+        sys.executable,
+        "-m",
+        "grpc_tools.protoc",
+        f"-I{PROTO_ROOT}",
+        f"-I{WELL_KNOWN_INCLUDE}",
+        f"--python_out={out_dir}",
+        f"--pyi_out={out_dir}",
+        f"--grpc_python_out={out_dir}",
         *(str(p) for p in protos),
     ]
     result = subprocess.run(command, capture_output=True, text=True, check=False)

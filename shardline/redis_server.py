@@ -55,7 +55,10 @@ def _control_client(port: int, timeout_s: float) -> redis.Redis:
     # No retries: redis-py's default backoff would stretch a refused PING, or the
     # connection drop that SHUTDOWN causes, into seconds of sleeping.
     return redis.Redis(
-        host="127.0.0.1", port=port, socket_connect_timeout=timeout_s, socket_timeout=timeout_s,
+        host="127.0.0.1",
+        port=port,
+        socket_connect_timeout=timeout_s,
+        socket_timeout=timeout_s,
         retry=Retry(NoBackoff(), 0),
     )
 
@@ -173,8 +176,10 @@ class EmbeddedRedis:
         except BlockingIOError:
             holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "another process"
             os.close(fd)
-            raise RedisServerError(f"{self.data_dir} is in use by another Shardline stack (pid {holder}); "
-                                   "give this one its own data directory (shardline up --data-dir)") from None
+            raise RedisServerError(
+                f"{self.data_dir} is in use by another Shardline stack (pid {holder}); "
+                "give this one its own data directory (shardline up --data-dir)"
+            ) from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, str(os.getpid()).encode(), 0)
         self._lock = fd
@@ -182,28 +187,43 @@ class EmbeddedRedis:
     def _spawn(self, binary: Path, port: int) -> None:
         command = [
             str(binary),
-            "--bind", "127.0.0.1",
-            "--port", str(port),
-            "--dir", str(self.data_dir),
-            "--appendonly", "yes",
+            "--bind",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--dir",
+            str(self.data_dir),
+            "--appendonly",
+            "yes",
             # A crash of this machine can lose about the last second of writes; a killed server
             # normally loses none, its writes being in the kernel's page cache. See docs/redis.md.
-            "--appendfsync", "everysec",
+            "--appendfsync",
+            "everysec",
             # Full memory must fail writes loudly, never drop request state: no eviction.
-            "--maxmemory-policy", "noeviction",
+            "--maxmemory-policy",
+            "noeviction",
             # The AOF is the persistence; RDB snapshots would only duplicate it.
-            "--save", "",
-            "--daemonize", "no",
+            "--save",
+            "",
+            "--daemonize",
+            "no",
             # Empty means stdout, which goes to the log file with stderr (where
             # errors from before the log is set up land).
-            "--logfile", "",
+            "--logfile",
+            "",
         ]
         # The child keeps its own copy of the log descriptor. In a session of its own: a Ctrl-C in
         # the terminal reaches the whole foreground group, and the server would shut down at once,
         # while the services that write to it are still stopping; stop() ends it after them.
         with open(self.log_path, "ab") as log, signals_deferred():
-            self._process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                                             start_new_session=True, preexec_fn=die_with_parent())
+            self._process = subprocess.Popen(
+                command,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=log,
+                start_new_session=True,
+                preexec_fn=die_with_parent(),
+            )
 
     def _wait_ready(self, port: int) -> None:
         assert self._process is not None

@@ -34,7 +34,6 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from shardline.errors import Unavailable
-
 from shardline.request_record import FinishReason, RequestRecord, RequestStatus, decode_record, encode_record
 
 PREFIX = "shardline:"
@@ -59,12 +58,14 @@ class StoreUnavailable(Unavailable):
 def _unavailable_when_down(method: Callable[P, Awaitable[T]]) -> Callable[P, Awaitable[T]]:
     """Turns redis-py's connection errors into StoreUnavailable, so every caller (and every rpc
     that reads or writes requests) answers UNAVAILABLE rather than INTERNAL while Redis is down."""
+
     @functools.wraps(method)
     async def call(*args: P.args, **kwargs: P.kwargs) -> T:
         try:
             return await method(*args, **kwargs)
         except (RedisConnectionError, RedisTimeoutError) as exc:
             raise StoreUnavailable(f"redis unavailable: {exc}") from exc
+
     return call
 
 
@@ -170,18 +171,26 @@ return 1
 """
 
 
-def _update_args(request_id: str, retention_ms: int, fields: dict[str, Any],
-                 once: dict[str, Any] | None = None) -> tuple[list[str], list[Any]]:
+def _update_args(
+    request_id: str, retention_ms: int, fields: dict[str, Any], once: dict[str, Any] | None = None
+) -> tuple[list[str], list[Any]]:
     """KEYS and ARGV of _UPDATE_LIVE_LUA: `fields` are set, `once` only where absent."""
     once = once or {}
-    keys = [_hash_key(request_id), _prompt_key(request_id), _tokens_key(request_id), _logprobs_key(request_id),
-            _prompt_logprobs_key(request_id), ACTIVE_KEY]
+    keys = [
+        _hash_key(request_id),
+        _prompt_key(request_id),
+        _tokens_key(request_id),
+        _logprobs_key(request_id),
+        _prompt_logprobs_key(request_id),
+        ACTIVE_KEY,
+    ]
     pairs = [item for pair in [*fields.items(), *once.items()] for item in pair]
     return keys, [request_id, retention_ms, len(once), *pairs]
 
 
-def _queue_update(pipe: Any, request_id: str, retention_ms: int, fields: dict[str, Any],
-                  once: dict[str, Any] | None = None) -> None:
+def _queue_update(
+    pipe: Any, request_id: str, retention_ms: int, fields: dict[str, Any], once: dict[str, Any] | None = None
+) -> None:
     """Queues _UPDATE_LIVE_LUA on a pipeline. EVAL with the script's text, not a registered Script:
     on a pipeline, redis-py checks registered scripts with an extra SCRIPT EXISTS round trip."""
     keys, args = _update_args(request_id, retention_ms, fields, once)
@@ -201,8 +210,11 @@ class RequestStore:
         # Two quick retries for a dropped connection; an outage is the caller's to wait out (the
         # scheduler keeps its steps and retries them), not a call's to hang in.
         self._redis = aioredis.from_url(
-            redis_url, socket_timeout=SOCKET_TIMEOUT_S, socket_connect_timeout=CONNECT_TIMEOUT_S,
-            retry=Retry(ExponentialBackoff(cap=0.2, base=0.02), 2))
+            redis_url,
+            socket_timeout=SOCKET_TIMEOUT_S,
+            socket_connect_timeout=CONNECT_TIMEOUT_S,
+            retry=Retry(ExponentialBackoff(cap=0.2, base=0.02), 2),
+        )
         self._create_script = self._redis.register_script(_CREATE_LUA)
         self._update_script = self._redis.register_script(_UPDATE_LIVE_LUA)
 
@@ -238,9 +250,12 @@ class RequestStore:
 
     @_unavailable_when_down
     async def append_step(
-        self, deltas: dict[str, tuple[int, list[int]]], first_token_ts: dict[str, float] | None = None,
+        self,
+        deltas: dict[str, tuple[int, list[int]]],
+        first_token_ts: dict[str, float] | None = None,
         finishes: Sequence[tuple[str, RequestStatus, FinishReason, str | None]] = (),
-        cached_tokens: dict[str, int] | None = None, logprobs: dict[str, list[bytes]] | None = None,
+        cached_tokens: dict[str, int] | None = None,
+        logprobs: dict[str, list[bytes]] | None = None,
         prompt_logprobs: dict[str, list[bytes]] | None = None,
     ) -> list[bool]:
         """Appends one engine step's new tokens for every request, and records the requests the step
@@ -323,16 +338,15 @@ class RequestStore:
         return (await self.finish_many([(request_id, status, finish_reason, error)]))[0]
 
     @_unavailable_when_down
-    async def finish_many(
-        self, outcomes: Sequence[tuple[str, RequestStatus, FinishReason, str | None]]
-    ) -> list[bool]:
+    async def finish_many(self, outcomes: Sequence[tuple[str, RequestStatus, FinishReason, str | None]]) -> list[bool]:
         """finish() for many (request_id, status, reason, error) in ONE round trip: a step's finishes."""
         pipe = self._redis.pipeline(transaction=False)
         self._queue_finishes(pipe, outcomes)
         return [bool(done) for done in await pipe.execute()] if outcomes else []
 
-    def _queue_finishes(self, pipe: Any, outcomes: Sequence[tuple[str, RequestStatus, FinishReason, str | None]]
-                        ) -> None:
+    def _queue_finishes(
+        self, pipe: Any, outcomes: Sequence[tuple[str, RequestStatus, FinishReason, str | None]]
+    ) -> None:
         now, retention_ms = time.time(), max(1, round(self.retention_s * 1000))
         for request_id, status, finish_reason, error in outcomes:
             if not status.is_finished:

@@ -55,8 +55,10 @@ def settings_problems(exc: ValidationError) -> str:
     for error in exc.errors():
         field = ".".join(str(part) for part in error["loc"])
         message = error["msg"].removeprefix("Value error, ")
-        problems.append(f"SHARDLINE_{field.upper()} (--{field.replace('_', '-')}) {message[:1].lower()}{message[1:]}, "
-                        f"got {error.get('input')!r}")
+        problems.append(
+            f"SHARDLINE_{field.upper()} (--{field.replace('_', '-')}) {message[:1].lower()}{message[1:]}, "
+            f"got {error.get('input')!r}"
+        )
     return "; ".join(problems)
 
 

@@ -91,8 +91,12 @@ class LocalStack:
         self._interrupted: Callable[[], bool] | None = None
 
     # -- lifecycle ------------------------------------------------------------
-    def start(self, progress: Callable[[str], None] = lambda msg: None, timeout_s: float = 300.0,
-              interrupted: Callable[[], bool] | None = None) -> LocalStack:
+    def start(
+        self,
+        progress: Callable[[str], None] = lambda msg: None,
+        timeout_s: float = 300.0,
+        interrupted: Callable[[], bool] | None = None,
+    ) -> LocalStack:
         """Start every service and wait until all are healthy; on any failure (or Ctrl-C) stop what started.
 
         The services run in sessions of their own, so nothing else would stop them.
@@ -127,18 +131,38 @@ class LocalStack:
         deadline = time.monotonic() + timeout_s
         if c.tracing:
             # Ready before anything else starts, so no service's first spans wait on retries.
-            tracing = self._spawn("tracing", {"HOST": LOOPBACK, "OTLP_PORT": c.otlp_port, "HTTP_PORT": c.dashboard_port,
-                                              "REDIS_URL": self.redis_url}, f"127.0.0.1:{c.otlp_port}")
+            tracing = self._spawn(
+                "tracing",
+                {
+                    "HOST": LOOPBACK,
+                    "OTLP_PORT": c.otlp_port,
+                    "HTTP_PORT": c.dashboard_port,
+                    "REDIS_URL": self.redis_url,
+                },
+                f"127.0.0.1:{c.otlp_port}",
+            )
             self._wait_healthy([tracing], progress, deadline)
-        self._spawn("tokenizer", {"HOST": LOOPBACK, "PORT": c.tokenizer_port, "MODEL": c.model},
-                    f"127.0.0.1:{c.tokenizer_port}")
-        self._spawn("scheduler", {"HOST": LOOPBACK, "PORT": c.scheduler_port, "REDIS_URL": self.redis_url},
-                    f"127.0.0.1:{c.scheduler_port}")
+        self._spawn(
+            "tokenizer", {"HOST": LOOPBACK, "PORT": c.tokenizer_port, "MODEL": c.model}, f"127.0.0.1:{c.tokenizer_port}"
+        )
+        self._spawn(
+            "scheduler",
+            {"HOST": LOOPBACK, "PORT": c.scheduler_port, "REDIS_URL": self.redis_url},
+            f"127.0.0.1:{c.scheduler_port}",
+        )
         for i in range(c.workers):
             self.add_worker(i)
-        self._spawn("gateway", {"HTTP_PORT": c.http_port, "GRPC_PORT": c.grpc_port, "GATEWAY_ID": "gateway-0",
-                                "TOKENIZER_ADDRESS": f"127.0.0.1:{c.tokenizer_port}",
-                                "SCHEDULER_ADDRESS": f"127.0.0.1:{c.scheduler_port}"}, f"127.0.0.1:{c.grpc_port}")
+        self._spawn(
+            "gateway",
+            {
+                "HTTP_PORT": c.http_port,
+                "GRPC_PORT": c.grpc_port,
+                "GATEWAY_ID": "gateway-0",
+                "TOKENIZER_ADDRESS": f"127.0.0.1:{c.tokenizer_port}",
+                "SCHEDULER_ADDRESS": f"127.0.0.1:{c.scheduler_port}",
+            },
+            f"127.0.0.1:{c.grpc_port}",
+        )
         self.wait_ready(progress, max(0.0, deadline - time.monotonic()))
         self._check_interrupt()
 
@@ -146,15 +170,29 @@ class LocalStack:
         c = self.config
         port = c.worker_base_port + index if c.worker_base_port else free_port()
         self.worker_ports.append(port)
-        return self._spawn(f"worker-{index}", {
-            "HOST": LOOPBACK, "PORT": port, "WORKER_ID": f"worker-{index}", "ADVERTISE_ADDRESS": f"127.0.0.1:{port}",
-            "SCHEDULER_ADDRESS": f"127.0.0.1:{c.scheduler_port}", "MODEL": c.model, "TP_SIZE": c.tp_size,
-        }, f"127.0.0.1:{port}", service="worker")
+        return self._spawn(
+            f"worker-{index}",
+            {
+                "HOST": LOOPBACK,
+                "PORT": port,
+                "WORKER_ID": f"worker-{index}",
+                "ADVERTISE_ADDRESS": f"127.0.0.1:{port}",
+                "SCHEDULER_ADDRESS": f"127.0.0.1:{c.scheduler_port}",
+                "MODEL": c.model,
+                "TP_SIZE": c.tp_size,
+            },
+            f"127.0.0.1:{port}",
+            service="worker",
+        )
 
     def _spawn(self, name: str, settings: dict[str, object], health: str | None, service: str | None = None) -> Child:
         self._check_interrupt()  # a stop signal during the start: start nothing more
-        env = {**_own_environ(), "SHARDLINE_TRACING": "1" if self.config.tracing else "0",
-               "SHARDLINE_INSTANCE_ID": name, "PYTHONUNBUFFERED": "1"}
+        env = {
+            **_own_environ(),
+            "SHARDLINE_TRACING": "1" if self.config.tracing else "0",
+            "SHARDLINE_INSTANCE_ID": name,
+            "PYTHONUNBUFFERED": "1",
+        }
         if self.config.tracing:
             env["SHARDLINE_OTLP_ENDPOINT"] = f"127.0.0.1:{self.config.otlp_port}"
         env.update({f"SHARDLINE_{k}": str(v) for k, v in self.config.env.items()})
@@ -170,8 +208,14 @@ class LocalStack:
             return subprocess.Popen(argv, env=env, start_new_session=True, preexec_fn=die_with_parent())
         self.config.log_dir.mkdir(parents=True, exist_ok=True)
         with open(self.config.log_dir / f"{name}.log", "ab") as out:  # the child keeps its own copy
-            return subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                    preexec_fn=die_with_parent())
+            return subprocess.Popen(
+                argv,
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=die_with_parent(),
+            )
 
     def restart(self, child: Child) -> None:
         """Start a dead service again with its old settings; state it needs comes back from Redis."""
@@ -212,8 +256,10 @@ class LocalStack:
             for child in list(pending):
                 self._check_interrupt()
                 if child.proc.poll() is not None:
-                    raise RuntimeError(f"{child.name} exited with code {child.proc.returncode} while starting"
-                                       + self._last_words(child))
+                    raise RuntimeError(
+                        f"{child.name} exited with code {child.proc.returncode} while starting"
+                        + self._last_words(child)
+                    )
                 if child.health is None or grpc_serving(child.health):
                     progress(f"{child.name:<10} ready ({child.health})")
                     child.ready = True
@@ -238,8 +284,11 @@ class LocalStack:
             services.append(SupervisedProcess("redis", self.redis.exit_code, self.redis.respawn))
         for child in self.children:
             # Late-bound on the child: restart() gives it a new process.
-            services.append(SupervisedProcess(child.name, lambda child=child: child.proc.poll(),
-                                              lambda child=child: self.restart(child)))
+            services.append(
+                SupervisedProcess(
+                    child.name, lambda child=child: child.proc.poll(), lambda child=child: self.restart(child)
+                )
+            )
         return services
 
     def supervisor(self, report: Callable[[str], None], policy: BackoffPolicy | None = None) -> Supervisor:

@@ -98,8 +98,10 @@ class StructuredOutputSpec:
                 raise ValueError("structured_output: json_schema must be a JSON object")
             depth = _nesting(schema)
             if depth > MAX_SCHEMA_DEPTH:
-                raise ValueError(f"structured_output: json_schema is nested {depth} levels deep (objects and "
-                                 f"arrays); at most {MAX_SCHEMA_DEPTH}")
+                raise ValueError(
+                    f"structured_output: json_schema is nested {depth} levels deep (objects and "
+                    f"arrays); at most {MAX_SCHEMA_DEPTH}"
+                )
 
     def grammar(self) -> Any:
         """The xgrammar Grammar; ValueError (naming structured_output) when it does not compile."""
@@ -145,6 +147,8 @@ def load_xgrammar() -> ModuleType:
     try:
         import xgrammar
     except ImportError as exc:
-        raise ValueError(f"structured_output: the grammar engine is not installed ({exc}); "
-                         f"install it with `pip install --no-deps xgrammar==0.2.9`") from None
+        raise ValueError(
+            f"structured_output: the grammar engine is not installed ({exc}); "
+            f"install it with `pip install --no-deps xgrammar==0.2.9`"
+        ) from None
     return xgrammar

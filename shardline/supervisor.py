@@ -97,8 +97,10 @@ class Supervisor:
         if record.quick_exits == 0 or now - record.started_at < self.policy.healthy_after_s:
             return
         if record.quick_exits >= self.policy.crash_loop_exits:
-            self.report(f"{service.name} has run {now - record.started_at:.0f}s since its restart: "
-                        "back in service, its backoff cleared")
+            self.report(
+                f"{service.name} has run {now - record.started_at:.0f}s since its restart: "
+                "back in service, its backoff cleared"
+            )
         record.quick_exits = 0
 
     def _note_exit(self, service: SupervisedProcess, record: ServiceRecord, code: int, now: float) -> None:
@@ -108,13 +110,17 @@ class Supervisor:
         delay_s = self.policy.delay_s(record.quick_exits)
         when = "now" if delay_s == 0 else f"in {delay_s:.1f}s"
         if record.quick_exits == self.policy.crash_loop_exits:
-            self.report(f"{service.name} is crash-looping (exited {record.quick_exits} times in a row, each within "
-                        f"{self.policy.healthy_after_s:.0f}s of its start; last code {code}): out of service, "
-                        f"restarting it with backoff ({when}, then at most every {self.policy.max_delay_s:.0f}s); "
-                        "the other services keep running")
+            self.report(
+                f"{service.name} is crash-looping (exited {record.quick_exits} times in a row, each within "
+                f"{self.policy.healthy_after_s:.0f}s of its start; last code {code}): out of service, "
+                f"restarting it with backoff ({when}, then at most every {self.policy.max_delay_s:.0f}s); "
+                "the other services keep running"
+            )
         elif record.quick_exits > self.policy.crash_loop_exits:
-            self.report(f"{service.name} is still crash-looping (exit {record.quick_exits} in a row, code {code}); "
-                        f"restarting it {when}")
+            self.report(
+                f"{service.name} is still crash-looping (exit {record.quick_exits} in a row, code {code}); "
+                f"restarting it {when}"
+            )
         elif record.restarts:
             self.report(f"{service.name} exited (code {code}) {ran_s:.1f}s after its restart; restarting it {when}")
         else:  # in its first run: when it started is not known here

@@ -68,8 +68,11 @@ def test_the_readme_gives_a_new_user_exactly_two_make_commands():
 
 def test_ci_runs_the_readmes_test_command():
     test_command = _readme_commands()[1]
-    ci_lines = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()
-                if line.strip() and not line.lstrip().startswith("#")]
+    ci_lines = [
+        line.strip()
+        for line in (ROOT / ".ci" / "run").read_text().splitlines()
+        if line.strip() and not line.lstrip().startswith("#")
+    ]
     assert test_command in ci_lines
 
 
@@ -104,9 +107,11 @@ def _settings_variables() -> set[str]:
         for node in ast.walk(ast.parse(file.read_text())):
             if isinstance(node, ast.ClassDef) and any(getattr(b, "id", None) == "BaseSettings" for b in node.bases):
                 assert 'env_prefix="SHARDLINE_"' in ast.unparse(node).replace("'", '"'), file
-                names |= {f"SHARDLINE_{s.target.id.upper()}" for s in node.body
-                          if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)
-                          and s.target.id != "model_config"}
+                names |= {
+                    f"SHARDLINE_{s.target.id.upper()}"
+                    for s in node.body
+                    if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name) and s.target.id != "model_config"
+                }
     return names
 
 
@@ -124,11 +129,15 @@ def test_deploy_documents_every_setting_and_every_env_example_variable():
 def test_the_compose_section_documents_what_env_example_offers():
     # What a compose user reads: every .env.example variable, and no table row offering one it lacks.
     section = (DOCS / "deploy.md").read_text()
-    section = section[section.index("## Deploy with docker compose"):]
+    section = section[section.index("## Deploy with docker compose") :]
     offered = _env_example_variables()
     assert sorted(v for v in offered if f"`{v}`" not in section) == []
-    tabled = {name for row in section.splitlines() if row.startswith("| `")
-              for name in re.findall(r"`([A-Z][A-Z0-9_]*)`", row.split("|")[1])}
+    tabled = {
+        name
+        for row in section.splitlines()
+        if row.startswith("| `")
+        for name in re.findall(r"`([A-Z][A-Z0-9_]*)`", row.split("|")[1])
+    }
     assert tabled - offered == set()
 
 

@@ -21,8 +21,9 @@ def template_messages(messages: list[sampling_pb2.ChatMessage]) -> list[dict[str
     for index, message in enumerate(messages):
         turn: dict[str, Any] = {"role": message.role, "content": message.content}
         if message.tool_calls:
-            turn["tool_calls"] = [_tool_call(call, f"messages[{index}].tool_calls[{j}]")
-                                  for j, call in enumerate(message.tool_calls)]
+            turn["tool_calls"] = [
+                _tool_call(call, f"messages[{index}].tool_calls[{j}]") for j, call in enumerate(message.tool_calls)
+            ]
         if message.tool_call_id:
             turn["tool_call_id"] = message.tool_call_id
         if message.name:
@@ -43,8 +44,10 @@ def _tool_call(call: sampling_pb2.ToolCall, field: str) -> dict[str, Any]:
 
 
 # What the service gives the template itself; a request's variables may not replace them.
-_RESERVED = frozenset({"messages", "tools", "add_generation_prompt", "continue_final_message", "bos_token",
-                       "eos_token"}) | TEMPLATE_GLOBALS
+_RESERVED = (
+    frozenset({"messages", "tools", "add_generation_prompt", "continue_final_message", "bos_token", "eos_token"})
+    | TEMPLATE_GLOBALS
+)
 
 
 def template_variables(kwargs_json: str) -> dict[str, Any]:

@@ -35,8 +35,9 @@ class PromptSize:
             self.longest_token = max(len(tokenizer.token_bytes([i])) for i in range(tokenizer.vocab_size))
         else:
             added = {i: token.content for i, token in backend.get_added_tokens_decoder().items()}
-            self.longest_token = max(len(added.get(i) or backend.id_to_token(i) or "")
-                                     for i in range(tokenizer.vocab_size))
+            self.longest_token = max(
+                len(added.get(i) or backend.id_to_token(i) or "") for i in range(tokenizer.vocab_size)
+            )
         self.longest_token = max(1, self.longest_token)
 
     def min_tokens(self, text: str) -> int:
@@ -45,7 +46,7 @@ class PromptSize:
             return math.ceil(self._length(text) / self.longest_token)
         length = 0
         for start in range(0, len(text), _NORMALIZE_PIECE_CHARS):
-            piece = self._normalizer.normalize_str(text[start:start + _NORMALIZE_PIECE_CHARS])
+            piece = self._normalizer.normalize_str(text[start : start + _NORMALIZE_PIECE_CHARS])
             length += max(0, self._length(piece) - _CUT_SLACK_CHARS)
         return math.ceil(length / self.longest_token)
 
@@ -57,8 +58,10 @@ class PromptSize:
         if least <= self.max_tokens:
             return None
         unit = "bytes" if self.byte_level else "characters"
-        return (f"has at least {least} tokens ({self._length(text)} {unit}, and no token is longer than "
-                f"{self.longest_token}), more than the model's context of {self.max_tokens}")
+        return (
+            f"has at least {least} tokens ({self._length(text)} {unit}, and no token is longer than "
+            f"{self.longest_token}), more than the model's context of {self.max_tokens}"
+        )
 
     def _length(self, text: str) -> int:
         return len(text.encode("utf-8", "surrogatepass")) if self.byte_level else len(text)

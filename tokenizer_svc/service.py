@@ -85,25 +85,33 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServicer):
             return _refuse(context, InvalidArgument("messages", problem), tokenizer_pb2.ApplyChatTemplateResponse())
         return tokenizer_pb2.ApplyChatTemplateResponse(prompt=prompt, prompt_token_ids=ids)
 
-    def _render(self, messages: list[dict[str, Any]], request: tokenizer_pb2.ApplyChatTemplateRequest,
-                variables: dict[str, Any]) -> tuple[str, list[int] | None]:
+    def _render(
+        self, messages: list[dict[str, Any]], request: tokenizer_pb2.ApplyChatTemplateRequest, variables: dict[str, Any]
+    ) -> tuple[str, list[int] | None]:
         """The prompt, and its ids: None when its size shows it cannot fit the context."""
         assert self._template is not None
         try:
-            prompt = self._template.render(messages, add_generation_prompt=request.add_generation_prompt,
-                                           continue_final_message=request.continue_final_message, variables=variables)
+            prompt = self._template.render(
+                messages,
+                add_generation_prompt=request.add_generation_prompt,
+                continue_final_message=request.continue_final_message,
+                variables=variables,
+            )
         except ChatTemplateError as exc:
             found = _MESSAGE_FIELD.search(str(exc))
             field = found.group(0) if found else "chat_template_kwargs" if request.template_kwargs_json else "messages"
             message = str(exc)
             if message.startswith(f"{field}"):  # the message names it already: the client's error names it once
-                message = message[len(field):].lstrip(" :") or message
+                message = message[len(field) :].lstrip(" :") or message
             raise InvalidArgument(field, message) from exc
         try:  # variables and tools may carry an escaped lone surrogate, which the template wrote out
             prompt.encode()
         except UnicodeEncodeError:
-            raise InvalidArgument("messages", "the rendered prompt is not Unicode text (a lone surrogate "
-                                              "in the messages, tools or template variables)") from None
+            raise InvalidArgument(
+                "messages",
+                "the rendered prompt is not Unicode text (a lone surrogate "
+                "in the messages, tools or template variables)",
+            ) from None
         if self._size.problem(prompt) is not None:
             return prompt, None
         # The template writes the special tokens itself (BOS included, where the model has one).
@@ -146,7 +154,8 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServicer):
         self, request: tokenizer_pb2.CheckStructuredOutputRequest, context: grpc.aio.ServicerContext
     ) -> tokenizer_pb2.CheckStructuredOutputResponse:
         return tokenizer_pb2.CheckStructuredOutputResponse(
-            error=await self._structured_output.error(request.structured_output))
+            error=await self._structured_output.error(request.structured_output)
+        )
 
 
 def _refuse(context: grpc.aio.ServicerContext, error: InvalidArgument, empty: T) -> T:

@@ -51,8 +51,9 @@ KV_CACHE_USAGE = Gauge("shardline_kv_cache_usage_ratio", "Fraction of the worker
 TOKENS_PER_SECOND = Gauge("shardline_generation_tokens_per_second", "Tokens generated per second, last engine step.")
 # N-gram speculation (vLLM's spec_decode counters): their ratio is the draft acceptance rate.
 SPEC_DRAFT_TOKENS = Counter("shardline_spec_decode_num_draft_tokens", "Draft tokens the engine computed.")
-SPEC_ACCEPTED_TOKENS = Counter("shardline_spec_decode_num_accepted_tokens",
-                               "Draft tokens confirmed by sampling and kept as output.")
+SPEC_ACCEPTED_TOKENS = Counter(
+    "shardline_spec_decode_num_accepted_tokens", "Draft tokens confirmed by sampling and kept as output."
+)
 SPANS_DROPPED = Counter(
     "shardline_tracing_spans_dropped",
     "Finished spans dropped because the export queue was full.",

@@ -147,4 +147,6 @@ def setup_tracing(
     if install_global:
         trace.set_tracer_provider(provider)
     logger.info("tracing %s/%s (rank %s) to %s", service_name, instance_id, rank, endpoint)
-    return TracingHandle(tracer=provider.get_tracer("shardline." + service_name), provider=provider, processor=processor)
+    return TracingHandle(
+        tracer=provider.get_tracer("shardline." + service_name), provider=provider, processor=processor
+    )

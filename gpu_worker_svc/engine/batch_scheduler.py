@@ -38,8 +38,7 @@ class SchedulerConfig:
         # token, and the later ones in the batch would starve.
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(
-                f"max_num_batched_tokens must be >= max_num_seqs={self.max_num_seqs}, "
-                f"got {self.max_num_batched_tokens}"
+                f"max_num_batched_tokens must be >= max_num_seqs={self.max_num_seqs}, got {self.max_num_batched_tokens}"
             )
 
     def fills_a_step(self, prompt_lengths: list[int]) -> bool:
@@ -342,9 +341,7 @@ class BatchScheduler:
         for index in range(len(seq.block_hashes), num_full):
             parent = seq.block_hashes[-1] if seq.block_hashes else None
             block_tokens = token_ids[index * size : (index + 1) * size]
-            seq.block_hashes.append(
-                self.block_pool.cache_full_block(seq.block_ids[index], parent, block_tokens)
-            )
+            seq.block_hashes.append(self.block_pool.cache_full_block(seq.block_ids[index], parent, block_tokens))
 
     def _enqueue(self, seq: Sequence) -> None:
         bisect.insort(self._waiting, seq, key=_queue_key)

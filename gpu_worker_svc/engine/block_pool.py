@@ -29,9 +29,7 @@ class BlockPool:
     Others return to the free list.
     """
 
-    def __init__(
-        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True
-    ) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be at least 1, got {num_blocks}")
         if block_size < 1:
@@ -68,9 +66,7 @@ class BlockPool:
     def allocate(self, num_blocks: int) -> list[int]:
         """Take `num_blocks` blocks with ref count 1, evicting LRU cached ones."""
         if num_blocks > self.num_free_blocks:
-            raise NoFreeBlocksError(
-                f"need {num_blocks} blocks, {self.num_free_blocks} free"
-            )
+            raise NoFreeBlocksError(f"need {num_blocks} blocks, {self.num_free_blocks} free")
         block_ids = []
         for _ in range(num_blocks):
             if self._free:
@@ -128,14 +124,10 @@ class BlockPool:
                 del self._evictable[block_id]
             block.ref_count += 1
 
-    def cache_full_block(
-        self, block_id: int, parent_hash: int | None, token_ids: Sequence[int]
-    ) -> int:
+    def cache_full_block(self, block_id: int, parent_hash: int | None, token_ids: Sequence[int]) -> int:
         """Register a block that just became full; return its chained hash."""
         if len(token_ids) != self.block_size:
-            raise ValueError(
-                f"a full block holds {self.block_size} tokens, got {len(token_ids)}"
-            )
+            raise ValueError(f"a full block holds {self.block_size} tokens, got {len(token_ids)}")
         block_hash = hash_block_tokens(parent_hash, token_ids)
         # When two requests computed the same block concurrently, the first one
         # stays the cached copy; the duplicate goes back to the free list later.

@@ -36,13 +36,15 @@ class _Graph:
 
 
 class DecodeGraphs:
-    def __init__(self, model: LlamaForCausalLM, kv_caches: list[torch.Tensor], scratch_slot: int,
-                 max_context: int) -> None:
+    def __init__(
+        self, model: LlamaForCausalLM, kv_caches: list[torch.Tensor], scratch_slot: int, max_context: int
+    ) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.scratch_slot = scratch_slot
         self.context_buckets: tuple[int, ...] = tuple(
-            MIN_CONTEXT_BUCKET << i for i in range(32) if MIN_CONTEXT_BUCKET << i <= max(max_context, 128) * 2)
+            MIN_CONTEXT_BUCKET << i for i in range(32) if MIN_CONTEXT_BUCKET << i <= max(max_context, 128) * 2
+        )
         self.graphs: dict[tuple[int, int], _Graph] = {}
         self.pool = torch.cuda.graph_pool_handle()
 
@@ -78,10 +80,13 @@ class DecodeGraphs:
         mask[:, :, :, 0] = True
         meta = AttentionMetadata(
             slot_mapping=torch.full((b,), self.scratch_slot, dtype=torch.long, device=dev),
-            prefill_bounds=[], prefill_gather=[], prefill_mask=[],
+            prefill_bounds=[],
+            prefill_gather=[],
+            prefill_mask=[],
             decode_index=torch.arange(b, device=dev),
             decode_gather=torch.full((b, length), self.scratch_slot, dtype=torch.long, device=dev),
-            decode_mask=mask)
+            decode_mask=mask,
+        )
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side), torch.inference_mode():

@@ -129,8 +129,9 @@ class GrammarBackend:
                 self._compiled.popitem(last=False)
         return compiled
 
-    def matcher(self, spec: StructuredOutputSpec, output_token_ids: Seq[int] = (), compiled: Any = None
-                ) -> GrammarMatcher:
+    def matcher(
+        self, spec: StructuredOutputSpec, output_token_ids: Seq[int] = (), compiled: Any = None
+    ) -> GrammarMatcher:
         """A matcher at the start of `spec`, advanced over `output_token_ids` (a resumed request's
         output); ValueError naming the field when the spec does not compile or the output strays.
         `compiled`: compile(spec)'s result, taken earlier (the cache may have let it go since)."""
@@ -146,8 +147,9 @@ class GrammarBackend:
         return matcher
 
 
-def mask_logits(logits: torch.Tensor, matchers: Seq[GrammarMatcher | None],
-                drafts: list[list[int]] | None = None) -> torch.Tensor:
+def mask_logits(
+    logits: torch.Tensor, matchers: Seq[GrammarMatcher | None], drafts: list[list[int]] | None = None
+) -> torch.Tensor:
     """`logits` with every token that the rows' grammars forbid set to -inf; other rows unchanged.
     `matchers[r]`: row r's grammar, None for an unconstrained row. `drafts[r]`: draft tokens row r
     follows (n-gram speculation): its mask is the one after them.

@@ -18,8 +18,14 @@ def bytes_per_block(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype
     return per_token * block_size
 
 
-def num_blocks_for(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype, device: str,
-                   cpu_kv_bytes: int, gpu_memory_utilization: float) -> int:
+def num_blocks_for(
+    model: LlamaForCausalLM,
+    block_size: int,
+    dtype: torch.dtype,
+    device: str,
+    cpu_kv_bytes: int,
+    gpu_memory_utilization: float,
+) -> int:
     """How many blocks fit: a byte budget on CPU, a share of free memory on GPU after a profiling pass."""
     per_block = bytes_per_block(model, block_size, dtype)
     if device == "cpu":
@@ -37,30 +43,32 @@ def num_blocks_for(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype,
     return int(n)
 
 
-def allocate_kv_cache(model: LlamaForCausalLM, num_blocks: int, block_size: int, dtype: torch.dtype,
-                      device: str) -> list[torch.Tensor]:
+def allocate_kv_cache(
+    model: LlamaForCausalLM, num_blocks: int, block_size: int, dtype: torch.dtype, device: str
+) -> list[torch.Tensor]:
     attn = model.model.layers[0].self_attn.attn
     shape = (2, num_blocks, block_size, attn.num_kv_heads, attn.head_dim)
     return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(model.config.num_layers)]
 
 
-def profile_forward(model: LlamaForCausalLM, num_tokens: int, block_size: int, dtype: torch.dtype,
-                    device: str) -> None:
+def profile_forward(model: LlamaForCausalLM, num_tokens: int, block_size: int, dtype: torch.dtype, device: str) -> None:
     """Run the largest prefill step once, so the peak activation memory is known before sizing the cache."""
     run_prefill(model, torch.zeros(num_tokens, dtype=torch.long), block_size, dtype, device, all_logits=False)
     torch.cuda.synchronize()
 
 
-def calibration_prefill(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype, device: str,
-                        num_tokens: int = 256) -> None:
+def calibration_prefill(
+    model: LlamaForCausalLM, block_size: int, dtype: torch.dtype, device: str, num_tokens: int = 256
+) -> None:
     """One prefill of fixed random token ids (the same on every rank), for int8 calibration."""
     ids = torch.randint(0, model.config.vocab_size, (num_tokens,), generator=torch.Generator().manual_seed(0))
     run_prefill(model, ids, block_size, dtype, device, all_logits=True)
 
 
 @torch.inference_mode()
-def run_prefill(model: LlamaForCausalLM, token_ids: torch.Tensor, block_size: int, dtype: torch.dtype,
-                device: str, all_logits: bool) -> None:
+def run_prefill(
+    model: LlamaForCausalLM, token_ids: torch.Tensor, block_size: int, dtype: torch.dtype, device: str, all_logits: bool
+) -> None:
     """Prefill `token_ids` as one sequence in a private, throwaway KV cache."""
     from gpu_worker_svc.model.attention_metadata import StepBatch, build_step
 

@@ -46,14 +46,15 @@ class LLMEngine:
         self.config.speculative.validate()
         self.runner = ModelRunner(self.config.runner)
         self.model_config = self.runner.model_config
-        self.block_pool = BlockPool(self.runner.num_blocks, self.runner.block_size,
-                                    self.config.enable_prefix_caching)
+        self.block_pool = BlockPool(self.runner.num_blocks, self.runner.block_size, self.config.enable_prefix_caching)
         self.scheduler = BatchScheduler(self.config.scheduler, self.block_pool)
         self.sampler = Sampler()
         self.eos_token_id = self.model_config.eos_token_ids[0] if self.model_config.eos_token_ids else None
         # The longest sequence it can hold: the rotary table, and the KV cache.
-        self.max_model_len = min(rotary_positions(self.model_config, self.config.runner.max_model_len),
-                                 self.runner.num_blocks * self.runner.block_size)
+        self.max_model_len = min(
+            rotary_positions(self.model_config, self.config.runner.max_model_len),
+            self.runner.num_blocks * self.runner.block_size,
+        )
         self._aborted: list[RequestOutput] = []
         self._step = 0
         self._grammar: GrammarBackend | None = None  # built by the first structured output request
@@ -86,8 +87,9 @@ class LLMEngine:
             try:
                 if is_dummy(self.config.runner.model):
                     raise ValueError("structured_output: a dummy model has no tokenizer to constrain")
-                self._grammar = GrammarBackend.for_model(self.config.runner.model, self.model_config.vocab_size,
-                                                         list(self.model_config.eos_token_ids))
+                self._grammar = GrammarBackend.for_model(
+                    self.config.runner.model, self.model_config.vocab_size, list(self.model_config.eos_token_ids)
+                )
             except ValueError as exc:
                 self._grammar_error = str(exc)
                 raise
@@ -98,9 +100,16 @@ class LLMEngine:
         return self._grammar
 
     # -- requests -----------------------------------------------------------
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None,
-                    priority: int = 0, output_token_ids: list[int] | None = None,
-                    eos_token_id: int | None = None, compiled_grammar: Any = None) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams | None = None,
+        priority: int = 0,
+        output_token_ids: list[int] | None = None,
+        eos_token_id: int | None = None,
+        compiled_grammar: Any = None,
+    ) -> None:
         """Queue a request. `output_token_ids` resumes it after tokens it already generated.
         `compiled_grammar`: grammar_backend().compile(params.structured_output), done beforehand
         (a worker compiles off its step thread); None compiles here, or takes it from the cache.
@@ -115,26 +124,41 @@ class LLMEngine:
         params.validate()
         output_token_ids = list(output_token_ids or [])
         vocab = self.model_config.vocab_size
-        for name, ids in (("prompt_token_ids", prompt_token_ids), ("output_token_ids", output_token_ids),
-                          ("logit_bias", list(params.logit_bias))):
+        for name, ids in (
+            ("prompt_token_ids", prompt_token_ids),
+            ("output_token_ids", output_token_ids),
+            ("logit_bias", list(params.logit_bias)),
+        ):
             if ids and (max(ids) >= vocab or min(ids) < 0):
                 raise ValueError(f"{name} must be in [0, {vocab})")
         room = self.max_model_len - len(prompt_token_ids)
         if room < 1 or room <= len(output_token_ids):
-            raise ValueError(f"prompt_token_ids: {len(prompt_token_ids)} tokens (and {len(output_token_ids)} "
-                             f"output_token_ids) leave no room in the context length of {self.max_model_len}")
+            raise ValueError(
+                f"prompt_token_ids: {len(prompt_token_ids)} tokens (and {len(output_token_ids)} "
+                f"output_token_ids) leave no room in the context length of {self.max_model_len}"
+            )
         if params.max_tokens > room:
-            raise ValueError(f"max_tokens: a prompt of {len(prompt_token_ids)} tokens + max_tokens={params.max_tokens} "
-                             f"exceeds the context length of {self.max_model_len}")
+            raise ValueError(
+                f"max_tokens: a prompt of {len(prompt_token_ids)} tokens + max_tokens={params.max_tokens} "
+                f"exceeds the context length of {self.max_model_len}"
+            )
         if eos_token_id is None and not params.ignore_eos:
-            params.stop_token_ids = [*params.stop_token_ids,
-                                     *(t for t in self.model_config.eos_token_ids[1:] if t not in params.stop_token_ids)]
-        seq = Sequence(request_id, list(prompt_token_ids), params, priority=priority,
-                       eos_token_id=self.eos_token_id if eos_token_id is None else eos_token_id,
-                       output_token_ids=output_token_ids)
+            params.stop_token_ids = [
+                *params.stop_token_ids,
+                *(t for t in self.model_config.eos_token_ids[1:] if t not in params.stop_token_ids),
+            ]
+        seq = Sequence(
+            request_id,
+            list(prompt_token_ids),
+            params,
+            priority=priority,
+            eos_token_id=self.eos_token_id if eos_token_id is None else eos_token_id,
+            output_token_ids=output_token_ids,
+        )
         if params.structured_output is not None:
-            seq.grammar = self.grammar_backend().matcher(params.structured_output, output_token_ids,
-                                                         compiled=compiled_grammar)
+            seq.grammar = self.grammar_backend().matcher(
+                params.structured_output, output_token_ids, compiled=compiled_grammar
+            )
         self.scheduler.add(seq)
 
     def abort_request(self, request_id: str, report: bool = True) -> bool:
@@ -147,8 +171,17 @@ class LLMEngine:
         if seq is None:
             return False
         if report:
-            self._aborted.append(RequestOutput(request_id, [], seq.num_output_tokens, None, "abort",
-                                               seq.num_prompt_tokens, seq.num_cached_prompt_tokens or 0))
+            self._aborted.append(
+                RequestOutput(
+                    request_id,
+                    [],
+                    seq.num_output_tokens,
+                    None,
+                    "abort",
+                    seq.num_prompt_tokens,
+                    seq.num_cached_prompt_tokens or 0,
+                )
+            )
         return True
 
     @property
@@ -174,8 +207,9 @@ class LLMEngine:
         if sched.scheduled:
             # Admission sets num_computed_tokens to the prefix-cache hit; a running
             # sequence has computed at least one token past it.
-            out.admitted_ids = [s.seq.request_id for s in sched.scheduled
-                                if s.seq.num_computed_tokens == s.seq.num_cached_tokens]
+            out.admitted_ids = [
+                s.seq.request_id for s in sched.scheduled if s.seq.num_computed_tokens == s.seq.num_cached_tokens
+            ]
             batch, prompt = self._step_batch(sched)
             starts = batch.num_computed.tolist()
             logits = self.runner.execute(batch, prompt)
@@ -229,8 +263,11 @@ class LLMEngine:
             block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long),
             step=self._step,
             prompt_logits=torch.tensor(prompt_rows, dtype=torch.long) if prompt.targets else None,
-            num_logits=(torch.tensor([1 + len(s.draft_token_ids) for s in sched.scheduled], dtype=torch.long)
-                        if any(s.draft_token_ids for s in sched.scheduled) else None),
+            num_logits=(
+                torch.tensor([1 + len(s.draft_token_ids) for s in sched.scheduled], dtype=torch.long)
+                if any(s.draft_token_ids for s in sched.scheduled)
+                else None
+            ),
         )
         return batch, (prompt if prompt.targets else None)
 
@@ -241,7 +278,7 @@ class LLMEngine:
         for s, k in zip(sched.scheduled, batch.prompt_logits.tolist()):
             if k:
                 # A recompute after preemption redoes positions it had: the later values replace them.
-                del s.seq.prompt_logprobs[s.seq.num_computed_tokens:]
+                del s.seq.prompt_logprobs[s.seq.num_computed_tokens :]
                 s.seq.prompt_logprobs += [next(results) for _ in range(k)]
 
     def _postprocess(self, sched: SchedulerOutput, logits: torch.Tensor) -> list[RequestOutput]:
@@ -278,10 +315,15 @@ class LLMEngine:
         outputs = []
         for seq, toks in update.new_tokens:
             lps = sample_logprobs.get(seq.request_id, [])[: len(toks)]
-            output = RequestOutput(seq.request_id, toks, seq.num_output_tokens - len(toks),
-                                   lps if lps and lps[0] is not None else None,  # type: ignore[arg-type]
-                                   seq.finish_reason if seq.is_finished else None,
-                                   seq.num_prompt_tokens, seq.num_cached_prompt_tokens or 0)
+            output = RequestOutput(
+                seq.request_id,
+                toks,
+                seq.num_output_tokens - len(toks),
+                lps if lps and lps[0] is not None else None,  # type: ignore[arg-type]
+                seq.finish_reason if seq.is_finished else None,
+                seq.num_prompt_tokens,
+                seq.num_cached_prompt_tokens or 0,
+            )
             if seq.error is not None:  # its token was refused: it is no output
                 output.new_token_ids, output.logprobs, output.error = [], None, seq.error
             if seq.params.prompt_logprobs is not None and seq.num_output_tokens == len(toks):
@@ -290,8 +332,9 @@ class LLMEngine:
             outputs.append(output)
         return outputs
 
-    def _stats(self, sched: SchedulerOutput, starts: list[int], outputs: list[RequestOutput],
-               elapsed: float) -> StepStats:
+    def _stats(
+        self, sched: SchedulerOutput, starts: list[int], outputs: list[RequestOutput], elapsed: float
+    ) -> StepStats:
         """`starts`: each scheduled sequence's computed tokens before the step."""
         decoding = [s for s in sched.scheduled if s.num_new_tokens == 1 or s.draft_token_ids]
         decode = sum(s.num_new_tokens for s in decoding)
@@ -302,19 +345,28 @@ class LLMEngine:
             pairs += n * before + n * (n + 1) // 2
             kv_read += before + n
         return StepStats(
-            step=self._step, batch_size=len(sched.scheduled), num_tokens=sched.num_batched_tokens,
-            num_prefill_tokens=sched.num_batched_tokens - decode, num_decode_tokens=decode,
+            step=self._step,
+            batch_size=len(sched.scheduled),
+            num_tokens=sched.num_batched_tokens,
+            num_prefill_tokens=sched.num_batched_tokens - decode,
+            num_decode_tokens=decode,
             prefix_cache_hit_tokens=sched.num_prefix_cached_tokens,
-            kv_blocks_used=self.block_pool.num_used_blocks, kv_blocks_total=self.block_pool.num_blocks,
-            num_waiting=self.scheduler.num_waiting, num_running=self.scheduler.num_running,
-            num_preempted=len(sched.preempted_ids), step_time_s=elapsed,
-            attention_pairs=pairs, kv_tokens_read=kv_read,
+            kv_blocks_used=self.block_pool.num_used_blocks,
+            kv_blocks_total=self.block_pool.num_blocks,
+            num_waiting=self.scheduler.num_waiting,
+            num_running=self.scheduler.num_running,
+            num_preempted=len(sched.preempted_ids),
+            step_time_s=elapsed,
+            attention_pairs=pairs,
+            kv_tokens_read=kv_read,
             num_draft_tokens=sum(len(s.draft_token_ids) for s in decoding),
-            num_accepted_tokens=sum(len(o.new_token_ids) - 1 for o in outputs if o.request_id in drafting))
+            num_accepted_tokens=sum(len(o.new_token_ids) - 1 for o in outputs if o.request_id in drafting),
+        )
 
     # -- offline use ----------------------------------------------------------
-    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None
-                 ) -> list[GenerationResult]:
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None
+    ) -> list[GenerationResult]:
         """Run every prompt to completion with continuous batching; results in prompt order."""
         per_prompt = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         if len(per_prompt) != len(prompts):
@@ -336,9 +388,12 @@ class LLMEngine:
                     prompt_logprobs[o.request_id] = o.prompt_logprobs
                 if o.finish_reason:
                     finish[o.request_id], errors[o.request_id] = o.finish_reason, o.error
-        return [GenerationResult(rid, prompt, tokens[rid], finish[rid], logprobs[rid] or None, prompt_logprobs[rid],
-                                 errors[rid])
-                for rid, prompt in zip(ids, prompts)]
+        return [
+            GenerationResult(
+                rid, prompt, tokens[rid], finish[rid], logprobs[rid] or None, prompt_logprobs[rid], errors[rid]
+            )
+            for rid, prompt in zip(ids, prompts)
+        ]
 
     def shutdown(self) -> None:
         self.runner.shutdown()

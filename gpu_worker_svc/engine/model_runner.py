@@ -19,7 +19,6 @@ from dataclasses import dataclass
 import torch
 
 from gpu_worker_svc.engine.cuda_graphs import DecodeGraphs
-from shardline.host_memory import keep_freed_host_memory
 from gpu_worker_svc.engine.kv_cache import allocate_kv_cache, calibration_prefill, num_blocks_for, profile_forward
 from gpu_worker_svc.engine.outputs import TokenLogprobs
 from gpu_worker_svc.engine.sampler import token_logprobs
@@ -30,6 +29,7 @@ from gpu_worker_svc.model.layers.onednn import onednn_available
 from gpu_worker_svc.model.layers.quantize import pack_fp32_for_onednn, quantize_model
 from gpu_worker_svc.model.loader import load_config, load_model, parse_dtype
 from gpu_worker_svc.model.parallel import TPGroup, destroy_tp_group, init_tp_group
+from shardline.host_memory import keep_freed_host_memory
 from shardline.ports import free_port
 
 log = logging.getLogger(__name__)
@@ -84,11 +84,15 @@ def _check_batch_invariance(config: RunnerConfig, dtype: torch.dtype) -> None:
         raise ValueError("batch_invariant attention is built from torch's CPU kernels: give device cpu")
     # int8's integer GEMMs are exact; oneDNN's packed fp32 GEMM rounds a row alike at any row count
     # (measured). fp16, int4 and torch's F.linear do not (fp16 and F.linear: ~1e-6 alone vs batched).
-    if not (config.quantization == "int8" or (config.quantization is None and dtype == torch.float32
-                                                and config.onednn_weights and onednn_available())):
+    if not (
+        config.quantization == "int8"
+        or (config.quantization is None and dtype == torch.float32 and config.onednn_weights and onednn_available())
+    ):
         mode = config.quantization or f"{config.dtype} without oneDNN-packed weights"
-        raise ValueError(f"batch_invariant needs int8 or float32 oneDNN-packed weights: the GEMMs of {mode} "
-                         f"round a row differently with the number of rows beside it")
+        raise ValueError(
+            f"batch_invariant needs int8 or float32 oneDNN-packed weights: the GEMMs of {mode} "
+            f"round a row differently with the number of rows beside it"
+        )
 
 
 class ShardWorker:
@@ -117,22 +121,25 @@ class ShardWorker:
         if config.quantization is not None:
             if self.device != "cpu":
                 raise ValueError(f"quantization {config.quantization} uses torch's CPU kernels: give device cpu")
-            n = quantize_model(self.model, config.quantization,
-                               lambda: calibration_prefill(self.model, config.block_size, self.dtype, self.device))
+            n = quantize_model(
+                self.model,
+                config.quantization,
+                lambda: calibration_prefill(self.model, config.block_size, self.dtype, self.device),
+            )
             log.info("rank %d: %d linear layers quantized to %s", rank, n, config.quantization)
         elif self.device == "cpu" and self.dtype == torch.float32 and config.onednn_weights and onednn_available():
             n = pack_fp32_for_onednn(self.model)
             log.info("rank %d: %d linear layers packed for oneDNN", rank, n)
         if self.device.startswith("cuda") and config.num_blocks is None:
             profile_forward(self.model, config.profile_tokens, config.block_size, self.dtype, self.device)
-        n = config.num_blocks or num_blocks_for(self.model, config.block_size, self.dtype, config.device,
-                                                config.cpu_kv_bytes, config.gpu_memory_utilization)
+        n = config.num_blocks or num_blocks_for(
+            self.model, config.block_size, self.dtype, config.device, config.cpu_kv_bytes, config.gpu_memory_utilization
+        )
         # Every rank must agree on the block count, so take the smallest any rank can hold.
         agreed = self.tp.all_reduce_min(torch.tensor([n], device=self.device))
         self.num_blocks = int(agreed.item())
         # One extra block past the last is scratch space for padded rows of captured graphs.
-        self.kv_caches = allocate_kv_cache(self.model, self.num_blocks + 1, self.block_size, self.dtype,
-                                           self.device)
+        self.kv_caches = allocate_kv_cache(self.model, self.num_blocks + 1, self.block_size, self.dtype, self.device)
         self.graphs = None
         if self.device.startswith("cuda") and config.cuda_graphs:
             max_context = config.max_model_len or min(self.model.config.max_position_embeddings, 8192)
@@ -174,8 +181,9 @@ class ShardWorker:
             logits = self.model.compute_logits(hidden[rows[start : start + PROMPT_LOGITS_ROWS]])
             if logits is not None and prompt is not None:
                 end = start + logits.shape[0]
-                result += token_logprobs(torch.log_softmax(logits.float(), dim=-1), prompt.targets[start:end],
-                                         prompt.num_top[start:end])
+                result += token_logprobs(
+                    torch.log_softmax(logits.float(), dim=-1), prompt.targets[start:end], prompt.num_top[start:end]
+                )
         if prompt is not None:
             prompt.result = result
 
@@ -219,9 +227,15 @@ class _RankSpans:
         if self.handle is None:
             return contextlib.nullcontext()
         attr = self.attr
-        return self.handle.tracer.start_as_current_span("engine_step", attributes={
-            attr.STEP: batch.step, attr.RANK: self.rank, attr.BATCH_SIZE: int(batch.num_new.numel()),
-            attr.NUM_TOKENS: int(batch.token_ids.numel())})
+        return self.handle.tracer.start_as_current_span(
+            "engine_step",
+            attributes={
+                attr.STEP: batch.step,
+                attr.RANK: self.rank,
+                attr.BATCH_SIZE: int(batch.num_new.numel()),
+                attr.NUM_TOKENS: int(batch.token_ids.numel()),
+            },
+        )
 
     def shutdown(self) -> None:
         if self.handle is not None:
@@ -237,8 +251,10 @@ class ModelRunner:
         self.model_config.check_tp(config.tp_size)
         init_method = f"tcp://127.0.0.1:{free_port()}"
         ctx = mp.get_context("spawn")
-        self._children = [ctx.Process(target=_rank_main, args=(config, r, init_method), daemon=True,
-                                      name=f"shardline-rank{r}") for r in range(1, config.tp_size)]
+        self._children = [
+            ctx.Process(target=_rank_main, args=(config, r, init_method), daemon=True, name=f"shardline-rank{r}")
+            for r in range(1, config.tp_size)
+        ]
         for p in self._children:
             p.start()
         self._dead = threading.Event()

@@ -29,8 +29,10 @@ class SpeculativeConfig:
         if self.num_speculative_tokens < 0:
             raise ValueError(f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
-            raise ValueError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
-                             f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
+            raise ValueError(
+                f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                f"{self.prompt_lookup_min} and {self.prompt_lookup_max}"
+            )
 
     @property
     def enabled(self) -> bool:

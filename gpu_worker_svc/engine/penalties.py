@@ -32,8 +32,7 @@ class PenaltyState:
     def __init__(self) -> None:
         self._rows: dict[str, _PenaltyRow] = {}
 
-    def apply(self, logits: torch.Tensor, seqs: list[Sequence], drafts: list[list[int]] | None = None
-              ) -> torch.Tensor:
+    def apply(self, logits: torch.Tensor, seqs: list[Sequence], drafts: list[list[int]] | None = None) -> torch.Tensor:
         """Repetition (HF/vLLM) over prompt + output, presence/frequency (OpenAI) over output.
 
         `drafts[r]`: draft tokens row r follows (n-gram speculation), counted as output of its
@@ -77,11 +76,7 @@ class PenaltyState:
 
     def _row(self, seq: Sequence, like: torch.Tensor) -> _PenaltyRow:
         state = self._rows.get(seq.request_id)
-        if (
-            state is not None
-            and state.seq is seq
-            and state.num_counted <= seq.num_output_tokens
-        ):
+        if state is not None and state.seq is seq and state.num_counted <= seq.num_output_tokens:
             return state
         vocab = like.shape[1]
         prompt_seen = torch.zeros(vocab, dtype=torch.bool, device=like.device)
@@ -97,8 +92,11 @@ class PenaltyState:
         rows = [r for r, d in enumerate(drafts) for _ in d]
         if rows:
             tokens = torch.tensor([t for d in drafts for t in d], dtype=torch.long, device=counts.device)
-            counts.index_put_((torch.tensor(rows, dtype=torch.long, device=counts.device), tokens),
-                              torch.ones(len(rows), device=counts.device), accumulate=True)
+            counts.index_put_(
+                (torch.tensor(rows, dtype=torch.long, device=counts.device), tokens),
+                torch.ones(len(rows), device=counts.device),
+                accumulate=True,
+            )
         return counts
 
     @staticmethod

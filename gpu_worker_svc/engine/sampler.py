@@ -51,8 +51,7 @@ def draw_key(seed: int, token_index: int) -> int:
     return _splitmix64(_splitmix64(seed & _MASK64) ^ (token_index & _MASK64))
 
 
-def race_noise(seqs: list[Sequence], vocab: int, device: torch.device, ahead: list[int] | None = None
-               ) -> torch.Tensor:
+def race_noise(seqs: list[Sequence], vocab: int, device: torch.device, ahead: list[int] | None = None) -> torch.Tensor:
     """Exp(1) noise [rows, vocab], indexed by token id; row r a pure function of its (seed, token index).
 
     Row r draws for output index seqs[r].num_output_tokens + ahead[r] (ahead: see Sampler.__call__).
@@ -79,15 +78,14 @@ class Sampler:
         self._penalties = PenaltyState()
         self._logit_bias = LogitBias()
 
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence], drafts: list[list[int]] | None = None
-                 ) -> SamplerOutput:
+    def __call__(
+        self, logits: torch.Tensor, seqs: list[Sequence], drafts: list[list[int]] | None = None
+    ) -> SamplerOutput:
         """One token per row. `drafts[r]`: draft tokens that row r follows beyond its sequence's
         output (n-gram speculation). The row samples as the sequence would with them appended: its
         output index, random draw, min_tokens, penalties and grammar mask count them."""
         if logits.dim() != 2 or logits.shape[0] != len(seqs):
-            raise ValueError(
-                f"logits must be [{len(seqs)}, vocab], got {list(logits.shape)}"
-            )
+            raise ValueError(f"logits must be [{len(seqs)}, vocab], got {list(logits.shape)}")
         ahead = [len(d) for d in drafts] if drafts is not None else None
         logits = logits.float()
         # Logprobs describe the model's own distribution, so they are taken
@@ -110,16 +108,19 @@ class Sampler:
             token_ids = torch.empty(len(seqs), dtype=torch.long, device=logits.device)
         if sampled_rows:
             token_ids[_index(sampled_rows, logits)] = _sample(
-                select_rows(logits, sampled_rows), [seqs[i] for i in sampled_rows],
-                [ahead[i] for i in sampled_rows] if ahead is not None else None)
+                select_rows(logits, sampled_rows),
+                [seqs[i] for i in sampled_rows],
+                [ahead[i] for i in sampled_rows] if ahead is not None else None,
+            )
 
         token_list = token_ids.tolist()
         logprobs: list[TokenLogprobs | None] = [None] * len(seqs)
         if raw_logprobs is not None:
             lp_seqs = [seqs[i] for i in lp_rows]
             lp_tokens = [token_list[i] for i in lp_rows]
-            for i, entry in zip(lp_rows, token_logprobs(raw_logprobs, lp_tokens,
-                                                        [seq.params.logprobs or 0 for seq in lp_seqs])):
+            for i, entry in zip(
+                lp_rows, token_logprobs(raw_logprobs, lp_tokens, [seq.params.logprobs or 0 for seq in lp_seqs])
+            ):
                 logprobs[i] = entry
         return SamplerOutput(token_ids=token_list, logprobs=logprobs)
 
@@ -240,7 +241,8 @@ def _keep_nucleus(kept: torch.Tensor, probs: torch.Tensor, top_p: list[float]) -
     index = _index(rows, probs)
     candidates = torch.where(kept[index], probs[index], 0.0)
     need = torch.tensor([top_p[i] for i in rows], dtype=torch.float64, device=probs.device) * candidates.sum(
-        dim=-1, dtype=torch.float64)
+        dim=-1, dtype=torch.float64
+    )
     # A nucleus is most often a few hundred tokens: look among the likeliest first, and sort the
     # whole vocabulary only when they fall short (a full sort is most of the cost here).
     head, head_ids = candidates.topk(min(_NUCLEUS_HEAD, candidates.shape[1]), dim=-1)
@@ -270,6 +272,12 @@ def token_logprobs(raw_logprobs: torch.Tensor, token_ids: list[int], num_top: li
     if most > 0:
         values, ids = torch.topk(raw_logprobs, most, dim=-1)
         top_values, top_ids = values.tolist(), ids.tolist()
-    return [TokenLogprobs(token_id=token_ids[i], logprob=chosen[i], rank=ranks[i],
-                          top=list(zip(top_ids[i][:n], top_values[i][:n], strict=True)))
-            for i, n in enumerate(num_top)]
+    return [
+        TokenLogprobs(
+            token_id=token_ids[i],
+            logprob=chosen[i],
+            rank=ranks[i],
+            top=list(zip(top_ids[i][:n], top_values[i][:n], strict=True)),
+        )
+        for i, n in enumerate(num_top)
+    ]

@@ -48,11 +48,7 @@ class SamplingParams:
 
     @property
     def has_penalties(self) -> bool:
-        return (
-            self.repetition_penalty != 1.0
-            or self.presence_penalty != 0.0
-            or self.frequency_penalty != 0.0
-        )
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     def validate(self) -> None:
         """Raise ValueError, its message starting with the bad field's name."""
@@ -61,10 +57,7 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
         _check_int("min_tokens", self.min_tokens)
         if not 0 <= self.min_tokens <= self.max_tokens:
-            raise ValueError(
-                f"min_tokens must be in [0, max_tokens={self.max_tokens}], "
-                f"got {self.min_tokens}"
-            )
+            raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
         _check_finite("temperature", self.temperature)
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
@@ -79,23 +72,16 @@ class SamplingParams:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         _check_finite("repetition_penalty", self.repetition_penalty)
         if self.repetition_penalty <= 0:
-            raise ValueError(
-                f"repetition_penalty must be > 0, got {self.repetition_penalty}"
-            )
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             _check_finite(name, value)
             if abs(value) > MAX_ABS_PENALTY:
-                raise ValueError(
-                    f"{name} must be in [-{MAX_ABS_PENALTY}, {MAX_ABS_PENALTY}], "
-                    f"got {value}"
-                )
+                raise ValueError(f"{name} must be in [-{MAX_ABS_PENALTY}, {MAX_ABS_PENALTY}], got {value}")
         if self.seed is not None:
             _check_int("seed", self.seed)
         if not isinstance(self.stop_token_ids, list):
-            raise ValueError(
-                f"stop_token_ids must be a list of ints, got {self.stop_token_ids!r}"
-            )
+            raise ValueError(f"stop_token_ids must be a list of ints, got {self.stop_token_ids!r}")
         for token_id in self.stop_token_ids:
             _check_int("stop_token_ids", token_id)
             if token_id < 0:
@@ -106,8 +92,10 @@ class SamplingParams:
             _check_int("logit_bias", token_id)
             _check_finite("logit_bias", bias)
             if token_id < 0 or abs(bias) > MAX_ABS_LOGIT_BIAS:
-                raise ValueError(f"logit_bias must map token ids >= 0 to biases in "
-                                 f"[-{MAX_ABS_LOGIT_BIAS:g}, {MAX_ABS_LOGIT_BIAS:g}], got {token_id}: {bias}")
+                raise ValueError(
+                    f"logit_bias must map token ids >= 0 to biases in "
+                    f"[-{MAX_ABS_LOGIT_BIAS:g}, {MAX_ABS_LOGIT_BIAS:g}], got {token_id}: {bias}"
+                )
         if self.structured_output is not None:
             self.structured_output.check()
         for name in ("logprobs", "prompt_logprobs"):

@@ -124,8 +124,9 @@ class Sequence:
             # The mask let only the grammar's tokens through, so a refusal means it allowed none: a
             # grammar with no way on from here ("a[^\s\S]", a rule that never ends). This request
             # fails; the batch runs on.
-            self.error = (f"{DEAD_END} after {self.num_output_tokens - 1} output tokens "
-                          f"(it has no valid completion from there)")
+            self.error = (
+                f"{DEAD_END} after {self.num_output_tokens - 1} output tokens (it has no valid completion from there)"
+            )
 
     def stop_status(self) -> RequestStatus | None:
         """Whether the token just appended ends the request, and how."""

@@ -38,8 +38,9 @@ class StepBatch:
         header = torch.tensor([self.token_ids.numel(), b, m, self.step], dtype=torch.long)
         prompt = self.prompt_logits if self.prompt_logits is not None else torch.zeros(b, dtype=torch.long)
         logits = self.num_logits if self.num_logits is not None else torch.ones(b, dtype=torch.long)
-        return torch.cat([header, self.token_ids, self.num_computed, self.num_new, prompt, logits,
-                          self.block_tables.flatten()])
+        return torch.cat(
+            [header, self.token_ids, self.num_computed, self.num_new, prompt, logits, self.block_tables.flatten()]
+        )
 
     @staticmethod
     def packed_size(header: torch.Tensor) -> int:
@@ -52,8 +53,15 @@ class StepBatch:
         body = packed[4:]
         prompt = body[t + 2 * b : t + 3 * b]
         logits = body[t + 3 * b : t + 4 * b]
-        return cls(body[:t], body[t : t + b], body[t + b : t + 2 * b], body[t + 4 * b :].view(b, m), step,
-                   prompt if bool(prompt.any()) else None, logits if bool((logits != 1).any()) else None)
+        return cls(
+            body[:t],
+            body[t : t + b],
+            body[t + b : t + 2 * b],
+            body[t + 4 * b :].view(b, m),
+            step,
+            prompt if bool(prompt.any()) else None,
+            logits if bool((logits != 1).any()) else None,
+        )
 
     def logit_rows(self) -> torch.Tensor:
         """Flat-batch rows whose logits are sampled: each sequence's last num_logits rows, in order."""
@@ -118,8 +126,9 @@ class DecodeGroup:
 DECODE_GROUP_SPREAD = 2
 
 
-def build_step(batch: StepBatch, block_size: int, device: torch.device | str = "cpu", invariant: bool = False
-               ) -> tuple[torch.Tensor, AttentionMetadata]:
+def build_step(
+    batch: StepBatch, block_size: int, device: torch.device | str = "cpu", invariant: bool = False
+) -> tuple[torch.Tensor, AttentionMetadata]:
     """Positions [T] and attention metadata for a step; `invariant` lays it out for invariant_attention.
 
     A sequence's chunk of draft tokens (num_logits > 1) is attended as a decode of several queries;
@@ -129,8 +138,11 @@ def build_step(batch: StepBatch, block_size: int, device: torch.device | str = "
     num_new = batch.num_new.tolist()
     num_logits = batch.num_logits.tolist() if batch.num_logits is not None and not invariant else [1] * len(num_new)
     bt = batch.block_tables
-    positions = torch.cat([torch.arange(c, c + n) for c, n in zip(num_computed, num_new)]) if num_new else \
-        torch.empty(0, dtype=torch.long)
+    positions = (
+        torch.cat([torch.arange(c, c + n) for c, n in zip(num_computed, num_new)])
+        if num_new
+        else torch.empty(0, dtype=torch.long)
+    )
     seq_of_token = torch.repeat_interleave(torch.arange(len(num_new)), torch.tensor(num_new, dtype=torch.long))
     slot_mapping = bt[seq_of_token, positions // block_size] * block_size + positions % block_size
 
@@ -173,14 +185,29 @@ def build_step(batch: StepBatch, block_size: int, device: torch.device | str = "
             decode_index = padded.flatten()[real].to(device)
         split = _by_context(ctx.tolist()) if str(device) == "cpu" else []
         if len(split) > 1:
-            groups = [DecodeGroup(torch.tensor(g).to(device),
-                                  *_decode_context(bt[rows[g]], ctx[g], block_size, device, invariant, n[g], queries))
-                      for g in split]
+            groups = [
+                DecodeGroup(
+                    torch.tensor(g).to(device),
+                    *_decode_context(bt[rows[g]], ctx[g], block_size, device, invariant, n[g], queries),
+                )
+                for g in split
+            ]
         else:
             decode_gather, decode_mask = _decode_context(bt[rows], ctx, block_size, device, invariant, n, queries)
-    meta = AttentionMetadata(slot_mapping.to(device), bounds, gathers, masks, decode_index, decode_gather, decode_mask,
-                             groups, invariant, decode_queries=queries, decode_query_rows=query_rows,
-                             decode_valid=valid)
+    meta = AttentionMetadata(
+        slot_mapping.to(device),
+        bounds,
+        gathers,
+        masks,
+        decode_index,
+        decode_gather,
+        decode_mask,
+        groups,
+        invariant,
+        decode_queries=queries,
+        decode_query_rows=query_rows,
+        decode_valid=valid,
+    )
     return positions.to(device), meta
 
 
@@ -192,9 +219,15 @@ def _padded(length: int, invariant: bool) -> torch.Tensor:
     return torch.arange(-(-length // TILE) * TILE).clamp_(max=length - 1)
 
 
-def _decode_context(tables: torch.Tensor, ctx: torch.Tensor, block_size: int, device: torch.device | str,
-                    invariant: bool = False, num_queries: torch.Tensor | None = None, queries: int = 1
-                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _decode_context(
+    tables: torch.Tensor,
+    ctx: torch.Tensor,
+    block_size: int,
+    device: torch.device | str,
+    invariant: bool = False,
+    num_queries: torch.Tensor | None = None,
+    queries: int = 1,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Slots of each decode's context, padded to the longest, and the mask of the padding (None: none).
 
     With `queries` > 1, decode i has num_queries[i] of them, the last at position ctx[i] - 1: query j

@@ -105,8 +105,12 @@ class ModelConfig:
         # Qwen2 configs default use_sliding_window to False (transformers does too); Mistral has no such flag.
         window = cfg.get("sliding_window") if cfg.get("use_sliding_window", arch != "Qwen2ForCausalLM") else None
         if window and window < max_positions:
-            log.warning("%s: sliding-window attention is not implemented; context capped at the window, %d "
-                        "tokens (of %d)", name or arch, window, max_positions)
+            log.warning(
+                "%s: sliding-window attention is not implemented; context capped at the window, %d tokens (of %d)",
+                name or arch,
+                window,
+                max_positions,
+            )
             max_positions = window
         return cls(
             architecture=arch,
@@ -145,8 +149,9 @@ class ModelConfig:
             raise ModelConfigError(f"{path}: {exc}") from exc
 
     @classmethod
-    def from_gguf_metadata(cls, meta: dict[str, Any], path: Path, has_output_weight: bool,
-                           rope_freq_factors: list[float] | None = None) -> ModelConfig:
+    def from_gguf_metadata(
+        cls, meta: dict[str, Any], path: Path, has_output_weight: bool, rope_freq_factors: list[float] | None = None
+    ) -> ModelConfig:
         arch = meta.get("general.architecture", "?")
         if arch not in _GGUF_ARCHITECTURES:
             raise ModelConfigError(

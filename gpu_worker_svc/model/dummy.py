@@ -14,15 +14,44 @@ DUMMY_PREFIX = "dummy:"
 
 SHAPES: dict[str, ModelConfig] = {
     "smollm2-135m": ModelConfig(
-        architecture="LlamaForCausalLM", vocab_size=49152, hidden_size=576, intermediate_size=1536,
-        num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5, rope_theta=100000.0,
-        max_position_embeddings=8192, tie_word_embeddings=True, eos_token_ids=[2], name="dummy-smollm2-135m"),
+        architecture="LlamaForCausalLM",
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_layers=30,
+        num_heads=9,
+        num_kv_heads=3,
+        head_dim=64,
+        rms_norm_eps=1e-5,
+        rope_theta=100000.0,
+        max_position_embeddings=8192,
+        tie_word_embeddings=True,
+        eos_token_ids=[2],
+        name="dummy-smollm2-135m",
+    ),
     "llama-3.2-1b": ModelConfig(
-        architecture="LlamaForCausalLM", vocab_size=128256, hidden_size=2048, intermediate_size=8192,
-        num_layers=16, num_heads=32, num_kv_heads=8, head_dim=64, rms_norm_eps=1e-5, rope_theta=500000.0,
-        rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                      "original_max_position_embeddings": 8192},
-        max_position_embeddings=131072, tie_word_embeddings=True, eos_token_ids=[128001], name="dummy-llama-3.2-1b"),
+        architecture="LlamaForCausalLM",
+        vocab_size=128256,
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_layers=16,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=64,
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 32.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+        max_position_embeddings=131072,
+        tie_word_embeddings=True,
+        eos_token_ids=[128001],
+        name="dummy-llama-3.2-1b",
+    ),
 }
 
 
@@ -31,7 +60,7 @@ def is_dummy(model: object) -> bool:
 
 
 def dummy_config(model: str) -> ModelConfig:
-    shape = model[len(DUMMY_PREFIX):]
+    shape = model[len(DUMMY_PREFIX) :]
     if shape not in SHAPES:
         raise ValueError(f"unknown dummy shape {shape!r}; known: {', '.join(SHAPES)}")
     return SHAPES[shape]

@@ -24,16 +24,18 @@ from gpu_worker_svc.model.parallel import TPGroup
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype) -> None:
         super().__init__()
-        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads,
-                                          cfg.attention_bias, tp, dtype)
+        self.qkv_proj = QKVParallelLinear(
+            cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.attention_bias, tp, dtype
+        )
         # Llama's attention_bias covers o_proj too; Qwen2 biases only q/k/v.
         o_bias = cfg.attention_bias and cfg.architecture == "LlamaForCausalLM"
         self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, o_bias, tp, dtype)
         self.attn = PagedAttention(self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, cfg.head_dim)
         self.head_dim = cfg.head_dim
 
-    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
         qkv = self.qkv_proj(x)
         q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
         heads, kv_heads = self.attn.num_heads, self.attn.num_kv_heads
@@ -71,8 +73,14 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
-    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, residual: torch.Tensor | None,
-                kv_cache: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             residual, x = x, self.input_layernorm(x)
         else:
@@ -87,13 +95,15 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, dtype)
         # One rotary table for all layers (the largest buffer after the weights), gathered once per step.
-        self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, dtype,
-                                      cfg.rope_freq_factors)
+        self.rotary = RotaryEmbedding(
+            cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, dtype, cfg.rope_freq_factors
+        )
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, tp, dtype) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv_caches: list[torch.Tensor]) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv_caches: list[torch.Tensor]
+    ) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None
         rope = self.rotary.prepare(positions)  # once per step, shared by every layer
         for layer, kv_cache in zip(self.layers, kv_caches):
@@ -122,8 +132,9 @@ class LlamaForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv_caches: list[torch.Tensor]) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv_caches: list[torch.Tensor]
+    ) -> torch.Tensor:
         return self.model(input_ids, positions, meta, kv_caches)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:

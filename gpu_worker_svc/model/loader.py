@@ -43,8 +43,13 @@ def rotary_positions(cfg: ModelConfig, max_model_len: int | None = None) -> int:
     return min(max_model_len or cfg.max_position_embeddings, MAX_ROTARY_POSITIONS)
 
 
-def load_model(model: str | Path | None, tp: TPGroup, dtype: torch.dtype = torch.float32, device: str = "cpu",
-               max_model_len: int | None = None) -> LlamaForCausalLM:
+def load_model(
+    model: str | Path | None,
+    tp: TPGroup,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+    max_model_len: int | None = None,
+) -> LlamaForCausalLM:
     """This rank's shard of the model, in eval mode on `device`."""
     t0 = time.perf_counter()
     if is_dummy(model):
@@ -77,22 +82,35 @@ def load_model(model: str | Path | None, tp: TPGroup, dtype: torch.dtype = torch
             continue
         # A weight the model would have but lacks (an extra layer, a bias) means the config is wrong.
         if param is None:
-            raise CheckpointError(f"{path}: tensor {tensor.name!r} has no place in the model its config describes "
-                                  f"({cfg.num_layers} layers, attention_bias={cfg.attention_bias})")
+            raise CheckpointError(
+                f"{path}: tensor {tensor.name!r} has no place in the model its config describes "
+                f"({cfg.num_layers} layers, attention_bias={cfg.attention_bias})"
+            )
         # A smaller tensor than the config implies would load partially, without an error, so check it all.
         if tuple(tensor.shape) != want:
-            raise CheckpointError(f"{path}: tensor {tensor.name!r} has shape {tuple(tensor.shape)}, "
-                                  f"but the config implies {want}")
+            raise CheckpointError(
+                f"{path}: tensor {tensor.name!r} has shape {tuple(tensor.shape)}, but the config implies {want}"
+            )
         param.weight_loader(param, tensor, shard_id)
         loaded.add((name, shard_id))
     missing = sorted(_checkpoint_name(n, s) for n, s in expected - loaded)
     if missing:
-        raise CheckpointError(f"{path}: checkpoint lacks {len(missing)} tensor(s): {', '.join(missing[:5])}"
-                              + (", ..." if len(missing) > 5 else ""))
+        raise CheckpointError(
+            f"{path}: checkpoint lacks {len(missing)} tensor(s): {', '.join(missing[:5])}"
+            + (", ..." if len(missing) > 5 else "")
+        )
     model.eval()
-    log.info("loaded %s (%s, %.1fM params) rank %d/%d as %s on %s in %.2fs", cfg.name or path.name,
-             cfg.architecture, cfg.num_params / 1e6, tp.rank, tp.world_size, dtype, device,
-             time.perf_counter() - t0)
+    log.info(
+        "loaded %s (%s, %.1fM params) rank %d/%d as %s on %s in %.2fs",
+        cfg.name or path.name,
+        cfg.architecture,
+        cfg.num_params / 1e6,
+        tp.rank,
+        tp.world_size,
+        dtype,
+        device,
+        time.perf_counter() - t0,
+    )
     return model
 
 
@@ -100,8 +118,17 @@ def _checkpoint_shape(cfg: ModelConfig, name: str) -> tuple[int, ...] | None:
     """The full, unsharded shape `cfg` implies for checkpoint tensor `name`; None if the model has no such module."""
     h, inter, vocab = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    weights = {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q), "gate_proj": (inter, h),
-               "up_proj": (inter, h), "down_proj": (h, inter), "embed_tokens": (vocab, h), "lm_head": (vocab, h)}
+    weights = {
+        "q_proj": (q, h),
+        "k_proj": (kv, h),
+        "v_proj": (kv, h),
+        "o_proj": (h, q),
+        "gate_proj": (inter, h),
+        "up_proj": (inter, h),
+        "down_proj": (h, inter),
+        "embed_tokens": (vocab, h),
+        "lm_head": (vocab, h),
+    }
     module, kind = name.split(".")[-2:]
     if module.endswith("norm"):
         return (h,)

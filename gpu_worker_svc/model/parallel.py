@@ -67,16 +67,22 @@ class TPGroup:
         return x
 
 
-def init_tp_group(rank: int, world_size: int, init_method: str, device: str = "cpu",
-                  timeout_s: float = 600.0, ordered: bool = False) -> TPGroup:
+def init_tp_group(
+    rank: int, world_size: int, init_method: str, device: str = "cpu", timeout_s: float = 600.0, ordered: bool = False
+) -> TPGroup:
     """Join the process group; gloo on CPU, NCCL on CUDA."""
     if world_size > 1:
         backend = "nccl" if device.startswith("cuda") else "gloo"
         if backend == "gloo":
             # Gloo picks an interface by hostname, which may not resolve in containers.
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=timeout_s))
+        dist.init_process_group(
+            backend,
+            init_method=init_method,
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
     return TPGroup(rank=rank, world_size=world_size, ordered=ordered)
 
 

@@ -112,12 +112,17 @@ class Inbox:
 
 def prefill_lengths(items: list[object]) -> list[int]:
     """Tokens each request added by `items` prefills: its prompt, and a resumed one's earlier output."""
-    return [len(r.prompt_token_ids) + len(r.output_token_ids)
-            for item in items if isinstance(item, _Commands) for r in item.command.add]
+    return [
+        len(r.prompt_token_ids) + len(r.output_token_ids)
+        for item in items
+        if isinstance(item, _Commands)
+        for r in item.command.add
+    ]
 
 
-def collect_burst(inbox: Inbox, items: list[object], gap_s: float,
-                  fills_a_step: Callable[[list[object]], bool]) -> list[object]:
+def collect_burst(
+    inbox: Inbox, items: list[object], gap_s: float, fills_a_step: Callable[[list[object]], bool]
+) -> list[object]:
     """`items` plus what keeps arriving within `gap_s` of the previous arrival, up to 10 gaps in all.
 
     A burst of requests reaches an idle worker over a few milliseconds (each is tokenized and
@@ -139,8 +144,14 @@ def collect_burst(inbox: Inbox, items: list[object], gap_s: float,
 class EngineLoop:
     """Runs the engine in one dedicated thread; every other method is safe to call from any thread."""
 
-    def __init__(self, engine: LLMEngine, telemetry: StepTelemetry, max_model_len: int,
-                 on_fatal: Callable[[BaseException], None], admission_gap_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        telemetry: StepTelemetry,
+        max_model_len: int,
+        on_fatal: Callable[[BaseException], None],
+        admission_gap_s: float = 0.0,
+    ) -> None:
         self._engine = engine
         self._admission_gap_s = admission_gap_s
         self._telemetry = telemetry
@@ -212,8 +223,9 @@ class EngineLoop:
         deltas += [request_delta(o) for o in out.outputs]
         self._requests.difference_update(o.request_id for o in out.outputs if o.finish_reason)
         if self._session is not None and (deltas or out.stats is not None):
-            self._session.send(worker_pb2.StepOutput(step=self._step, deltas=deltas,
-                                                     stats=step_stats(self._engine, out.stats)))
+            self._session.send(
+                worker_pb2.StepOutput(step=self._step, deltas=deltas, stats=step_stats(self._engine, out.stats))
+            )
         self._refresh_load()
         self._telemetry.step(self._step, out, start_ns, end_ns)
         self._step += 1
@@ -251,16 +263,23 @@ class EngineLoop:
                 return
         try:
             req = engine_request(new, self._max_model_len)
-            self._engine.add_request(new.request_id, list(new.prompt_token_ids), req.params, priority=new.priority,
-                                     output_token_ids=list(new.output_token_ids), eos_token_id=req.eos_token_id,
-                                     compiled_grammar=compiled_grammar)
+            self._engine.add_request(
+                new.request_id,
+                list(new.prompt_token_ids),
+                req.params,
+                priority=new.priority,
+                output_token_ids=list(new.output_token_ids),
+                eos_token_id=req.eos_token_id,
+                compiled_grammar=compiled_grammar,
+            )
         except ValueError as exc:
             log.warning("request %s refused: %s", new.request_id, exc)
             self._errors.append(error_delta(new, str(exc)))
             return
         self._requests.add(new.request_id)
-        self._telemetry.request_added(new.request_id, new.traceparent, len(new.prompt_token_ids),
-                                      req.params.max_tokens, req.params.temperature)
+        self._telemetry.request_added(
+            new.request_id, new.traceparent, len(new.prompt_token_ids), req.params.max_tokens, req.params.temperature
+        )
 
     def _drop_requests(self) -> None:
         """Abort every request without final deltas: their session is gone."""
@@ -283,6 +302,9 @@ class EngineLoop:
     def _refresh_load(self) -> None:
         engine = self._engine
         # Requests held for their grammar wait too: the scheduler's routing counts them.
-        self.load = WorkerLoad(engine.scheduler.num_running, engine.scheduler.num_waiting + len(self._grammar_gate),
-                               engine.block_pool.num_used_blocks)
+        self.load = WorkerLoad(
+            engine.scheduler.num_running,
+            engine.scheduler.num_waiting + len(self._grammar_gate),
+            engine.block_pool.num_used_blocks,
+        )
         self._telemetry.occupancy(self.load.running, self.load.kv_blocks_used, engine.block_pool.num_blocks)

@@ -52,8 +52,7 @@ _STOP_GRACE_S = 5.0
 
 def parse_args(argv: list[str] | None) -> WorkerSettings:
     """Flags override the SHARDLINE_* environment; unset flags leave it alone."""
-    p = argparse.ArgumentParser(prog="shardline serve worker", description=__doc__,
-                                argument_default=argparse.SUPPRESS)
+    p = argparse.ArgumentParser(prog="shardline serve worker", description=__doc__, argument_default=argparse.SUPPRESS)
     p.add_argument("--worker-id", dest="worker_id")
     p.add_argument("--port", type=int)
     p.add_argument("--host")
@@ -69,16 +68,35 @@ def parse_args(argv: list[str] | None) -> WorkerSettings:
     p.add_argument("--max-num-seqs", dest="max_num_seqs", type=int)
     p.add_argument("--max-num-batched-tokens", dest="max_num_batched_tokens", type=int)
     p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
-    p.add_argument("--admission-gap-ms", dest="admission_gap_ms", type=float,
-                   help="when idle, wait this long for the rest of a burst of requests")
-    p.add_argument("--quantization", choices=sorted(QUANTIZATIONS),
-                   help="CPU weight format: int8 (fastest), fp16 (near-lossless) or int4 (smallest)")
-    p.add_argument("--no-onednn-weights", dest="onednn_weights", action="store_false",
-                   help="CPU float32: keep torch's F.linear instead of oneDNN-packed weights")
-    p.add_argument("--batch-invariant", dest="batch_invariant", action="store_true",
-                   help="CPU, int8 or fp32: tokens bitwise independent of batching, prefix caching and resumes (slower)")
-    p.add_argument("--num-speculative-tokens", dest="num_speculative_tokens", type=int,
-                   help="n-gram speculation: draft tokens per decode, looked up in the request's own text (0: off)")
+    p.add_argument(
+        "--admission-gap-ms",
+        dest="admission_gap_ms",
+        type=float,
+        help="when idle, wait this long for the rest of a burst of requests",
+    )
+    p.add_argument(
+        "--quantization",
+        choices=sorted(QUANTIZATIONS),
+        help="CPU weight format: int8 (fastest), fp16 (near-lossless) or int4 (smallest)",
+    )
+    p.add_argument(
+        "--no-onednn-weights",
+        dest="onednn_weights",
+        action="store_false",
+        help="CPU float32: keep torch's F.linear instead of oneDNN-packed weights",
+    )
+    p.add_argument(
+        "--batch-invariant",
+        dest="batch_invariant",
+        action="store_true",
+        help="CPU, int8 or fp32: tokens bitwise independent of batching, prefix caching and resumes (slower)",
+    )
+    p.add_argument(
+        "--num-speculative-tokens",
+        dest="num_speculative_tokens",
+        type=int,
+        help="n-gram speculation: draft tokens per decode, looked up in the request's own text (0: off)",
+    )
     p.add_argument("--torch-threads", dest="torch_threads", type=int)
     p.add_argument("--metrics-port", dest="metrics_port", type=int)
     p.add_argument("--no-tracing", dest="tracing", action="store_false")
@@ -89,13 +107,25 @@ def parse_args(argv: list[str] | None) -> WorkerSettings:
 
 def engine_config(s: WorkerSettings) -> EngineConfig:
     """The engine as this worker runs it (`shardline bench --engine` runs the same one in-process)."""
-    runner = RunnerConfig(model=s.model, tp_size=s.tp_size, dtype=s.resolved_dtype, device=s.resolved_device,
-                          block_size=s.block_size, cpu_kv_bytes=s.kv_cache_bytes,
-                          gpu_memory_utilization=s.gpu_memory_utilization,
-                          trace_instance=s.resolved_worker_id if s.tracing else None, quantization=s.quantization,
-                          onednn_weights=s.onednn_weights, batch_invariant=s.batch_invariant)
-    return EngineConfig(runner, SchedulerConfig(s.max_num_seqs, s.max_num_batched_tokens),
-                        s.enable_prefix_caching, SpeculativeConfig(s.num_speculative_tokens))
+    runner = RunnerConfig(
+        model=s.model,
+        tp_size=s.tp_size,
+        dtype=s.resolved_dtype,
+        device=s.resolved_device,
+        block_size=s.block_size,
+        cpu_kv_bytes=s.kv_cache_bytes,
+        gpu_memory_utilization=s.gpu_memory_utilization,
+        trace_instance=s.resolved_worker_id if s.tracing else None,
+        quantization=s.quantization,
+        onednn_weights=s.onednn_weights,
+        batch_invariant=s.batch_invariant,
+    )
+    return EngineConfig(
+        runner,
+        SchedulerConfig(s.max_num_seqs, s.max_num_batched_tokens),
+        s.enable_prefix_caching,
+        SpeculativeConfig(s.num_speculative_tokens),
+    )
 
 
 def build_engine(s: WorkerSettings) -> LLMEngine:
@@ -107,20 +137,34 @@ def build_engine(s: WorkerSettings) -> LLMEngine:
 
 def worker_info(s: WorkerSettings, engine: LLMEngine, address: str) -> worker_pb2.WorkerInfo:
     name = s.model if is_dummy(s.model) else model_name(resolve_model_path(s.model))
-    return worker_pb2.WorkerInfo(worker_id=s.resolved_worker_id, address=address, model=name, tp_size=s.tp_size,
-                                 kv_blocks_total=engine.block_pool.num_blocks, block_size=s.block_size,
-                                 max_num_seqs=s.max_num_seqs, max_model_len=engine.max_model_len)
+    return worker_pb2.WorkerInfo(
+        worker_id=s.resolved_worker_id,
+        address=address,
+        model=name,
+        tp_size=s.tp_size,
+        kv_blocks_total=engine.block_pool.num_blocks,
+        block_size=s.block_size,
+        max_num_seqs=s.max_num_seqs,
+        max_model_len=engine.max_model_len,
+    )
 
 
-def engine_loop_for(s: WorkerSettings, engine: LLMEngine, tracing: TracingHandle, model: str,
-                    on_fatal: Callable[[BaseException], None]) -> EngineLoop:
+def engine_loop_for(
+    s: WorkerSettings, engine: LLMEngine, tracing: TracingHandle, model: str, on_fatal: Callable[[BaseException], None]
+) -> EngineLoop:
     cfg = engine.model_config
-    peak = device_peak(s.resolved_device, s.peak_tflops, s.peak_bandwidth_gbs, s.cpu_peak_tflops,
-                       s.cpu_peak_bandwidth_gbs)
+    peak = device_peak(
+        s.resolved_device, s.peak_tflops, s.peak_bandwidth_gbs, s.cpu_peak_tflops, s.cpu_peak_bandwidth_gbs
+    )
     dtype_bytes = parse_dtype(s.resolved_dtype, "cpu" if s.resolved_device == "cpu" else "cuda").itemsize
     cost = StepCostModel.for_model(cfg, dtype_bytes, peak, s.tp_size)
-    return EngineLoop(engine, StepTelemetry(tracing.tracer, cost, model, tracing.enabled),
-                      engine.max_model_len, on_fatal, s.resolved_admission_gap_s)
+    return EngineLoop(
+        engine,
+        StepTelemetry(tracing.tracer, cost, model, tracing.enabled),
+        engine.max_model_len,
+        on_fatal,
+        s.resolved_admission_gap_s,
+    )
 
 
 async def serve(s: WorkerSettings) -> int:
@@ -130,8 +174,9 @@ async def serve(s: WorkerSettings) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, _abandon_load)
     tracing = setup_tracing("gpu_worker", s.resolved_worker_id, rank=0, enabled=s.tracing)
-    log.info("loading %s: tp=%d, %s on %s", s.model or "the default model", s.tp_size, s.resolved_dtype,
-             s.resolved_device)
+    log.info(
+        "loading %s: tp=%d, %s on %s", s.model or "the default model", s.tp_size, s.resolved_dtype, s.resolved_device
+    )
     engine = await asyncio.to_thread(build_engine, s)
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop_requested.set)
@@ -160,27 +205,32 @@ def _abandon_load() -> None:
     os._exit(0)
 
 
-async def _serve_engine(s: WorkerSettings, engine: LLMEngine, tracing: TracingHandle,
-                        stop_requested: asyncio.Event) -> int:
+async def _serve_engine(
+    s: WorkerSettings, engine: LLMEngine, tracing: TracingHandle, stop_requested: asyncio.Event
+) -> int:
     loop = asyncio.get_running_loop()
     engine_died = asyncio.Event()
     info = worker_info(s, engine, address="")
-    engine_loop = engine_loop_for(s, engine, tracing, info.model,
-                                  on_fatal=lambda _exc: loop.call_soon_threadsafe(engine_died.set))
+    engine_loop = engine_loop_for(
+        s, engine, tracing, info.model, on_fatal=lambda _exc: loop.call_soon_threadsafe(engine_died.set)
+    )
     engine_loop.start()
     server = await start_grpc_server(
         [GrpcService(WorkerServicer(engine_loop, info), worker_pb2_grpc.add_WorkerServicer_to_server, SERVICE_NAME)],
-        s.port, s.host, interceptors=[TracingServerInterceptor(tracing.tracer)])
+        s.port,
+        s.host,
+        interceptors=[TracingServerInterceptor(tracing.tracer)],
+    )
     info.address = s.address(server.port)  # known only now when the port was 0
     log.info("worker %s serving %s on port %d", info.worker_id, info.model, server.port)
     started()
     metrics_server = start_metrics_server(s.metrics_port) if s.metrics_port > 0 else None
-    registration = asyncio.create_task(SchedulerRegistration(s.scheduler_address, info,
-                                                             lambda: engine_loop.load).run())
+    registration = asyncio.create_task(SchedulerRegistration(s.scheduler_address, info, lambda: engine_loop.load).run())
     watchdog = asyncio.create_task(_stop_when_dead(engine_died, server))
     try:
-        await server.wait_for_signal(on_stop=lambda: asyncio.to_thread(engine_loop.stop), grace_s=_STOP_GRACE_S,
-                                     stop=stop_requested)
+        await server.wait_for_signal(
+            on_stop=lambda: asyncio.to_thread(engine_loop.stop), grace_s=_STOP_GRACE_S, stop=stop_requested
+        )
     finally:
         registration.cancel()
         watchdog.cancel()

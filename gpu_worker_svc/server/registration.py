@@ -36,17 +36,24 @@ class SchedulerRegistration:
         self._load = load
 
     async def run(self) -> None:
-        async with grpc.aio.insecure_channel(self._address, options=GRPC_OPTIONS,
-                                             interceptors=aio_client_interceptors()) as channel:
+        async with grpc.aio.insecure_channel(
+            self._address, options=GRPC_OPTIONS, interceptors=aio_client_interceptors()
+        ) as channel:
             stub = scheduler_pb2_grpc.SchedulerStub(channel)
             interval = await self._register(stub)
             while True:
                 await asyncio.sleep(interval)
                 load = self._load()
                 try:
-                    reply = await stub.Heartbeat(scheduler_pb2.HeartbeatRequest(
-                        worker_id=self._info.worker_id, running=load.running, waiting=load.waiting,
-                        kv_blocks_used=load.kv_blocks_used), timeout=_RPC_TIMEOUT_S)
+                    reply = await stub.Heartbeat(
+                        scheduler_pb2.HeartbeatRequest(
+                            worker_id=self._info.worker_id,
+                            running=load.running,
+                            waiting=load.waiting,
+                            kv_blocks_used=load.kv_blocks_used,
+                        ),
+                        timeout=_RPC_TIMEOUT_S,
+                    )
                 except grpc.aio.AioRpcError as exc:
                     log.warning("heartbeat to %s failed: %s %s", self._address, exc.code().name, exc.details())
                     continue
@@ -59,15 +66,22 @@ class SchedulerRegistration:
         delay = _FIRST_RETRY_S
         while True:
             try:
-                reply = await stub.RegisterWorker(scheduler_pb2.RegisterWorkerRequest(worker=self._info),
-                                                  timeout=_RPC_TIMEOUT_S)
+                reply = await stub.RegisterWorker(
+                    scheduler_pb2.RegisterWorkerRequest(worker=self._info), timeout=_RPC_TIMEOUT_S
+                )
             except grpc.aio.AioRpcError as exc:
-                log.warning("registering with scheduler %s failed (%s %s); retrying in %.1fs",
-                            self._address, exc.code().name, exc.details(), delay)
+                log.warning(
+                    "registering with scheduler %s failed (%s %s); retrying in %.1fs",
+                    self._address,
+                    exc.code().name,
+                    exc.details(),
+                    delay,
+                )
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, _MAX_RETRY_S)
                 continue
             interval = reply.heartbeat_interval.ToTimedelta().total_seconds() or _DEFAULT_HEARTBEAT_S
-            log.info("registered %s with scheduler %s; heartbeat every %.1fs",
-                     self._info.worker_id, self._address, interval)
+            log.info(
+                "registered %s with scheduler %s; heartbeat every %.1fs", self._info.worker_id, self._address, interval
+            )
             return interval

@@ -27,12 +27,16 @@ def engine_request(new: worker_pb2.NewRequest, max_model_len: int) -> EngineRequ
     p = new.params
     room = max_model_len - len(new.prompt_token_ids)
     if room < 1:
-        raise ValueError(f"prompt_token_ids: {len(new.prompt_token_ids)} tokens leave no room "
-                         f"in the context length of {max_model_len}")
+        raise ValueError(
+            f"prompt_token_ids: {len(new.prompt_token_ids)} tokens leave no room "
+            f"in the context length of {max_model_len}"
+        )
     # Past the context the rotary table ends, so refuse here rather than fail mid-step.
     if p.HasField("max_tokens") and p.max_tokens > room:
-        raise ValueError(f"max_tokens: prompt of {len(new.prompt_token_ids)} tokens + max_tokens={p.max_tokens} "
-                         f"exceeds the context length of {max_model_len}")
+        raise ValueError(
+            f"max_tokens: prompt of {len(new.prompt_token_ids)} tokens + max_tokens={p.max_tokens} "
+            f"exceeds the context length of {max_model_len}"
+        )
     params = SamplingParams(
         max_tokens=p.max_tokens if p.HasField("max_tokens") else room,
         min_tokens=p.min_tokens,
@@ -50,8 +54,9 @@ def engine_request(new: worker_pb2.NewRequest, max_model_len: int) -> EngineRequ
         logprobs=_logprobs(p),
         logit_bias=dict(p.logit_bias),
         prompt_logprobs=p.prompt_logprobs if p.HasField("prompt_logprobs") else None,
-        structured_output=(StructuredOutputSpec.from_proto(p.structured_output)
-                           if p.HasField("structured_output") else None),
+        structured_output=(
+            StructuredOutputSpec.from_proto(p.structured_output) if p.HasField("structured_output") else None
+        ),
     )
     params.validate()
     return EngineRequest(params, new.eos_token_ids[0] if new.eos_token_ids else None)

@@ -31,12 +31,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._info = info
         self._session_ids = itertools.count(1)
 
-    async def GetInfo(self, request: worker_pb2.GetWorkerInfoRequest,
-                      context: grpc.aio.ServicerContext) -> worker_pb2.WorkerInfo:
+    async def GetInfo(
+        self, request: worker_pb2.GetWorkerInfoRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.WorkerInfo:
         return self._info
 
-    async def Session(self, request_iterator: AsyncIterator[worker_pb2.WorkerCommand],
-                      context: grpc.aio.ServicerContext) -> AsyncIterator[worker_pb2.StepOutput]:
+    async def Session(
+        self, request_iterator: AsyncIterator[worker_pb2.WorkerCommand], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[worker_pb2.StepOutput]:
         link = SessionLink(next(self._session_ids), asyncio.get_running_loop(), asyncio.Queue())
         log.info("session %d opened by %s", link.id, context.peer())
         self._engine_loop.open_session(link)

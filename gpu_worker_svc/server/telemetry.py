@@ -38,13 +38,20 @@ class StepTelemetry:
         self._enabled = enabled
         self._requests: dict[str, _RequestSpans] = {}
 
-    def request_added(self, request_id: str, traceparent: str, prompt_tokens: int, max_tokens: int,
-                      temperature: float) -> None:
+    def request_added(
+        self, request_id: str, traceparent: str, prompt_tokens: int, max_tokens: int, temperature: float
+    ) -> None:
         if self._enabled:
-            self._requests[request_id] = _RequestSpans(extract_context({"traceparent": traceparent}), {
-                attr.REQUEST_ID: request_id, attr.GEN_AI_REQUEST_MODEL: self._model,
-                attr.GEN_AI_USAGE_INPUT_TOKENS: prompt_tokens, attr.GEN_AI_REQUEST_MAX_TOKENS: max_tokens,
-                attr.GEN_AI_REQUEST_TEMPERATURE: temperature})
+            self._requests[request_id] = _RequestSpans(
+                extract_context({"traceparent": traceparent}),
+                {
+                    attr.REQUEST_ID: request_id,
+                    attr.GEN_AI_REQUEST_MODEL: self._model,
+                    attr.GEN_AI_USAGE_INPUT_TOKENS: prompt_tokens,
+                    attr.GEN_AI_REQUEST_MAX_TOKENS: max_tokens,
+                    attr.GEN_AI_REQUEST_TEMPERATURE: temperature,
+                },
+            )
 
     def request_dropped(self, request_id: str, end_ns: int) -> None:
         """A request aborted without a final output (its session ended)."""
@@ -72,21 +79,34 @@ class StepTelemetry:
             self._request_events(out, start_ns, end_ns)
 
     def _step_span(self, step: int, stats: StepStats, tokens_per_s: float, start_ns: int, end_ns: int) -> None:
-        mfu, mbu = self._cost.utilization(stats.num_tokens, stats.batch_size, stats.attention_pairs,
-                                          stats.kv_tokens_read, stats.step_time_s)
-        span = self._tracer.start_span("engine_step", start_time=start_ns, attributes={
-            attr.STEP: step, attr.BATCH_SIZE: stats.batch_size, attr.NUM_TOKENS: stats.num_tokens,
-            attr.PREFIX_CACHE_HITS: stats.prefix_cache_hit_tokens, attr.KV_BLOCKS_USED: stats.kv_blocks_used,
-            attr.TOKENS_PER_S: tokens_per_s, attr.MFU: mfu, attr.MBU: mbu,
-            attr.DRAFT_TOKENS: stats.num_draft_tokens, attr.ACCEPTED_TOKENS: stats.num_accepted_tokens})
+        mfu, mbu = self._cost.utilization(
+            stats.num_tokens, stats.batch_size, stats.attention_pairs, stats.kv_tokens_read, stats.step_time_s
+        )
+        span = self._tracer.start_span(
+            "engine_step",
+            start_time=start_ns,
+            attributes={
+                attr.STEP: step,
+                attr.BATCH_SIZE: stats.batch_size,
+                attr.NUM_TOKENS: stats.num_tokens,
+                attr.PREFIX_CACHE_HITS: stats.prefix_cache_hit_tokens,
+                attr.KV_BLOCKS_USED: stats.kv_blocks_used,
+                attr.TOKENS_PER_S: tokens_per_s,
+                attr.MFU: mfu,
+                attr.MBU: mbu,
+                attr.DRAFT_TOKENS: stats.num_draft_tokens,
+                attr.ACCEPTED_TOKENS: stats.num_accepted_tokens,
+            },
+        )
         span.end(end_time=end_ns)
 
     def _request_events(self, out: StepOutput, start_ns: int, end_ns: int) -> None:
         for request_id in out.admitted_ids:
             spans = self._requests.get(request_id)
             if spans is not None and spans.prefill is None and spans.decode is None:  # not on a readmission
-                spans.prefill = self._tracer.start_span("prefill", context=spans.context, start_time=start_ns,
-                                                        attributes=spans.attributes)
+                spans.prefill = self._tracer.start_span(
+                    "prefill", context=spans.context, start_time=start_ns, attributes=spans.attributes
+                )
         for o in out.outputs:
             spans = self._requests.get(o.request_id)
             if spans is None:
@@ -97,8 +117,9 @@ class StepTelemetry:
             elif o.new_token_ids and spans.prefill is not None:
                 spans.prefill.end(end_time=end_ns)
                 spans.prefill = None
-                spans.decode = self._tracer.start_span("decode", context=spans.context, start_time=end_ns,
-                                                       attributes=spans.attributes)
+                spans.decode = self._tracer.start_span(
+                    "decode", context=spans.context, start_time=end_ns, attributes=spans.attributes
+                )
 
 
 def _end(spans: _RequestSpans, finish_reason: str, output_tokens: int | None, end_ns: int) -> None:

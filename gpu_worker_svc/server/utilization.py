@@ -27,12 +27,14 @@ class DevicePeak:
 H200 = DevicePeak(flops_per_s=989e12, bytes_per_s=4.8e12)
 
 
-def device_peak(device: str, tflops: float | None, bandwidth_gbs: float | None,
-                cpu_tflops: float, cpu_bandwidth_gbs: float) -> DevicePeak:
+def device_peak(
+    device: str, tflops: float | None, bandwidth_gbs: float | None, cpu_tflops: float, cpu_bandwidth_gbs: float
+) -> DevicePeak:
     """One device's peak: explicit figures win, else H200 on CUDA and the CPU figures on CPU."""
     default = DevicePeak(cpu_tflops * 1e12, cpu_bandwidth_gbs * 1e9) if device == CPU else H200
-    return DevicePeak(tflops * 1e12 if tflops else default.flops_per_s,
-                      bandwidth_gbs * 1e9 if bandwidth_gbs else default.bytes_per_s)
+    return DevicePeak(
+        tflops * 1e12 if tflops else default.flops_per_s, bandwidth_gbs * 1e9 if bandwidth_gbs else default.bytes_per_s
+    )
 
 
 @dataclass(slots=True, frozen=True)
@@ -59,14 +61,17 @@ class StepCostModel:
         )
 
     def flops(self, num_tokens: int, num_rows: int, attention_pairs: int) -> float:
-        return 2.0 * (self.layer_params * num_tokens + self.head_params * num_rows) \
+        return (
+            2.0 * (self.layer_params * num_tokens + self.head_params * num_rows)
             + float(self.flops_per_pair) * attention_pairs
+        )
 
     def bytes(self, kv_tokens_read: int) -> float:
         return float(self.weight_bytes + self.kv_bytes_per_token * kv_tokens_read)
 
-    def utilization(self, num_tokens: int, num_rows: int, attention_pairs: int, kv_tokens_read: int,
-                    step_time_s: float) -> tuple[float, float]:
+    def utilization(
+        self, num_tokens: int, num_rows: int, attention_pairs: int, kv_tokens_read: int, step_time_s: float
+    ) -> tuple[float, float]:
         """(MFU, MBU) of a step, each a fraction of the peak; zeros for an empty or unmeasured step."""
         if step_time_s <= 0 or num_tokens == 0:
             return 0.0, 0.0

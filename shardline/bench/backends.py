@@ -55,8 +55,9 @@ class EngineBackend:
     requests share the first step here exactly when they would in the worker.
     """
 
-    def __init__(self, config: EngineConfig | None = None, admission_gap_s: float = 0.0,
-                 torch_threads: int = 0) -> None:
+    def __init__(
+        self, config: EngineConfig | None = None, admission_gap_s: float = 0.0, torch_threads: int = 0
+    ) -> None:
         self.engine = LLMEngine(config)
         if torch_threads > 0:  # after the engine, which sets its own default on CPU (as the worker does)
             torch.set_num_threads(torch_threads)
@@ -83,8 +84,12 @@ class EngineBackend:
             idle = not self.engine.has_unfinished
             items = self.inbox.drain(0.05 if idle else 0.0)
             if idle and items and self.admission_gap_s > 0:
-                items = collect_burst(self.inbox, items, self.admission_gap_s,
-                                      lambda xs: config.fills_a_step([len(x[1]) for x in xs if x is not None]))
+                items = collect_burst(
+                    self.inbox,
+                    items,
+                    self.admission_gap_s,
+                    lambda xs: config.fills_a_step([len(x[1]) for x in xs if x is not None]),
+                )
             for item in items:
                 if item is not None:
                     self.engine.add_request(*item)

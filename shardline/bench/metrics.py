@@ -39,8 +39,12 @@ def _summary(values: list[float], scale: float = 1000.0) -> dict[str, float]:
     if not values:
         return {"mean": 0.0, "std": 0.0, "median": 0.0, "p99": 0.0}
     v = sorted(x * scale for x in values)
-    return {"mean": statistics.fmean(v), "std": statistics.pstdev(v), "median": statistics.median(v),
-            "p99": percentile(v, 99)}
+    return {
+        "mean": statistics.fmean(v),
+        "std": statistics.pstdev(v),
+        "median": statistics.median(v),
+        "p99": percentile(v, 99),
+    }
 
 
 def percentile(ordered: list[float], q: float) -> float:
@@ -63,9 +67,11 @@ class Slos:
         return any(x is not None for x in (self.ttft_ms, self.tpot_ms, self.e2el_ms))
 
     def met_by(self, t: RequestTiming) -> bool:
-        return ((self.ttft_ms is None or t.ttft * 1000 <= self.ttft_ms)
-                and (self.tpot_ms is None or (t.tpot or 0) * 1000 <= self.tpot_ms)
-                and (self.e2el_ms is None or t.e2el * 1000 <= self.e2el_ms))
+        return (
+            (self.ttft_ms is None or t.ttft * 1000 <= self.ttft_ms)
+            and (self.tpot_ms is None or (t.tpot or 0) * 1000 <= self.tpot_ms)
+            and (self.e2el_ms is None or t.e2el * 1000 <= self.e2el_ms)
+        )
 
 
 def summarize(timings: list[RequestTiming], wall_s: float, slos: Slos | None = None) -> dict:
@@ -100,9 +106,15 @@ def summarize(timings: list[RequestTiming], wall_s: float, slos: Slos | None = N
 
 def _detail(t: RequestTiming) -> dict:
     ms = [round(x * 1000, 3) for x in t.chunk_times]
-    return {"input_len": t.input_len, "output_len": t.output_len, "cached_tokens": t.cached_tokens,
-            "ttft_ms": ms[0] if ms else None, "e2el_ms": ms[-1] if ms else None,
-            "itl_ms": [round(b - a, 3) for a, b in zip(ms, ms[1:])], "error": t.error or None}
+    return {
+        "input_len": t.input_len,
+        "output_len": t.output_len,
+        "cached_tokens": t.cached_tokens,
+        "ttft_ms": ms[0] if ms else None,
+        "e2el_ms": ms[-1] if ms else None,
+        "itl_ms": [round(b - a, 3) for a, b in zip(ms, ms[1:])],
+        "error": t.error or None,
+    }
 
 
 def median_of_rounds(rounds: list[dict]) -> dict:
@@ -111,6 +123,7 @@ def median_of_rounds(rounds: list[dict]) -> dict:
 
     Errors are counted over all rounds; per-request detail stays with each round.
     """
+
     def median(values: list):
         if isinstance(values[0], dict):
             return {key: median([v[key] for v in values]) for key in values[0]}

@@ -37,8 +37,12 @@ def _common(p: argparse.ArgumentParser) -> None:
 class _Backend:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
-        self.params = {"max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p,
-                       "seed": args.seed}
+        self.params = {
+            "max_tokens": args.max_tokens,
+            "temperature": args.temperature,
+            "top_p": args.top_p,
+            "seed": args.seed,
+        }
         if args.url:
             from shardline.client import ShardlineClient
 
@@ -63,8 +67,6 @@ class _Backend:
             self.local.close()
         if self.client is not None:
             self.client.close()
-
-
 
 
 def run_generate(args: argparse.Namespace) -> int:

@@ -20,14 +20,18 @@ class LocalGenerator:
     def __init__(self, model: str | None, tp: int = 1) -> None:
         path = resolve_model_path(model)
         self.tokenizer = Tokenizer.from_model_path(path)
-        self.template = ChatTemplate(self.tokenizer.chat_template or "", self.tokenizer.bos_token,
-                                     self.tokenizer.eos_token) if self.tokenizer.chat_template else None
+        self.template = (
+            ChatTemplate(self.tokenizer.chat_template or "", self.tokenizer.bos_token, self.tokenizer.eos_token)
+            if self.tokenizer.chat_template
+            else None
+        )
         # The engine a worker would run: its SHARDLINE_* settings (quantization, speculation, KV
         # budget, device...) apply here too, so `generate` without --url matches the stack.
         self.engine = build_engine(WorkerSettings(model=str(path), tp_size=tp, tracing=False))
 
-    def stream(self, prompt: str | None = None, messages: list[dict[str, str]] | None = None,
-               **params: object) -> Iterator[str]:
+    def stream(
+        self, prompt: str | None = None, messages: list[dict[str, str]] | None = None, **params: object
+    ) -> Iterator[str]:
         """Yield text as it is generated, from a raw prompt or chat messages."""
         if messages is not None:
             if self.template is None:

@@ -32,8 +32,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     export.add_argument("--last", type=int, metavar="N", help="the N most recent requests")
     export.add_argument("--since", help="window start: unix seconds or ISO 8601 (local time without a zone)")
     export.add_argument("--until", help="window end (default: now)")
-    export.add_argument("-o", "--output", type=Path, default=None,
-                        help="file to write (default: named after the selection)")
+    export.add_argument(
+        "-o", "--output", type=Path, default=None, help="file to write (default: named after the selection)"
+    )
     export.add_argument("--redis-url", default=None, help="the span store's Redis (default: SHARDLINE_REDIS_URL)")
     export.set_defaults(func=run_export)
 
@@ -90,8 +91,9 @@ def run_export(args: argparse.Namespace) -> int:
         print(f"shardline trace export: {exc}", file=sys.stderr)
         return 2
     settings = TracingSettings()
-    store = SpanStore.from_url(args.redis_url or settings.redis_url, max_spans=settings.trace_max_spans,
-                               max_age_s=settings.trace_max_age_s)
+    store = SpanStore.from_url(
+        args.redis_url or settings.redis_url, max_spans=settings.trace_max_spans, max_age_s=settings.trace_max_age_s
+    )
 
     async def read() -> tuple[list[str], list[StoredSpan]]:
         try:
@@ -113,9 +115,11 @@ def run_export(args: argparse.Namespace) -> int:
     except OSError as exc:
         print(f"shardline trace export: cannot write {output}: {exc.strerror or exc}", file=sys.stderr)
         return 1
-    print(f"wrote {output}: {len(spans)} spans as {stats.slices} slices on {stats.processes} processes, "
-          f"{stats.request_tracks} request tracks, {stats.flows} flows, {stats.counter_samples} counter samples "
-          f"({stats.bytes} bytes)")
+    print(
+        f"wrote {output}: {len(spans)} spans as {stats.slices} slices on {stats.processes} processes, "
+        f"{stats.request_tracks} request tracks, {stats.flows} flows, {stats.counter_samples} counter samples "
+        f"({stats.bytes} bytes)"
+    )
     if request_ids:
         print("requests: " + ", ".join(request_ids))
     return 0

@@ -2,8 +2,26 @@
 
 from shardline.client.async_client import AsyncShardlineClient
 from shardline.client.sync_client import ShardlineClient
-from shardline.client.types import (Chunk, Completion, ModelInfo, RequestInfo, TokenLogprob, ToolCall, ToolCallDelta,
-                                    Usage)
+from shardline.client.types import (
+    Chunk,
+    Completion,
+    ModelInfo,
+    RequestInfo,
+    TokenLogprob,
+    ToolCall,
+    ToolCallDelta,
+    Usage,
+)
 
-__all__ = ["AsyncShardlineClient", "Chunk", "Completion", "ModelInfo", "RequestInfo", "ShardlineClient", "TokenLogprob",
-           "ToolCall", "ToolCallDelta", "Usage"]
+__all__ = [
+    "AsyncShardlineClient",
+    "Chunk",
+    "Completion",
+    "ModelInfo",
+    "RequestInfo",
+    "ShardlineClient",
+    "TokenLogprob",
+    "ToolCall",
+    "ToolCallDelta",
+    "Usage",
+]

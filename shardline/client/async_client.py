@@ -10,8 +10,17 @@ import grpc
 
 from shardline.client.channel_options import CHANNEL_OPTIONS
 from shardline.client.sync_client import RETRYABLE
-from shardline.client.types import (Chunk, Completion, ModelInfo, RequestInfo, build_request, build_tools,
-                                    resume_request, tools_of, was_taken)
+from shardline.client.types import (
+    Chunk,
+    Completion,
+    ModelInfo,
+    RequestInfo,
+    build_request,
+    build_tools,
+    resume_request,
+    tools_of,
+    was_taken,
+)
 from shardline.proto import common_pb2, generation_pb2, generation_pb2_grpc
 
 T = TypeVar("T")
@@ -25,8 +34,15 @@ class AsyncShardlineClient:
     ...         print(chunk.text, end="")
     """
 
-    def __init__(self, target: str = "localhost:50051", *, api_key: str | None = None,
-                 timeout: float | None = None, retries: int = 4, backoff_s: float = 0.2) -> None:
+    def __init__(
+        self,
+        target: str = "localhost:50051",
+        *,
+        api_key: str | None = None,
+        timeout: float | None = None,
+        retries: int = 4,
+        backoff_s: float = 0.2,
+    ) -> None:
         self._target = target
         # Opened on first use, in the event loop that uses it: a grpc.aio channel belongs to the loop
         # it was made in, so a client built at import time (outside any loop) must not make it yet.
@@ -44,8 +60,13 @@ class AsyncShardlineClient:
             self._stub_ = generation_pb2_grpc.GenerationStub(self._channel)
         return self._stub_
 
-    async def _call(self, fn: Callable[..., Awaitable[T]], request: Any, timeout: float | None,
-                    taken: Callable[[], Awaitable[T]] | None = None) -> T:
+    async def _call(
+        self,
+        fn: Callable[..., Awaitable[T]],
+        request: Any,
+        timeout: float | None,
+        taken: Callable[[], Awaitable[T]] | None = None,
+    ) -> T:
         """As ShardlineClient._call, awaited."""
         for attempt in range(self.retries + 1):
             try:
@@ -58,8 +79,14 @@ class AsyncShardlineClient:
                 await asyncio.sleep(self.backoff_s * 2**attempt)
         raise AssertionError("unreachable")
 
-    async def generate(self, prompt: str | list[int] | None = None, *, messages: list[dict[str, Any]] | None = None,
-                       timeout: float | None = None, **params: Any) -> Completion:
+    async def generate(
+        self,
+        prompt: str | list[int] | None = None,
+        *,
+        messages: list[dict[str, Any]] | None = None,
+        timeout: float | None = None,
+        **params: Any,
+    ) -> Completion:
         """Generate a whole completion (see ShardlineClient.generate for the parameters)."""
         req = build_request(prompt, messages=messages, timeout=timeout, **params)
 
@@ -72,21 +99,38 @@ class AsyncShardlineClient:
 
         return await self._call(generate_once, req, timeout, taken=follow_started)
 
-    def stream(self, prompt: str | list[int] | None = None, *, messages: list[dict[str, Any]] | None = None,
-               timeout: float | None = None, **params: Any) -> AsyncIterator[Chunk]:
+    def stream(
+        self,
+        prompt: str | list[int] | None = None,
+        *,
+        messages: list[dict[str, Any]] | None = None,
+        timeout: float | None = None,
+        **params: Any,
+    ) -> AsyncIterator[Chunk]:
         """Generate, yielding chunks as tokens arrive; the last carries finish_reason and usage."""
         req = build_request(prompt, messages=messages, timeout=timeout, **params)
         return self._stream(self._stub.GenerateStream, req, timeout, starts=True)
 
-    def resume(self, request_id: str, offset: int = 0, *, timeout: float | None = None,
-               tools: list[dict[str, Any]] | None = None, tool_choice: str | dict[str, Any] | None = None,
-               parallel_tool_calls: bool | None = None) -> AsyncIterator[Chunk]:
+    def resume(
+        self,
+        request_id: str,
+        offset: int = 0,
+        *,
+        timeout: float | None = None,
+        tools: list[dict[str, Any]] | None = None,
+        tool_choice: str | dict[str, Any] | None = None,
+        parallel_tool_calls: bool | None = None,
+    ) -> AsyncIterator[Chunk]:
         """Continue a request's stream from token `offset`; see `ShardlineClient.resume`."""
-        return self._stream(self._stub.Resume, resume_request(
-            request_id, offset, build_tools(tools, tool_choice, parallel_tool_calls)), timeout)
+        return self._stream(
+            self._stub.Resume,
+            resume_request(request_id, offset, build_tools(tools, tool_choice, parallel_tool_calls)),
+            timeout,
+        )
 
-    async def _stream(self, fn: Callable[..., Any], req: Any, timeout: float | None, starts: bool = False
-                      ) -> AsyncIterator[Chunk]:
+    async def _stream(
+        self, fn: Callable[..., Any], req: Any, timeout: float | None, starts: bool = False
+    ) -> AsyncIterator[Chunk]:
         """`fn`'s chunks, retried until the first; `starts`: it starts the generation `req` names."""
         for attempt in range(self.retries + 1):
             started = False
@@ -98,8 +142,9 @@ class AsyncShardlineClient:
                 return
             except grpc.aio.AioRpcError as exc:
                 if attempt and not started and starts and was_taken(exc):
-                    async for chunk in self._stream(self._stub.Resume, resume_request(req.request_id, 0, tools_of(req)),
-                                                    timeout):
+                    async for chunk in self._stream(
+                        self._stub.Resume, resume_request(req.request_id, 0, tools_of(req)), timeout
+                    ):
                         yield chunk
                     return
                 if started or exc.code() not in RETRYABLE or attempt == self.retries:
@@ -117,8 +162,9 @@ class AsyncShardlineClient:
 
     async def get_request(self, request_id: str) -> RequestInfo:
         """A request's status, worker, attempts, timings, usage and generated token ids."""
-        return RequestInfo.from_proto(await self._call(
-            self._stub.GetRequest, common_pb2.GetRequestRequest(request_id=request_id), None))
+        return RequestInfo.from_proto(
+            await self._call(self._stub.GetRequest, common_pb2.GetRequestRequest(request_id=request_id), None)
+        )
 
     async def list_models(self) -> list[str]:
         """Names of the models this gateway serves."""

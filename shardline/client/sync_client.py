@@ -9,8 +9,17 @@ from typing import Any, TypeVar
 import grpc
 
 from shardline.client.channel_options import CHANNEL_OPTIONS
-from shardline.client.types import (Chunk, Completion, ModelInfo, RequestInfo, build_request, build_tools,
-                                    resume_request, tools_of, was_taken)
+from shardline.client.types import (
+    Chunk,
+    Completion,
+    ModelInfo,
+    RequestInfo,
+    build_request,
+    build_tools,
+    resume_request,
+    tools_of,
+    was_taken,
+)
 from shardline.proto import common_pb2, generation_pb2, generation_pb2_grpc
 
 T = TypeVar("T")
@@ -30,8 +39,15 @@ class ShardlineClient:
     unless given), and a retry that finds it taken follows the one that started.
     """
 
-    def __init__(self, target: str = "localhost:50051", *, api_key: str | None = None,
-                 timeout: float | None = None, retries: int = 4, backoff_s: float = 0.2) -> None:
+    def __init__(
+        self,
+        target: str = "localhost:50051",
+        *,
+        api_key: str | None = None,
+        timeout: float | None = None,
+        retries: int = 4,
+        backoff_s: float = 0.2,
+    ) -> None:
         self._channel = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
         self._stub = generation_pb2_grpc.GenerationStub(self._channel)
         self._metadata = [("authorization", f"Bearer {api_key}")] if api_key else []
@@ -39,8 +55,9 @@ class ShardlineClient:
         self.retries = retries
         self.backoff_s = backoff_s
 
-    def _call(self, fn: Callable[..., T], request: Any, timeout: float | None,
-              taken: Callable[[], T] | None = None) -> T:
+    def _call(
+        self, fn: Callable[..., T], request: Any, timeout: float | None, taken: Callable[[], T] | None = None
+    ) -> T:
         """`fn(request)`, retried on UNAVAILABLE; `taken` answers instead when a retry finds the
         request it would start already started (see was_taken)."""
         for attempt in range(self.retries + 1):
@@ -54,8 +71,14 @@ class ShardlineClient:
                 time.sleep(self.backoff_s * 2**attempt)
         raise AssertionError("unreachable")
 
-    def generate(self, prompt: str | list[int] | None = None, *, messages: list[dict[str, Any]] | None = None,
-                 timeout: float | None = None, **params: Any) -> Completion:
+    def generate(
+        self,
+        prompt: str | list[int] | None = None,
+        *,
+        messages: list[dict[str, Any]] | None = None,
+        timeout: float | None = None,
+        **params: Any,
+    ) -> Completion:
         """Generate a whole completion. `params` are sampling parameters: max_tokens, temperature, top_p,
         top_k, min_p, seed, stop, stop_token_ids, presence/frequency/repetition_penalty, ignore_eos,
         top_logprobs, logit_bias ({token id: bias in [-100, 100]}), prompt_logprobs (the prompt's
@@ -77,19 +100,37 @@ class ShardlineClient:
         template, such as {"enable_thinking": False}), continue_final_message=True (the model goes on
         with the last, assistant, message) and add_generation_prompt."""
         req = build_request(prompt, messages=messages, timeout=timeout, **params)
-        return self._call(lambda r, **kw: Completion.from_proto(self._stub.Generate(r, **kw)), req, timeout,
-                          taken=lambda: Completion.from_chunks(list(self._stream(
-                              self._stub.Resume, resume_request(req.request_id, 0, tools_of(req)), timeout))))
+        return self._call(
+            lambda r, **kw: Completion.from_proto(self._stub.Generate(r, **kw)),
+            req,
+            timeout,
+            taken=lambda: Completion.from_chunks(
+                list(self._stream(self._stub.Resume, resume_request(req.request_id, 0, tools_of(req)), timeout))
+            ),
+        )
 
-    def stream(self, prompt: str | list[int] | None = None, *, messages: list[dict[str, Any]] | None = None,
-               timeout: float | None = None, **params: Any) -> Iterator[Chunk]:
+    def stream(
+        self,
+        prompt: str | list[int] | None = None,
+        *,
+        messages: list[dict[str, Any]] | None = None,
+        timeout: float | None = None,
+        **params: Any,
+    ) -> Iterator[Chunk]:
         """Generate, yielding chunks as tokens arrive; the last chunk carries finish_reason and usage."""
         req = build_request(prompt, messages=messages, timeout=timeout, **params)
         return self._stream(self._stub.GenerateStream, req, timeout, starts=True)
 
-    def resume(self, request_id: str, offset: int = 0, *, timeout: float | None = None,
-               tools: list[dict[str, Any]] | None = None, tool_choice: str | dict[str, Any] | None = None,
-               parallel_tool_calls: bool | None = None) -> Iterator[Chunk]:
+    def resume(
+        self,
+        request_id: str,
+        offset: int = 0,
+        *,
+        timeout: float | None = None,
+        tools: list[dict[str, Any]] | None = None,
+        tool_choice: str | dict[str, Any] | None = None,
+        parallel_tool_calls: bool | None = None,
+    ) -> Iterator[Chunk]:
         """Continue a request's stream from token `offset` (replayed from the server's record, then live).
 
         Use the `offset + len(token_ids)` of the last chunk received: the text not yet received,
@@ -103,8 +144,7 @@ class ShardlineClient:
         req = resume_request(request_id, offset, build_tools(tools, tool_choice, parallel_tool_calls))
         return self._stream(self._stub.Resume, req, timeout)
 
-    def _stream(self, fn: Callable[..., Any], req: Any, timeout: float | None, starts: bool = False
-                ) -> Iterator[Chunk]:
+    def _stream(self, fn: Callable[..., Any], req: Any, timeout: float | None, starts: bool = False) -> Iterator[Chunk]:
         """`fn`'s chunks, retried until the first; `starts`: it starts the generation `req` names."""
         for attempt in range(self.retries + 1):
             started = False
@@ -115,8 +155,9 @@ class ShardlineClient:
                 return
             except grpc.RpcError as exc:
                 if attempt and not started and starts and was_taken(exc):
-                    yield from self._stream(self._stub.Resume, resume_request(req.request_id, 0, tools_of(req)),
-                                            timeout)
+                    yield from self._stream(
+                        self._stub.Resume, resume_request(req.request_id, 0, tools_of(req)), timeout
+                    )
                     return
                 if started or exc.code() not in RETRYABLE or attempt == self.retries:
                     raise
@@ -128,8 +169,9 @@ class ShardlineClient:
 
     def get_request(self, request_id: str) -> RequestInfo:
         """A request's status, worker, attempts, timings, usage and generated token ids."""
-        return RequestInfo.from_proto(self._call(self._stub.GetRequest,
-                                                 common_pb2.GetRequestRequest(request_id=request_id), None))
+        return RequestInfo.from_proto(
+            self._call(self._stub.GetRequest, common_pb2.GetRequestRequest(request_id=request_id), None)
+        )
 
     def list_models(self) -> list[str]:
         """Names of the models this gateway serves."""

@@ -102,15 +102,29 @@ class Completion:
                 calls.append(ToolCall(delta.id, delta.name or "", ""))
             calls[delta.index].arguments += delta.arguments
         last = chunks[-1]
-        return cls(last.request_id, "".join(c.text for c in chunks), [t for c in chunks for t in c.token_ids],
-                   last.finish_reason, last.usage or Usage(), logprobs or None, prompt_logprobs, calls or None)
+        return cls(
+            last.request_id,
+            "".join(c.text for c in chunks),
+            [t for c in chunks for t in c.token_ids],
+            last.finish_reason,
+            last.usage or Usage(),
+            logprobs or None,
+            prompt_logprobs,
+            calls or None,
+        )
 
     @classmethod
     def from_proto(cls, r: generation_pb2.GenerateResponse) -> Completion:
-        return cls(r.request_id, r.text, list(r.token_ids), _FINISH.get(r.finish_reason), Usage.from_proto(r.usage),
-                   [TokenLogprob.from_proto(lp) for lp in r.logprobs] or None,
-                   [TokenLogprob.from_proto(lp) for lp in r.prompt_logprobs] or None,
-                   [ToolCall(c.id, c.name, c.arguments) for c in r.tool_calls] or None)
+        return cls(
+            r.request_id,
+            r.text,
+            list(r.token_ids),
+            _FINISH.get(r.finish_reason),
+            Usage.from_proto(r.usage),
+            [TokenLogprob.from_proto(lp) for lp in r.logprobs] or None,
+            [TokenLogprob.from_proto(lp) for lp in r.prompt_logprobs] or None,
+            [ToolCall(c.id, c.name, c.arguments) for c in r.tool_calls] or None,
+        )
 
 
 @dataclass(slots=True)
@@ -130,11 +144,17 @@ class Chunk:
     @classmethod
     def from_proto(cls, r: generation_pb2.GenerateStreamResponse) -> Chunk:
         finish = _FINISH.get(r.finish_reason)
-        return cls(r.request_id, r.text, list(r.token_ids), r.offset, finish,
-                   Usage.from_proto(r.usage) if finish else None,
-                   [TokenLogprob.from_proto(lp) for lp in r.logprobs] or None,
-                   [TokenLogprob.from_proto(lp) for lp in r.prompt_logprobs] or None,
-                   [ToolCallDelta(d.index, d.arguments, d.id or None, d.name or None) for d in r.tool_calls] or None)
+        return cls(
+            r.request_id,
+            r.text,
+            list(r.token_ids),
+            r.offset,
+            finish,
+            Usage.from_proto(r.usage) if finish else None,
+            [TokenLogprob.from_proto(lp) for lp in r.logprobs] or None,
+            [TokenLogprob.from_proto(lp) for lp in r.prompt_logprobs] or None,
+            [ToolCallDelta(d.index, d.arguments, d.id or None, d.name or None) for d in r.tool_calls] or None,
+        )
 
 
 @dataclass(slots=True)
@@ -163,11 +183,23 @@ class RequestInfo:
         def ts(name: str) -> float | None:
             return getattr(r, name).ToMicroseconds() / 1e6 if r.HasField(name) else None
 
-        return cls(r.request_id, r.model, _STATUS.get(r.status, "unknown"), r.worker_id, r.attempt,
-                   _FINISH.get(r.finish_reason), r.error, Usage.from_proto(r.usage), ts("arrival_time"),
-                   ts("dispatch_time"), ts("first_token_time"), ts("finish_time"), list(r.output_token_ids),
-                   [TokenLogprob.from_proto(lp) for lp in r.output_logprobs] or None,
-                   [TokenLogprob.from_proto(lp) for lp in r.prompt_logprobs] or None)
+        return cls(
+            r.request_id,
+            r.model,
+            _STATUS.get(r.status, "unknown"),
+            r.worker_id,
+            r.attempt,
+            _FINISH.get(r.finish_reason),
+            r.error,
+            Usage.from_proto(r.usage),
+            ts("arrival_time"),
+            ts("dispatch_time"),
+            ts("first_token_time"),
+            ts("finish_time"),
+            list(r.output_token_ids),
+            [TokenLogprob.from_proto(lp) for lp in r.output_logprobs] or None,
+            [TokenLogprob.from_proto(lp) for lp in r.prompt_logprobs] or None,
+        )
 
 
 @dataclass(slots=True)
@@ -184,12 +216,22 @@ class ModelInfo:
         return cls(m.name, m.max_context_length, m.num_workers, m.vocab_size)
 
 
-def build_request(prompt: str | list[int] | None = None, *, messages: list[dict[str, Any]] | None = None,
-                  model: str = "", request_id: str | None = None, priority: int = 0,
-                  timeout: float | None = None, tools: list[dict[str, Any]] | None = None,
-                  tool_choice: str | dict[str, Any] | None = None, parallel_tool_calls: bool | None = None,
-                  chat_template_kwargs: dict[str, Any] | None = None, continue_final_message: bool = False,
-                  add_generation_prompt: bool | None = None, **params: Any) -> generation_pb2.GenerateRequest:
+def build_request(
+    prompt: str | list[int] | None = None,
+    *,
+    messages: list[dict[str, Any]] | None = None,
+    model: str = "",
+    request_id: str | None = None,
+    priority: int = 0,
+    timeout: float | None = None,
+    tools: list[dict[str, Any]] | None = None,
+    tool_choice: str | dict[str, Any] | None = None,
+    parallel_tool_calls: bool | None = None,
+    chat_template_kwargs: dict[str, Any] | None = None,
+    continue_final_message: bool = False,
+    add_generation_prompt: bool | None = None,
+    **params: Any,
+) -> generation_pb2.GenerateRequest:
     """A GenerateRequest from a prompt (text or token ids) or chat messages plus sampling parameters.
 
     Messages are OpenAI's: {"role", "content"} (role "system", "developer", "user", "assistant" or
@@ -252,8 +294,11 @@ def build_request(prompt: str | list[int] | None = None, *, messages: list[dict[
     return req
 
 
-def build_tools(tools: list[dict[str, Any]] | None, tool_choice: str | dict[str, Any] | None = None,
-                parallel_tool_calls: bool | None = None) -> generation_pb2.Tools | None:
+def build_tools(
+    tools: list[dict[str, Any]] | None,
+    tool_choice: str | dict[str, Any] | None = None,
+    parallel_tool_calls: bool | None = None,
+) -> generation_pb2.Tools | None:
     """The Tools message: OpenAI tool definitions, and tool_choice as "auto", "none", "required", a
     function's name, or OpenAI's {"type": "function", "function": {"name": ...}}."""
     if tools is None:
@@ -275,15 +320,19 @@ def build_tools(tools: list[dict[str, Any]] | None, tool_choice: str | dict[str,
 def _chat_message(m: dict[str, Any]) -> sampling_pb2.ChatMessage:
     # OpenAI's newer "developer" turn is the system turn, as the HTTP API takes it.
     role = "system" if m["role"] == "developer" else m["role"]
-    message = sampling_pb2.ChatMessage(role=role, content=m.get("content") or "",
-                                       tool_call_id=m.get("tool_call_id") or "", name=m.get("name") or "")
+    message = sampling_pb2.ChatMessage(
+        role=role, content=m.get("content") or "", tool_call_id=m.get("tool_call_id") or "", name=m.get("name") or ""
+    )
     for call in m.get("tool_calls") or ():
         if isinstance(call, ToolCall):
             message.tool_calls.add(id=call.id, name=call.name, arguments=call.arguments)
         else:  # OpenAI's {"id", "type": "function", "function": {"name", "arguments"}}
             arguments = call["function"].get("arguments", "{}")
-            message.tool_calls.add(id=call.get("id", ""), name=call["function"]["name"],
-                                   arguments=arguments if isinstance(arguments, str) else json.dumps(arguments))
+            message.tool_calls.add(
+                id=call.get("id", ""),
+                name=call["function"]["name"],
+                arguments=arguments if isinstance(arguments, str) else json.dumps(arguments),
+            )
     return message
 
 
@@ -298,8 +347,9 @@ def _spec_value(kind: str, value: Any) -> str | tuple[str, ...]:
     return "" if kind == "json_object" else value
 
 
-def resume_request(request_id: str, offset: int, tools: generation_pb2.Tools | None = None
-                   ) -> generation_pb2.ResumeRequest:
+def resume_request(
+    request_id: str, offset: int, tools: generation_pb2.Tools | None = None
+) -> generation_pb2.ResumeRequest:
     """A ResumeRequest; with the request's tools, the replay is read into tool calls again (offset 0)."""
     req = generation_pb2.ResumeRequest(request_id=request_id, offset=offset)
     if tools is not None:

@@ -36,8 +36,13 @@ def _raise_exception(message: str) -> None:
     raise jinja2.TemplateError(message)
 
 
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
-            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
     # jinja2's own tojson escapes <, > and & for HTML, which would change the prompt text.
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
@@ -47,9 +52,7 @@ def _strftime_now(fmt: str) -> str:
 
 
 def _environment() -> ImmutableSandboxedEnvironment:
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, loopcontrols]
-    )
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
@@ -71,9 +74,14 @@ class ChatTemplate:
         self.eos_token = eos_token
         self.tool_call_format = tool_call_format(template)
 
-    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-               continue_final_message: bool = False, variables: dict[str, Any] | None = None,
-               **kwargs: Any) -> str:
+    def render(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        variables: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> str:
         """The prompt text for `messages`; `variables` and extra keyword arguments (tools, documents,
         ...) go to the template.
 
@@ -89,15 +97,22 @@ class ChatTemplate:
             messages = [*messages[:-1], {**messages[-1], "content": final + _CONTINUE_TAG}]
         try:
             # One mapping, not keywords: a variable may be called anything, "self" included.
-            text = self._compiled.render({
-                **context, "messages": messages, "add_generation_prompt": add_generation_prompt,
-                "bos_token": self.bos_token, "eos_token": self.eos_token})
+            text = self._compiled.render(
+                {
+                    **context,
+                    "messages": messages,
+                    "add_generation_prompt": add_generation_prompt,
+                    "bos_token": self.bos_token,
+                    "eos_token": self.eos_token,
+                }
+            )
         except jinja2.TemplateError as exc:
             # raise_exception(...) in a template reports messages it rejects, e.g. roles that do not alternate.
             raise ChatTemplateError(f"the chat template rejected the messages: {exc}") from exc
         except Exception as exc:  # noqa: BLE001 - a template meets values of types it never expected
-            raise ChatTemplateError(f"the chat template failed on these messages or variables: "
-                                    f"{type(exc).__name__}: {exc}") from exc
+            raise ChatTemplateError(
+                f"the chat template failed on these messages or variables: {type(exc).__name__}: {exc}"
+            ) from exc
         if not continue_final_message:
             return text
         tag = _CONTINUE_TAG.strip()
@@ -105,14 +120,15 @@ class ChatTemplate:
             raise ChatTemplateError("continue_final_message: this chat template leaves the last message's text out")
         cut = text.rindex(tag)
         # A template that trims the content's trailing blank (and the tag's) keeps no trailing blank either.
-        return text[:cut] if text[cut:cut + len(_CONTINUE_TAG)] == _CONTINUE_TAG else text[:cut].rstrip()
+        return text[:cut] if text[cut : cut + len(_CONTINUE_TAG)] == _CONTINUE_TAG else text[:cut].rstrip()
 
 
 # Appended to the content to be continued to find where it ends in the prompt (transformers' tag).
 _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
 # The environment's own helpers, which a request's variables may not replace.
-TEMPLATE_GLOBALS = frozenset({"raise_exception", "strftime_now", "namespace", "range", "dict", "lipsum", "cycler",
-                              "joiner"})
+TEMPLATE_GLOBALS = frozenset(
+    {"raise_exception", "strftime_now", "namespace", "range", "dict", "lipsum", "cycler", "joiner"}
+)
 
 
 def tool_call_format(template: str) -> str:

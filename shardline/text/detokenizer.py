@@ -203,9 +203,7 @@ class IncrementalDetokenizer:
 
     def _step(self, token_ids: list[int], final: bool) -> str:
         pending = self._pending + token_ids
-        text, consumed = detokenize_incremental(
-            self.tokenizer, self._prefix, pending, self.skip_special_tokens, final
-        )
+        text, consumed = detokenize_incremental(self.tokenizer, self._prefix, pending, self.skip_special_tokens, final)
         self._prefix = next_prefix(self.tokenizer, self._prefix, pending[:consumed], self.skip_special_tokens)
         self._pending = pending[consumed:]
         return text

@@ -45,8 +45,19 @@ _GPT4O_SPLIT = (
 # smollm, ...) gets GPT-2's own ByteLevel regex, as in transformers.
 _PRE_TOKENIZER_SPLITS = {
     **dict.fromkeys(
-        ("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2",
-         "jina-v5-nano", "dbrx", "smaug-bpe"),
+        (
+            "llama3",
+            "llama-v3",
+            "llama-bpe",
+            "falcon3",
+            "falcon-h1",
+            "pixtral",
+            "midm-2.0",
+            "lfm2",
+            "jina-v5-nano",
+            "dbrx",
+            "smaug-bpe",
+        ),
         _LLAMA3_SPLIT,
     ),
     **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "megrez"), _QWEN2_SPLIT),
@@ -124,8 +135,7 @@ def _byte_level(metadata: dict[str, Any], tokens: list[str]) -> BackendTokenizer
         vocab = dict(zip(tokens, range(len(tokens))))
     else:
         vocab = {
-            t if _spelled(t) else "".join(_BYTE_SPELLING[b] for b in t.encode("utf-8")): i
-            for i, t in enumerate(tokens)
+            t if _spelled(t) else "".join(_BYTE_SPELLING[b] for b in t.encode("utf-8")): i for i, t in enumerate(tokens)
         }
     backend = BackendTokenizer(
         BPE(vocab, _merges(metadata, vocab), continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False)

@@ -42,7 +42,8 @@ class TokenBytes:
         self._byte_level = _byte_level_table() if "ByteLevel" in kinds else None
         self._byte_fallback = "ByteFallback" in kinds
         self._space_mark = "Metaspace" in kinds or any(
-            step.get("type") == "Replace" and step.get("pattern", {}).get("String") == _SPACE_MARK for step in steps)
+            step.get("type") == "Replace" and step.get("pattern", {}).get("String") == _SPACE_MARK for step in steps
+        )
         self._added = {token_id: added.content for token_id, added in backend.get_added_tokens_decoder().items()}
 
     def __call__(self, ids: Sequence[int]) -> bytes:
@@ -69,5 +70,9 @@ class TokenBytes:
 
 def _is_byte_piece(piece: str) -> bool:
     """Sentencepiece's spelling of a byte-fallback token: <0x00> .. <0xFF>."""
-    return len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">") and all(
-        c in "0123456789ABCDEFabcdef" for c in piece[3:5])
+    return (
+        len(piece) == 6
+        and piece.startswith("<0x")
+        and piece.endswith(">")
+        and all(c in "0123456789ABCDEFabcdef" for c in piece[3:5])
+    )

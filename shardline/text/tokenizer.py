@@ -100,7 +100,10 @@ class Tokenizer:
             raise TokenizerError(f"{path}: no such model file or folder")
         logger.info(
             "loaded tokenizer %s from %s: %d tokens in %.3f s",
-            tokenizer.model_name, path, tokenizer.vocab_size, time.perf_counter() - start,
+            tokenizer.model_name,
+            path,
+            tokenizer.vocab_size,
+            time.perf_counter() - start,
         )
         return tokenizer
 
@@ -203,4 +206,3 @@ def _hf_chat_template(folder: Path, config: dict[str, Any]) -> str | None:
         named = {entry["name"]: entry["template"] for entry in template}
         return named.get("default")
     return template
-

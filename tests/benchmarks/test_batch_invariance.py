@@ -13,8 +13,26 @@ pytestmark = pytest.mark.slow
 
 def test_both_engines_run_every_round(tmp_path, capsys):
     out = tmp_path / "r.json"
-    assert main(["--model", "dummy:smollm2-135m", "--concurrency", "1", "3", "--input-len", "20",
-                 "--output-len", "3", "--rounds", "2", "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "--model",
+                "dummy:smollm2-135m",
+                "--concurrency",
+                "1",
+                "3",
+                "--input-len",
+                "20",
+                "--output-len",
+                "3",
+                "--rounds",
+                "2",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     rows = json.loads(out.read_text())["rows"]
     assert [r["concurrency"] for r in rows] == [1, 3]
     for row in rows:

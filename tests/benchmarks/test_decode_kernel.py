@@ -10,8 +10,9 @@ from benchmarks.decode_kernel import main
 from gpu_worker_svc.model.layers import attention
 from gpu_worker_svc.model.layers.kernels import cpu_build
 
-pytestmark = pytest.mark.skipif(cpu_build.paged_decode_attention() is None,
-                                reason="the CPU kernels cannot be built on this machine")
+pytestmark = pytest.mark.skipif(
+    cpu_build.paged_decode_attention() is None, reason="the CPU kernels cannot be built on this machine"
+)
 
 
 def test_both_sides_run_every_round_and_the_kernel_is_restored(tmp_path, capsys, monkeypatch):
@@ -24,8 +25,9 @@ def test_both_sides_run_every_round_and_the_kernel_is_restored(tmp_path, capsys,
 
     monkeypatch.setattr(cpu_build, "paged_decode_attention", counted)
     out = tmp_path / "ab.json"
-    assert main(["--concurrency", "3", "--input-len", "16", "--output-len", "6", "--rounds", "2",
-                 "--out", str(out)]) == 0
+    assert (
+        main(["--concurrency", "3", "--input-len", "16", "--output-len", "6", "--rounds", "2", "--out", str(out)]) == 0
+    )
     result = json.loads(out.read_text())
     for side in ("kernel", "torch"):
         assert len(result["runs"][side]) == 2

@@ -13,8 +13,26 @@ pytestmark = pytest.mark.slow
 
 def test_engine_vs_hf_alternates_rounds_and_reports_medians(tmp_path, capsys):
     out = tmp_path / "r.json"
-    assert main(["--model", "dummy:smollm2-135m", "--concurrency", "1", "2", "--input-len", "20",
-                 "--output-len", "3", "--rounds", "2", "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "--model",
+                "dummy:smollm2-135m",
+                "--concurrency",
+                "1",
+                "2",
+                "--input-len",
+                "20",
+                "--output-len",
+                "3",
+                "--rounds",
+                "2",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     rows = json.loads(out.read_text())["rows"]
     assert [r["concurrency"] for r in rows] == [1, 2]
     for row in rows:
@@ -30,8 +48,29 @@ def test_engine_vs_hf_alternates_rounds_and_reports_medians(tmp_path, capsys):
 
 def test_speculation_settings_each_get_a_row_on_the_same_prompts(tmp_path):
     out = tmp_path / "r.json"
-    assert main(["--model", "dummy:smollm2-135m", "--concurrency", "2", "--input-len", "24", "--output-len", "6",
-                 "--rounds", "2", "--num-speculative-tokens", "0", "3", "--no-hf", "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "--model",
+                "dummy:smollm2-135m",
+                "--concurrency",
+                "2",
+                "--input-len",
+                "24",
+                "--output-len",
+                "6",
+                "--rounds",
+                "2",
+                "--num-speculative-tokens",
+                "0",
+                "3",
+                "--no-hf",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     rows = json.loads(out.read_text())["rows"]
     assert [(r["concurrency"], r["num_speculative_tokens"]) for r in rows] == [(2, 0), (2, 3)]
     assert rows[0]["acceptance"] is None

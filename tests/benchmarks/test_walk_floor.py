@@ -27,8 +27,23 @@ def test_walk_floor_times_both_hops_of_every_burst(tmp_path, capsys):
 def test_walk_floor_streamed_submit_without_redis(tmp_path):
     """The variant that bounds any design: one submit stream from the gateway, and no Redis write."""
     out = tmp_path / "walk.json"
-    assert main(["--bursts", "2", "--concurrency", "3", "--input-len", "8", "--streamed-submit", "--no-redis",
-                 "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "--bursts",
+                "2",
+                "--concurrency",
+                "3",
+                "--input-len",
+                "8",
+                "--streamed-submit",
+                "--no-redis",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     result = json.loads(out.read_text())
     assert result["requests_persisted"] == 0
     assert [b["relay_ms"] > 0 and b["last_dispatch_ms"] > 0 for b in result["bursts"]] == [True, True]

@@ -30,8 +30,15 @@ def prompts(n: int) -> list[str]:
     return [f"Story {i}: the lighthouse keeper opened the door and" for i in range(n)]
 
 
-async def run_streams(target: str, request_ids: list[str], texts: list[str], *, resume_for_s: float = 90.0,
-                      started: asyncio.Event | None = None, started_after_tokens: int = 0) -> list[StreamResult]:
+async def run_streams(
+    target: str,
+    request_ids: list[str],
+    texts: list[str],
+    *,
+    resume_for_s: float = 90.0,
+    started: asyncio.Event | None = None,
+    started_after_tokens: int = 0,
+) -> list[StreamResult]:
     """Streams every prompt at once; a stream that fails UNAVAILABLE (a gateway gone, a Redis
     outage past the scheduler's bound) is resumed at its offset until `resume_for_s` has passed.
     `started` is set once every stream has `started_after_tokens` tokens."""
@@ -42,13 +49,13 @@ async def run_streams(target: str, request_ids: list[str], texts: list[str], *, 
             started.set()
 
     async with AsyncShardlineClient(target, timeout=180, retries=6, backoff_s=0.25) as client:
-        await asyncio.gather(*(_one(client, result, text, resume_for_s, check_started)
-                               for result, text in zip(results, texts)))
+        await asyncio.gather(
+            *(_one(client, result, text, resume_for_s, check_started) for result, text in zip(results, texts))
+        )
     return results
 
 
-async def _one(client: AsyncShardlineClient, result: StreamResult, text: str, resume_for_s: float,
-               on_chunk) -> None:
+async def _one(client: AsyncShardlineClient, result: StreamResult, text: str, resume_for_s: float, on_chunk) -> None:
     deadline = time.monotonic() + resume_for_s
     stream = client.stream(text, request_id=result.request_id, **PARAMS)
     while True:
@@ -56,7 +63,7 @@ async def _one(client: AsyncShardlineClient, result: StreamResult, text: str, re
             async for chunk in stream:
                 if chunk.token_ids and chunk.offset != len(result.tokens):
                     result.gaps += 1
-                result.tokens[chunk.offset:] = chunk.token_ids
+                result.tokens[chunk.offset :] = chunk.token_ids
                 on_chunk()
                 if chunk.finish_reason is not None:
                     result.finish_reason = chunk.finish_reason

@@ -34,10 +34,27 @@ class UpProcess:
         self.http_port = free_port()
         self.logs = tmp_path / "logs"
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "shardline.cli.main", "up", "--workers", "2", "--http-port", str(self.http_port),
-             "--grpc-port", str(free_port()), "--data-dir", str(tmp_path / "data"), "--log-dir", str(self.logs)],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1", "SHARDLINE_HEARTBEAT_INTERVAL_S": "0.5"})
+            [
+                sys.executable,
+                "-m",
+                "shardline.cli.main",
+                "up",
+                "--workers",
+                "2",
+                "--http-port",
+                str(self.http_port),
+                "--grpc-port",
+                str(free_port()),
+                "--data-dir",
+                str(tmp_path / "data"),
+                "--log-dir",
+                str(self.logs),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", "SHARDLINE_HEARTBEAT_INTERVAL_S": "0.5"},
+        )
         self.lines: list[str] = []
         threading.Thread(target=self._read, daemon=True).start()
 
@@ -76,8 +93,9 @@ class UpProcess:
         return pid
 
     def log_tails(self) -> str:
-        return "".join(f"\n--- {log.name}\n{log.read_text(errors='replace')[-1500:]}"
-                       for log in sorted(self.logs.glob("*.log")))
+        return "".join(
+            f"\n--- {log.name}\n{log.read_text(errors='replace')[-1500:]}" for log in sorted(self.logs.glob("*.log"))
+        )
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -109,8 +127,11 @@ def _cmdline(pid: int) -> bytes:
 
 
 def _complete(up: UpProcess, prompt: str) -> tuple[int, dict]:
-    return post(f"http://127.0.0.1:{up.http_port}/v1/completions",
-                {"prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": True}, timeout=60)
+    return post(
+        f"http://127.0.0.1:{up.http_port}/v1/completions",
+        {"prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": True},
+        timeout=60,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -180,5 +201,7 @@ def test_a_killed_embedded_redis_is_back_on_its_port_with_its_data(up):
         time.sleep(0.5)
     served_in_s = time.monotonic() - killed
     assert up.proc.poll() is None
-    print(f"embedded Redis answered PING on port {port} again {back_in_s:.2f}s after its SIGKILL; "
-          f"a completion served {served_in_s:.1f}s after it")
+    print(
+        f"embedded Redis answered PING on port {port} again {back_in_s:.2f}s after its SIGKILL; "
+        f"a completion served {served_in_s:.1f}s after it"
+    )

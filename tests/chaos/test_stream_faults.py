@@ -18,8 +18,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import pytest
 import redis
 
-from shardline.stack import LocalStack, StackConfig, grpc_serving
 from shardline.client import ShardlineClient
+from shardline.stack import LocalStack, StackConfig, grpc_serving
 from tests.chaos.streams import MAX_TOKENS, StreamResult, prompts, run_streams, summary
 from tests.e2e.conftest import log_dir, running_stack
 
@@ -32,10 +32,12 @@ STREAMS = 32
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory) -> LocalStack:
     # A 2 s outage bound, so that Redis down for 5 s fails streams resumably instead of pausing them.
-    config = StackConfig.on_free_ports(workers=2, data_dir=tmp_path_factory.mktemp("chaos-data"),
-                                       log_dir=log_dir(tmp_path_factory, "chaos"),
-                                       env={"HEARTBEAT_INTERVAL_S": "0.5", "KV_CACHE_BYTES": str(64 << 20),
-                                            "REDIS_OUTAGE_S": "2"})
+    config = StackConfig.on_free_ports(
+        workers=2,
+        data_dir=tmp_path_factory.mktemp("chaos-data"),
+        log_dir=log_dir(tmp_path_factory, "chaos"),
+        env={"HEARTBEAT_INTERVAL_S": "0.5", "KV_CACHE_BYTES": str(64 << 20), "REDIS_OUTAGE_S": "2"},
+    )
     with running_stack(config) as s:
         yield s
 
@@ -92,8 +94,11 @@ def outage_is_reported(stack: LocalStack) -> None:
         assert time.monotonic() < deadline, "the outage was not reported"
         time.sleep(0.1)
     body = json.dumps({"prompt": "hi", "max_tokens": 2}).encode()
-    request = urllib.request.Request(f"http://127.0.0.1:{stack.config.http_port}/v1/completions", data=body,
-                                     headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{stack.config.http_port}/v1/completions",
+        data=body,
+        headers={"Content-Type": "application/json"},
+    )
     with pytest.raises(urllib.error.HTTPError) as refused:
         urllib.request.urlopen(request, timeout=10)
     assert refused.value.code == 503 and refused.value.headers["Retry-After"]
@@ -107,8 +112,13 @@ def _http_status(stack: LocalStack, path: str) -> int:
         return exc.code
 
 
-def under_fault(stack: LocalStack, reference: dict[int, list[int]], name: str,
-                fault: Callable[[list[bool]], Awaitable[None]], resumed: bool = False) -> list[StreamResult]:
+def under_fault(
+    stack: LocalStack,
+    reference: dict[int, list[int]],
+    name: str,
+    fault: Callable[[list[bool]], Awaitable[None]],
+    resumed: bool = False,
+) -> list[StreamResult]:
     """Streams every prompt, runs `fault` once each stream has a few tokens, and checks every result:
     with `resumed`, each stream failed resumably and came back through a resume; without, none saw
     an error at all."""
@@ -117,9 +127,15 @@ def under_fault(stack: LocalStack, reference: dict[int, list[int]], name: str,
     async def body() -> list:
         started = asyncio.Event()
         async with supervised(stack) as supervising:
-            streams = asyncio.create_task(run_streams(
-                _target(stack), [f"{name}-{i}" for i in range(STREAMS)], prompts(STREAMS),
-                started=started, started_after_tokens=4))
+            streams = asyncio.create_task(
+                run_streams(
+                    _target(stack),
+                    [f"{name}-{i}" for i in range(STREAMS)],
+                    prompts(STREAMS),
+                    started=started,
+                    started_after_tokens=4,
+                )
+            )
             await asyncio.wait_for(started.wait(), 120)
             await fault(supervising)
             results = await streams
@@ -133,13 +149,14 @@ def under_fault(stack: LocalStack, reference: dict[int, list[int]], name: str,
         assert result.gaps == 0, (name, result)
         assert result.finish_reason == "length", (name, result)
         assert result.tokens == reference[i], (name, result)
-        assert (result.resumes > 0 if resumed else not result.errors), (name, result)
+        assert result.resumes > 0 if resumed else not result.errors, (name, result)
     return results
 
 
 def test_a_worker_killed(stack, reference) -> None:
     async def fault(_: list[bool]) -> None:
         stack.kill("worker-0")
+
     results = under_fault(stack, reference, "worker", fault)
     with ShardlineClient(_target(stack)) as client:
         attempts = [client.get_request(r.request_id).attempt for r in results]
@@ -149,24 +166,28 @@ def test_a_worker_killed(stack, reference) -> None:
 def test_the_scheduler_killed(stack, reference) -> None:
     async def fault(_: list[bool]) -> None:
         stack.kill("scheduler")
+
     under_fault(stack, reference, "scheduler", fault)
 
 
 def test_the_tokenizer_killed(stack, reference) -> None:
     async def fault(_: list[bool]) -> None:
         stack.kill("tokenizer")
+
     under_fault(stack, reference, "tokenizer", fault)
 
 
 def test_the_gateway_killed_and_the_streams_resumed(stack, reference) -> None:
     async def fault(_: list[bool]) -> None:
         stack.kill("gateway")
+
     under_fault(stack, reference, "gateway", fault, resumed=True)
 
 
 def test_redis_killed_and_restarted_by_the_supervisor(stack, reference) -> None:
     async def fault(_: list[bool]) -> None:
         os.kill(stack.redis.pid, signal.SIGKILL)
+
     under_fault(stack, reference, "redis-supervised", fault)
 
 
@@ -179,6 +200,7 @@ def test_redis_killed_and_restarted_by_hand_on_its_aof_after_5_s(stack, referenc
         await asyncio.sleep(max(0.0, 5.0 - (time.monotonic() - t_kill)))  # past the 2 s bound: streams fail
         stack.redis.respawn()
         supervising[0] = True
+
     under_fault(stack, reference, "redis-by-hand", fault, resumed=True)
 
 
@@ -189,6 +211,7 @@ def test_redis_connections_killed_three_times(stack, reference) -> None:
             admin.client_kill_filter(_type="normal", skipme=True)
             await asyncio.sleep(0.4)
         admin.close()
+
     under_fault(stack, reference, "client-kill", fault)
 
 
@@ -197,4 +220,5 @@ def test_redis_writes_paused_for_3_s(stack, reference) -> None:
         admin = redis.Redis.from_url(stack.redis_url)
         admin.execute_command("CLIENT", "PAUSE", 3000, "WRITE")
         admin.close()
+
     under_fault(stack, reference, "client-pause", fault)

@@ -42,8 +42,9 @@ def compose_binary() -> Path:
     return binary
 
 
-def run_compose(*args: str, files: tuple[Path, ...] = (COMPOSE_FILE,), env_file: Path | None = ENV_EXAMPLE,
-                home: Path | None = None) -> subprocess.CompletedProcess[str]:
+def run_compose(
+    *args: str, files: tuple[Path, ...] = (COMPOSE_FILE,), env_file: Path | None = ENV_EXAMPLE, home: Path | None = None
+) -> subprocess.CompletedProcess[str]:
     """`docker-compose -f FILE... [--env-file F] ARGS`, with no variable from this process's environment.
 
     Variables of the shell win over .env in compose's interpolation: a clean environment

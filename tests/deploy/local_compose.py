@@ -114,8 +114,9 @@ class LocalCompose:
         env = {**base, "PATH": path, "PYTHONUNBUFFERED": "1", **service.env}
         self.log_dir.mkdir(parents=True, exist_ok=True)
         with open(service.log, "ab") as log:
-            service.proc = subprocess.Popen(service.argv, env=env, cwd=self.log_dir, stdout=log,
-                                            stderr=subprocess.STDOUT, start_new_session=True)
+            service.proc = subprocess.Popen(
+                service.argv, env=env, cwd=self.log_dir, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
         self.running.append(service)
 
     def _wait_healthy(self, service: LocalService, deadline: float) -> None:

@@ -11,10 +11,27 @@ from tests.deploy.compose_project import REPO
 
 DASHBOARDS = REPO / "deploy" / "grafana" / "dashboards"
 # The samples Prometheus stores for one metric of each type.
-SAMPLE_SUFFIXES = {"histogram": ("_bucket", "_count", "_sum", "_created"), "counter": ("_total", "_created"),
-                   "gauge": (), "summary": ("_count", "_sum", "_created")}
-_KEYWORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "bool", "and", "or", "unless",
-             "offset", "inf", "nan"}
+SAMPLE_SUFFIXES = {
+    "histogram": ("_bucket", "_count", "_sum", "_created"),
+    "counter": ("_total", "_created"),
+    "gauge": (),
+    "summary": ("_count", "_sum", "_created"),
+}
+_KEYWORDS = {
+    "by",
+    "without",
+    "on",
+    "ignoring",
+    "group_left",
+    "group_right",
+    "bool",
+    "and",
+    "or",
+    "unless",
+    "offset",
+    "inf",
+    "nan",
+}
 _LABEL_VALUES = re.compile(r"label_values\(\s*([a-zA-Z_:][\w:]*)\s*,\s*(\w+)\s*\)")
 
 

@@ -44,13 +44,23 @@ def test_cpu_override_validates_and_drops_the_gpu_reservation():
     assert worker["environment"]["SHARDLINE_DEVICE"] == "cpu"
 
 
-@pytest.mark.parametrize("old, new, error", [
-    ("condition: service_healthy", "condition: service_happy", "condition value must be one of"),
-    ("      scheduler:\n        condition: service_healthy", "      sheduler:\n        condition: service_healthy",
-     'undefined service "sheduler"'),
-    ("    restart: unless-stopped\n", "    restart: unless-stopped\n    replicas_please: 2\n",
-     "additional properties 'replicas_please' not allowed"),
-], ids=["bad-condition", "unknown-dependency", "unknown-key"])
+@pytest.mark.parametrize(
+    "old, new, error",
+    [
+        ("condition: service_healthy", "condition: service_happy", "condition value must be one of"),
+        (
+            "      scheduler:\n        condition: service_healthy",
+            "      sheduler:\n        condition: service_healthy",
+            'undefined service "sheduler"',
+        ),
+        (
+            "    restart: unless-stopped\n",
+            "    restart: unless-stopped\n    replicas_please: 2\n",
+            "additional properties 'replicas_please' not allowed",
+        ),
+    ],
+    ids=["bad-condition", "unknown-dependency", "unknown-key"],
+)
 def test_compose_config_rejects_a_broken_copy(tmp_path, old, new, error):
     """The negative control: the same check fails, and says why, once the file is wrong."""
     text = COMPOSE_FILE.read_text()
@@ -71,7 +81,12 @@ def test_shardline_services_run_shardline_serve():
         assert command[:2] == ["shardline", "serve"], name
     assert services["gpu-worker"]["command"] == ["shardline", "serve", "worker"]
     assert {services[name]["command"][2] for name in built_here} == {
-        "tokenizer", "scheduler", "worker", "gateway", "tracing"}
+        "tokenizer",
+        "scheduler",
+        "worker",
+        "gateway",
+        "tracing",
+    }
 
 
 def test_every_service_has_a_healthcheck_a_restart_policy_and_healthy_dependencies():
@@ -89,8 +104,13 @@ def test_every_service_has_a_healthcheck_a_restart_policy_and_healthy_dependenci
 
 def test_healthchecks_probe_the_port_each_service_listens_on():
     services = resolved_config()["services"]
-    own_port = {"tokenizer": "SHARDLINE_PORT", "scheduler": "SHARDLINE_PORT", "gpu-worker": "SHARDLINE_PORT",
-                "gateway": "SHARDLINE_HTTP_PORT", "tracing": "SHARDLINE_OTLP_PORT"}
+    own_port = {
+        "tokenizer": "SHARDLINE_PORT",
+        "scheduler": "SHARDLINE_PORT",
+        "gpu-worker": "SHARDLINE_PORT",
+        "gateway": "SHARDLINE_HTTP_PORT",
+        "tracing": "SHARDLINE_OTLP_PORT",
+    }
     for name, variable in own_port.items():
         test = services[name]["healthcheck"]["test"]
         assert test[:2] == ["CMD", "shardline-healthcheck"], name
@@ -128,8 +148,12 @@ def test_redis_keeps_an_append_only_file_on_a_volume():
 def test_env_example_documents_exactly_the_variables_compose_reads():
     text = COMPOSE_FILE.read_text()
     interpolated = set(re.findall(r"\$\{([A-Z][A-Z0-9_]*)", text))
-    passed_through = {key for service in raw_config()["services"].values()
-                      for key, value in (service.get("environment") or {}).items() if value is None}
+    passed_through = {
+        key
+        for service in raw_config()["services"].values()
+        for key, value in (service.get("environment") or {}).items()
+        if value is None
+    }
     # Merge keys of the shared anchors are resolved by the YAML loader, so they are counted above.
     documented = set(env_example_variables()) - {"COMPOSE_PROFILES"}
     assert interpolated | passed_through == documented
@@ -172,12 +196,16 @@ def test_bind_mounts_point_into_the_repository():
 
 def test_the_deploy_guide_documents_every_variable():
     guide = (COMPOSE_FILE.parent / "docs" / "deploy.md").read_text()
-    section = guide[guide.index("## Deploy with docker compose"):]
+    section = guide[guide.index("## Deploy with docker compose") :]
     end = section.find("\n## ")
     section = section if end < 0 else section[:end]
     missing = [name for name in env_example_variables() if f"`{name}`" not in section]
     assert not missing
     # And the other way: a setting the guide's table offers must reach its service through .env.
-    tabled = {name for row in section.splitlines() if row.startswith("| `")
-              for name in re.findall(r"`([A-Z][A-Z0-9_]*)`", row.split("|")[1])}
+    tabled = {
+        name
+        for row in section.splitlines()
+        if row.startswith("| `")
+        for name in re.findall(r"`([A-Z][A-Z0-9_]*)`", row.split("|")[1])
+    }
     assert tabled - set(env_example_variables()) == set()

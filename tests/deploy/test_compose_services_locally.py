@@ -24,8 +24,9 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def stack(redis_server, tmp_path_factory):
-    compose = LocalCompose(resolved_config(), list(SHARDLINE_SERVICES), redis_server,
-                           tmp_path_factory.mktemp("compose-logs"))
+    compose = LocalCompose(
+        resolved_config(), list(SHARDLINE_SERVICES), redis_server, tmp_path_factory.mktemp("compose-logs")
+    )
     try:
         compose.up(timeout_s=300)
     except Exception:
@@ -61,8 +62,10 @@ def test_each_compose_command_is_shardline_serve(stack):
 def completion(stack) -> dict:
     """One /v1/completions request through the gateway that compose publishes."""
     http = f"http://{stack.local_address('gateway', 8000)}"
-    return _post(f"{http}/v1/completions", {"model": "SmolLM2-135M-Instruct", "prompt": "The capital of France is",
-                                            "max_tokens": 8, "temperature": 0})
+    return _post(
+        f"{http}/v1/completions",
+        {"model": "SmolLM2-135M-Instruct", "prompt": "The capital of France is", "max_tokens": 8, "temperature": 0},
+    )
 
 
 def test_completion_end_to_end(completion):
@@ -115,6 +118,7 @@ def test_compose_down_stops_everything_with_no_orphans(stack):
     codes = stack.down()
     # Every service handles SIGTERM by draining and exiting 0, within compose's grace period.
     assert codes == {name: 0 for name in SHARDLINE_SERVICES}, {
-        s.name: stack.log_tail(s, 1500) for s in stack.running if codes[s.name] != 0}
+        s.name: stack.log_tail(s, 1500) for s in stack.running if codes[s.name] != 0
+    }
     time.sleep(0.5)
     assert stack.leftover_processes() == []

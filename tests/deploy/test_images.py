@@ -27,6 +27,7 @@ DOCKER = REPO / "docker"
 
 # --- the Dockerfile ----------------------------------------------------------------------------
 
+
 def dockerfile_stages() -> dict[str, list[tuple[str, str]]]:
     """Stage name -> its instructions as (INSTRUCTION, arguments), continuations joined."""
     text = re.sub(r"\\\n", " ", (REPO / "Dockerfile").read_text())
@@ -96,6 +97,7 @@ def test_images_bake_in_the_default_model_that_setup_installs():
 
 # --- the build context -------------------------------------------------------------------------
 
+
 def _pattern_regex(pattern: str) -> re.Pattern[str]:
     out = ""
     for part in re.split(r"(\*\*/?|\*|\?)", pattern.strip("/")):
@@ -128,19 +130,42 @@ def in_build_context(path: str) -> bool:
 
 
 def build_context_files() -> list[Path]:
-    files = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=REPO,
-                           capture_output=True, text=True, check=True).stdout.split()
+    files = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
     return [REPO / f for f in files if in_build_context(f) and (REPO / f).is_file()]
 
 
 def test_build_context_holds_the_sources_and_nothing_else():
-    for needed in ("pyproject.toml", "README.md", "protos/shardline/v1/scheduler.proto", "shardline/protogen.py",
-                   "gateway/main.py", "tokenizer_svc/main.py", "scheduler_svc/main.py",
-                   "gpu_worker_svc/server/main.py", "tracing/collector/main.py", "docker/install.sh",
-                   "docker/entrypoint.sh", "docker/healthcheck.py"):
+    for needed in (
+        "pyproject.toml",
+        "README.md",
+        "protos/shardline/v1/scheduler.proto",
+        "shardline/protogen.py",
+        "gateway/main.py",
+        "tokenizer_svc/main.py",
+        "scheduler_svc/main.py",
+        "gpu_worker_svc/server/main.py",
+        "tracing/collector/main.py",
+        "docker/install.sh",
+        "docker/entrypoint.sh",
+        "docker/healthcheck.py",
+    ):
         assert in_build_context(needed), needed
-    for left_out in (".venv/bin/python", ".git/HEAD", "shardline/v1/scheduler_pb2.py", "tests/conftest.py",
-                     "results/x.json", ".env", "gateway/__pycache__/main.cpython-311.pyc", "docker-compose.yml"):
+    for left_out in (
+        ".venv/bin/python",
+        ".git/HEAD",
+        "shardline/v1/scheduler_pb2.py",
+        "tests/conftest.py",
+        "results/x.json",
+        ".env",
+        "gateway/__pycache__/main.cpython-311.pyc",
+        "docker-compose.yml",
+    ):
         assert not in_build_context(left_out), left_out
 
 
@@ -172,16 +197,20 @@ def test_install_app_step_builds_shardline_from_the_build_context(tmp_path):
     site = next(venv.glob("lib/python*/site-packages"))
     (site / "deps.pth").write_text(next(p for p in sys.path if p.endswith("site-packages")) + "\n")
     env = {"PATH": f"{venv / 'bin'}:/usr/bin:/bin", "HOME": str(tmp_path), "DEFAULT_MODEL_WHEEL": ""}
-    result = subprocess.run(["sh", "docker/install.sh", "app"], cwd=context, env=env, capture_output=True, text=True,
-                            timeout=300)
+    result = subprocess.run(
+        ["sh", "docker/install.sh", "app"], cwd=context, env=env, capture_output=True, text=True, timeout=300
+    )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-    check = ("import shardline, gateway.main, tokenizer_svc.main, scheduler_svc.main, tracing.collector.main, "
-             "gpu_worker_svc.server.main; from shardline.v1 import scheduler_pb2; "
-             "from tracing.collector.dashboard_app import STATIC_DIR; "
-             "assert (STATIC_DIR / 'index.html').is_file(), STATIC_DIR; "
-             "print(shardline.__file__)")
-    imported = subprocess.run([str(venv / "bin" / "python"), "-c", check], cwd=tmp_path, env=env,
-                              capture_output=True, text=True, timeout=120)
+    check = (
+        "import shardline, gateway.main, tokenizer_svc.main, scheduler_svc.main, tracing.collector.main, "
+        "gpu_worker_svc.server.main; from shardline.v1 import scheduler_pb2; "
+        "from tracing.collector.dashboard_app import STATIC_DIR; "
+        "assert (STATIC_DIR / 'index.html').is_file(), STATIC_DIR; "
+        "print(shardline.__file__)"
+    )
+    imported = subprocess.run(
+        [str(venv / "bin" / "python"), "-c", check], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+    )
     assert imported.returncode == 0, imported.stderr
     assert imported.stdout.strip().startswith(str(site))
     usage = subprocess.run([str(venv / "bin" / "shardline"), "serve"], env=env, capture_output=True, text=True)
@@ -196,6 +225,7 @@ def test_install_script_pins_torch_from_pyproject():
 
 
 # --- the entrypoint ----------------------------------------------------------------------------
+
 
 @pytest.fixture
 def fake_shardline(tmp_path) -> dict[str, str]:
@@ -230,9 +260,11 @@ def test_a_worker_advertises_its_container_address_unless_given_one(monkeypatch)
 
 # --- the healthcheck ---------------------------------------------------------------------------
 
+
 def _healthcheck(*args: str) -> int:
-    return subprocess.run([sys.executable, str(DOCKER / "healthcheck.py"), *args], capture_output=True,
-                          timeout=30).returncode
+    return subprocess.run(
+        [sys.executable, str(DOCKER / "healthcheck.py"), *args], capture_output=True, timeout=30
+    ).returncode
 
 
 async def _serve_health(status: int) -> tuple[grpc.aio.Server, int]:
@@ -245,8 +277,9 @@ async def _serve_health(status: int) -> tuple[grpc.aio.Server, int]:
     return server, port
 
 
-@pytest.mark.parametrize("status, code", [(health_pb2.HealthCheckResponse.SERVING, 0),
-                                          (health_pb2.HealthCheckResponse.NOT_SERVING, 1)])
+@pytest.mark.parametrize(
+    "status, code", [(health_pb2.HealthCheckResponse.SERVING, 0), (health_pb2.HealthCheckResponse.NOT_SERVING, 1)]
+)
 def test_healthcheck_reports_grpc_health(status, code):
     async def scenario() -> int:
         server, port = await _serve_health(status)

@@ -145,8 +145,9 @@ def test_every_container_has_probes_on_ports_it_listens_on(objects):
 
 def test_env_references_exist(objects):
     config_maps = {o["metadata"]["name"]: o.get("data", {}) for o in by_kind(objects, "ConfigMap")}
-    secrets = {o["metadata"]["name"]: {**o.get("stringData", {}), **o.get("data", {})}
-               for o in by_kind(objects, "Secret")}
+    secrets = {
+        o["metadata"]["name"]: {**o.get("stringData", {}), **o.get("data", {})} for o in by_kind(objects, "Secret")
+    }
     for workload in by_kind(objects, *WORKLOADS):
         for container in workload["spec"]["template"]["spec"]["containers"]:
             for source in container.get("envFrom", []):
@@ -196,8 +197,11 @@ def test_scrape_annotations_name_a_metrics_port(objects):
     for workload in by_kind(objects, *WORKLOADS):
         annotations = workload["spec"]["template"]["metadata"].get("annotations", {})
         if annotations.get("prometheus.io/scrape") == "true":
-            ports = {p["containerPort"] for c in workload["spec"]["template"]["spec"]["containers"]
-                     for p in c.get("ports", [])}
+            ports = {
+                p["containerPort"]
+                for c in workload["spec"]["template"]["spec"]["containers"]
+                for p in c.get("ports", [])
+            }
             assert int(annotations["prometheus.io/port"]) in ports, workload["metadata"]["name"]
 
 

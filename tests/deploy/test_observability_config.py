@@ -14,8 +14,11 @@ from tests.deploy.promql import DASHBOARDS, dashboard_queries, exported_metrics,
 PROMETHEUS = REPO / "deploy" / "prometheus"
 PROVISIONING = REPO / "deploy" / "grafana" / "provisioning"
 # Where each compose service serves /metrics: the variable holding its port.
-METRICS_PORT = {"gateway": "SHARDLINE_HTTP_PORT", "scheduler": "SHARDLINE_METRICS_PORT",
-                "gpu-worker": "SHARDLINE_METRICS_PORT"}
+METRICS_PORT = {
+    "gateway": "SHARDLINE_HTTP_PORT",
+    "scheduler": "SHARDLINE_METRICS_PORT",
+    "gpu-worker": "SHARDLINE_METRICS_PORT",
+}
 
 
 @pytest.fixture(scope="module")
@@ -77,9 +80,14 @@ def test_dashboard_panels_are_well_formed():
 
 def test_dashboard_shows_latency_throughput_queue_and_kv_usage():
     used = {name for _where, expr in dashboard_queries() for name in metric_names(expr)}
-    assert {"gen_ai_server_time_to_first_token_seconds_bucket", "gen_ai_server_time_per_output_token_seconds_bucket",
-            "shardline_generation_tokens_per_second", "gen_ai_server_request_duration_seconds_count",
-            "shardline_queue_depth", "shardline_kv_cache_usage_ratio"} <= used
+    assert {
+        "gen_ai_server_time_to_first_token_seconds_bucket",
+        "gen_ai_server_time_per_output_token_seconds_bucket",
+        "shardline_generation_tokens_per_second",
+        "gen_ai_server_request_duration_seconds_count",
+        "shardline_queue_depth",
+        "shardline_kv_cache_usage_ratio",
+    } <= used
 
 
 def test_every_dashboard_query_uses_metrics_and_labels_the_code_defines():

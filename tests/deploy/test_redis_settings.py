@@ -22,8 +22,19 @@ from tests.deploy.compose_project import REPO, resolved_config
 DOC = REPO / "docs" / "redis.md"
 # What docs/redis.md says every deployment's Redis must set.
 REQUIRED = {"appendonly": "yes", "appendfsync": "everysec", "maxmemory-policy": "noeviction"}
-UNITS = {"": 1, "b": 1, "kb": 1000, "k": 1000, "mb": 1000**2, "m": 1000**2, "gb": 1000**3, "g": 1000**3,
-         "ki": 1024, "mi": 1024**2, "gi": 1024**3}
+UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 1000,
+    "k": 1000,
+    "mb": 1000**2,
+    "m": 1000**2,
+    "gb": 1000**3,
+    "g": 1000**3,
+    "ki": 1024,
+    "mi": 1024**2,
+    "gi": 1024**3,
+}
 
 
 def compose_argv() -> list[str]:

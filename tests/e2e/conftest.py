@@ -39,10 +39,11 @@ def running_stack(config: StackConfig) -> Iterator[LocalStack]:
 def stack(tmp_path_factory):
     # With n-gram speculation on, every e2e test also checks that deltas of several tokens a step
     # (drafts kept) go through the stack as one token a step would; its tokens are the same.
-    config = StackConfig.on_free_ports(data_dir=tmp_path_factory.mktemp("stack-data"),
-                                       log_dir=log_dir(tmp_path_factory, "stack"),
-                                       env={"HEARTBEAT_INTERVAL_S": "0.5", "KV_CACHE_BYTES": str(64 << 20),
-                                            "NUM_SPECULATIVE_TOKENS": "4"})
+    config = StackConfig.on_free_ports(
+        data_dir=tmp_path_factory.mktemp("stack-data"),
+        log_dir=log_dir(tmp_path_factory, "stack"),
+        env={"HEARTBEAT_INTERVAL_S": "0.5", "KV_CACHE_BYTES": str(64 << 20), "NUM_SPECULATIVE_TOKENS": "4"},
+    )
     with running_stack(config) as s:
         yield s
 

@@ -9,8 +9,9 @@ from collections.abc import Iterator
 
 
 def post(url: str, body: dict, headers: dict[str, str] | None = None, timeout: float = 120) -> tuple[int, dict]:
-    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json",
-                                                                  **(headers or {})})
+    req = urllib.request.Request(
+        url, json.dumps(body).encode(), {"Content-Type": "application/json", **(headers or {})}
+    )
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             return resp.status, json.loads(resp.read())
@@ -28,8 +29,9 @@ def get(url: str, timeout: float = 30) -> tuple[int, bytes]:
 
 def sse(url: str, body: dict, timeout: float = 120) -> Iterator[dict | str]:
     """Yield each `data:` event of a streamed response, parsed (or the literal "[DONE]")."""
-    req = urllib.request.Request(url, json.dumps({**body, "stream": True}).encode(),
-                                 {"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        url, json.dumps({**body, "stream": True}).encode(), {"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(req, timeout=timeout) as resp:
         assert resp.headers["Content-Type"].startswith("text/event-stream")
         for raw in resp:

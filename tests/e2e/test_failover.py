@@ -16,9 +16,12 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def two_workers(tmp_path_factory):
-    config = StackConfig.on_free_ports(workers=2, data_dir=tmp_path_factory.mktemp("failover-data"),
-                                       log_dir=log_dir(tmp_path_factory, "failover"),
-                                       env={"HEARTBEAT_INTERVAL_S": "0.5", "KV_CACHE_BYTES": str(64 << 20)})
+    config = StackConfig.on_free_ports(
+        workers=2,
+        data_dir=tmp_path_factory.mktemp("failover-data"),
+        log_dir=log_dir(tmp_path_factory, "failover"),
+        env={"HEARTBEAT_INTERVAL_S": "0.5", "KV_CACHE_BYTES": str(64 << 20)},
+    )
     with running_stack(config) as stack:
         yield stack
 

@@ -62,8 +62,9 @@ def test_async_client_and_resume(grpc_target):
 def test_a_resumed_stream_and_the_record_keep_the_logprobs(grpc_target):
     # Replayed from Redis, as after a lost connection: a client asking for logprobs gets them all.
     with ShardlineClient(grpc_target) as client:
-        whole = client.generate("The sky is", max_tokens=8, temperature=0.0, ignore_eos=True, top_logprobs=2,
-                                prompt_logprobs=1)
+        whole = client.generate(
+            "The sky is", max_tokens=8, temperature=0.0, ignore_eos=True, top_logprobs=2, prompt_logprobs=1
+        )
         chunks = list(client.resume(whole.request_id, offset=0))
         later = list(client.resume(whole.request_id, offset=5))
         info = client.get_request(whole.request_id)
@@ -112,8 +113,9 @@ def _kv_blocks_used(stack) -> int:
 
 def test_cancel_mid_stream_frees_blocks(stack, grpc_target):
     with ShardlineClient(grpc_target) as client:
-        stream = client.stream("Write a very long essay about the sea.", max_tokens=400, temperature=0.0,
-                               ignore_eos=True)
+        stream = client.stream(
+            "Write a very long essay about the sea.", max_tokens=400, temperature=0.0, ignore_eos=True
+        )
         first = next(stream)
         deadline = time.monotonic() + 10
         while _kv_blocks_used(stack) == 0 and time.monotonic() < deadline:
@@ -137,8 +139,11 @@ def test_request_record_and_tokens_in_redis(stack, grpc_target):
 
     async def read():
         async with RequestStore(stack.redis_url) as store:
-            return await store.get(done.request_id), await store.get_tokens(done.request_id), \
-                await store.get_prompt(done.request_id)
+            return (
+                await store.get(done.request_id),
+                await store.get_tokens(done.request_id),
+                await store.get_prompt(done.request_id),
+            )
 
     record, tokens, prompt = asyncio.run(read())
     assert record.status == RequestStatus.FINISHED and record.worker_id == "worker-0" and record.attempt == 1
@@ -171,15 +176,31 @@ def test_the_record_keeps_the_prefix_cache_hits(grpc_target):
 
 
 def test_structured_output_through_the_sdk_and_its_record(stack, grpc_target):
-    schema = {"type": "object", "properties": {"colour": {"type": "string", "enum": ["red", "green", "blue"]}},
-              "required": ["colour"], "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {"colour": {"type": "string", "enum": ["red", "green", "blue"]}},
+        "required": ["colour"],
+        "additionalProperties": False,
+    }
     with ShardlineClient(grpc_target) as client:
-        picked = client.generate(messages=[{"role": "user", "content": "Name a colour."}], max_tokens=8,
-                                 temperature=0.0, choice=["red", "green", "blue"])
-        as_json = client.generate(messages=[{"role": "user", "content": "Name a colour, in JSON."}], max_tokens=40,
-                                  seed=3, json_schema=schema)
-        streamed = "".join(c.text for c in client.stream(messages=[{"role": "user", "content": "Name a colour."}],
-                                                         max_tokens=8, temperature=0.0, choice=["red", "green", "blue"]))
+        picked = client.generate(
+            messages=[{"role": "user", "content": "Name a colour."}],
+            max_tokens=8,
+            temperature=0.0,
+            choice=["red", "green", "blue"],
+        )
+        as_json = client.generate(
+            messages=[{"role": "user", "content": "Name a colour, in JSON."}], max_tokens=40, seed=3, json_schema=schema
+        )
+        streamed = "".join(
+            c.text
+            for c in client.stream(
+                messages=[{"role": "user", "content": "Name a colour."}],
+                max_tokens=8,
+                temperature=0.0,
+                choice=["red", "green", "blue"],
+            )
+        )
     assert picked.finish_reason == "stop" and picked.text in ("red", "green", "blue") and streamed == picked.text
     assert as_json.finish_reason == "stop" and json.loads(as_json.text)["colour"] in ("red", "green", "blue")
 

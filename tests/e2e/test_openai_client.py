@@ -21,18 +21,19 @@ def test_models(client):
 
 def test_chat_and_stream(client):
     msgs = [{"role": "user", "content": "What is 2+2?"}]
-    whole = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=msgs, max_tokens=16,
-                                           temperature=0)
+    whole = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=msgs, max_tokens=16, temperature=0)
     assert whole.choices[0].message.content and whole.usage.completion_tokens > 0
-    stream = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=msgs, max_tokens=16,
-                                            temperature=0, stream=True)
+    stream = client.chat.completions.create(
+        model="SmolLM2-135M-Instruct", messages=msgs, max_tokens=16, temperature=0, stream=True
+    )
     text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
     assert text == whole.choices[0].message.content
 
 
 def test_completion_with_logprobs(client):
-    r = client.completions.create(model="SmolLM2-135M-Instruct", prompt="Paris is the capital of", max_tokens=4,
-                                  temperature=0, logprobs=2)
+    r = client.completions.create(
+        model="SmolLM2-135M-Instruct", prompt="Paris is the capital of", max_tokens=4, temperature=0, logprobs=2
+    )
     lp = r.choices[0].logprobs
     assert len(lp.token_logprobs) == r.usage.completion_tokens and all(x <= 0 for x in lp.token_logprobs)
 
@@ -43,21 +44,38 @@ def test_bad_request_raises_400(client):
 
 
 def test_response_format_json_schema(client):
-    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30},
-                                               "country": {"type": "string", "maxLength": 30}},
-              "required": ["city", "country"], "additionalProperties": False}
-    kwargs = dict(model="SmolLM2-135M-Instruct", max_tokens=60, temperature=0,
-                  messages=[{"role": "user", "content": "What is the capital of France? Answer in JSON."}],
-                  response_format={"type": "json_schema", "json_schema": {"name": "capital", "schema": schema}})
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 30}, "country": {"type": "string", "maxLength": 30}},
+        "required": ["city", "country"],
+        "additionalProperties": False,
+    }
+    kwargs = dict(
+        model="SmolLM2-135M-Instruct",
+        max_tokens=60,
+        temperature=0,
+        messages=[{"role": "user", "content": "What is the capital of France? Answer in JSON."}],
+        response_format={"type": "json_schema", "json_schema": {"name": "capital", "schema": schema}},
+    )
     whole = client.chat.completions.create(**kwargs)
     assert whole.choices[0].finish_reason == "stop"
     assert set(json.loads(whole.choices[0].message.content)) == {"city", "country"}
-    streamed = "".join(chunk.choices[0].delta.content or ""
-                       for chunk in client.chat.completions.create(**kwargs, stream=True) if chunk.choices)
+    streamed = "".join(
+        chunk.choices[0].delta.content or ""
+        for chunk in client.chat.completions.create(**kwargs, stream=True)
+        if chunk.choices
+    )
     assert streamed == whole.choices[0].message.content
     with pytest.raises(openai.BadRequestError) as caught:
-        client.chat.completions.create(**{**kwargs, "response_format": {
-            "type": "json_schema", "json_schema": {"name": "bad", "schema": {"type": "objekt"}}}})
+        client.chat.completions.create(
+            **{
+                **kwargs,
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "bad", "schema": {"type": "objekt"}},
+                },
+            }
+        )
     assert caught.value.body["param"] == "response_format.json_schema.schema"
     # A regex that compiles but matches nothing past "a": the worker fails that request alone, and
     # since the client's constraint is at fault, the answer is a 400.
@@ -68,13 +86,34 @@ def test_response_format_json_schema(client):
     assert client.chat.completions.create(**kwargs).choices[0].message.content == whole.choices[0].message.content
 
 
-WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city", "parameters": {
-    "type": "object", "properties": {"city": {"type": "string", "maxLength": 30},
-                                     "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
-    "required": ["city", "unit"], "additionalProperties": False}}}
-CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {
-    "type": "object", "properties": {"timezone": {"type": "string", "maxLength": 30}}, "required": ["timezone"],
-    "additionalProperties": False}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 30},
+                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+CLOCK = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {
+            "type": "object",
+            "properties": {"timezone": {"type": "string", "maxLength": 30}},
+            "required": ["timezone"],
+            "additionalProperties": False,
+        },
+    },
+}
 
 
 def _streamed_calls(stream) -> tuple[list[tuple[str, str]], str | None]:
@@ -91,13 +130,21 @@ def _streamed_calls(stream) -> tuple[list[tuple[str, str]], str | None]:
     return [tuple(calls[i]) for i in range(len(calls))], finish
 
 
-@pytest.mark.parametrize("tool_choice, finish", [
-    ("required", "tool_calls"), ({"type": "function", "function": {"name": "get_weather"}}, "stop")])
+@pytest.mark.parametrize(
+    "tool_choice, finish",
+    [("required", "tool_calls"), ({"type": "function", "function": {"name": "get_weather"}}, "stop")],
+)
 def test_tool_calls_fit_the_tools(client, tool_choice, finish):
     """The real model, constrained: every call names a tool and its arguments fit that tool's schema;
     streamed, the calls add up to the same."""
-    kwargs = dict(model="SmolLM2-135M-Instruct", max_tokens=80, temperature=0, tools=[WEATHER, CLOCK],
-                  tool_choice=tool_choice, messages=[{"role": "user", "content": "What is the weather in Paris?"}])
+    kwargs = dict(
+        model="SmolLM2-135M-Instruct",
+        max_tokens=80,
+        temperature=0,
+        tools=[WEATHER, CLOCK],
+        tool_choice=tool_choice,
+        messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+    )
     whole = client.chat.completions.create(**kwargs)
     choice = whole.choices[0]
     assert choice.finish_reason == finish and choice.message.content is None
@@ -111,7 +158,14 @@ def test_tool_calls_fit_the_tools(client, tool_choice, finish):
     assert _streamed_calls(client.chat.completions.create(**kwargs, stream=True)) == (calls, finish)
     # The conversation goes on with the call and its result.
     followup = client.chat.completions.create(
-        model="SmolLM2-135M-Instruct", max_tokens=8, tools=[WEATHER, CLOCK], tool_choice="none",
-        messages=[*kwargs["messages"], choice.message.model_dump(exclude_none=True),
-                  {"role": "tool", "tool_call_id": choice.message.tool_calls[0].id, "content": "Sunny, 21 C"}])
+        model="SmolLM2-135M-Instruct",
+        max_tokens=8,
+        tools=[WEATHER, CLOCK],
+        tool_choice="none",
+        messages=[
+            *kwargs["messages"],
+            choice.message.model_dump(exclude_none=True),
+            {"role": "tool", "tool_call_id": choice.message.tool_calls[0].id, "content": "Sunny, 21 C"},
+        ],
+    )
     assert followup.choices[0].message.content

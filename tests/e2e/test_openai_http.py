@@ -14,8 +14,10 @@ MODEL = "SmolLM2-135M-Instruct"
 
 
 def test_completion(http_url):
-    status, body = post(f"{http_url}/v1/completions", {"model": MODEL, "prompt": "The capital of France is",
-                                                       "max_tokens": 8, "temperature": 0})
+    status, body = post(
+        f"{http_url}/v1/completions",
+        {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 8, "temperature": 0},
+    )
     assert status == 200, body
     choice = body["choices"][0]
     assert choice["text"] and choice["finish_reason"] in ("stop", "length")
@@ -24,9 +26,10 @@ def test_completion(http_url):
 
 
 def test_chat_completion(http_url):
-    status, body = post(f"{http_url}/v1/chat/completions", {
-        "model": MODEL, "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 16,
-        "temperature": 0})
+    status, body = post(
+        f"{http_url}/v1/chat/completions",
+        {"model": MODEL, "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 16, "temperature": 0},
+    )
     assert status == 200, body
     msg = body["choices"][0]["message"]
     assert msg["role"] == "assistant" and msg["content"].strip()
@@ -36,8 +39,10 @@ def test_chat_completion(http_url):
 def test_chat_without_max_tokens_runs_to_its_end(http_url):
     # No max_tokens: up to the rest of the context as the worker holds it (this stack's small KV
     # cache makes that shorter than the model's 8192), so it ends on the model's own end of turn.
-    status, body = post(f"{http_url}/v1/chat/completions", {
-        "model": MODEL, "messages": [{"role": "user", "content": "Say hello."}], "temperature": 0})
+    status, body = post(
+        f"{http_url}/v1/chat/completions",
+        {"model": MODEL, "messages": [{"role": "user", "content": "Say hello."}], "temperature": 0},
+    )
     assert status == 200, body
     assert body["choices"][0]["finish_reason"] == "stop" and body["choices"][0]["message"]["content"].strip()
 
@@ -112,18 +117,27 @@ def test_echo_with_max_tokens_0_scores_the_prompt_alone(http_url):
     assert choice["logprobs"] == {key: values[:6] for key, values in scored.items()}
     assert body["usage"]["prompt_tokens"] == body["usage"]["total_tokens"] == 6
     assert body["usage"]["completion_tokens"] == 0
-    events = [e for e in sse(f"{http_url}/v1/completions", {**req, "max_tokens": 0, "stream": True,
-                                                            "stream_options": {"include_usage": True}})
-              if e != "[DONE]"]
+    events = [
+        e
+        for e in sse(
+            f"{http_url}/v1/completions",
+            {**req, "max_tokens": 0, "stream": True, "stream_options": {"include_usage": True}},
+        )
+        if e != "[DONE]"
+    ]
     assert [(e["choices"][0]["text"], e["choices"][0]["finish_reason"]) for e in events[:-1]] == [
-        ("The capital of France is Paris", None), ("", "length")]
+        ("The capital of France is Paris", None),
+        ("", "length"),
+    ]
     assert events[0]["choices"][0]["logprobs"] == choice["logprobs"]
     assert events[-1]["usage"]["completion_tokens"] == 0
 
 
 def test_prompt_logprobs_in_vllms_shape(http_url):
-    status, body = post(f"{http_url}/v1/completions", {"model": MODEL, "prompt": "The capital of France is",
-                                                       "max_tokens": 2, "temperature": 0, "prompt_logprobs": 2})
+    status, body = post(
+        f"{http_url}/v1/completions",
+        {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 2, "temperature": 0, "prompt_logprobs": 2},
+    )
     assert status == 200, body
     positions = body["choices"][0]["prompt_logprobs"]
     assert len(positions) == body["usage"]["prompt_tokens"] == 5 and positions[0] is None
@@ -133,8 +147,10 @@ def test_prompt_logprobs_in_vllms_shape(http_url):
         ranked = sorted(position.values(), key=lambda entry: -entry["logprob"])
         assert [entry["rank"] for entry in ranked[:2]] == [1, 2]
         assert all(entry["rank"] >= 1 for entry in ranked) and (len(ranked) == 2 or ranked[2]["rank"] > 2)
-    status, chat = post(f"{http_url}/v1/chat/completions", {
-        "model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, "prompt_logprobs": 0})
+    status, chat = post(
+        f"{http_url}/v1/chat/completions",
+        {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, "prompt_logprobs": 0},
+    )
     assert status == 200, chat
     assert len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"] and chat["prompt_logprobs"][0] is None
 
@@ -149,8 +165,7 @@ def test_seed_reproducible(http_url):
 
 def test_n_choices_are_the_seeded_requests_they_stand_for(http_url):
     # Choice k of a request with seed s samples with seed s + k: it equals a lone request with that seed.
-    req = {"model": MODEL, "prompt": "My favourite animal is", "max_tokens": 12, "temperature": 1.0,
-           "ignore_eos": True}
+    req = {"model": MODEL, "prompt": "My favourite animal is", "max_tokens": 12, "temperature": 1.0, "ignore_eos": True}
     status, body = post(f"{http_url}/v1/completions", {**req, "n": 2, "seed": 41})
     assert status == 200, body
     texts = [c["text"] for c in sorted(body["choices"], key=lambda c: c["index"])]
@@ -163,8 +178,12 @@ def test_n_choices_are_the_seeded_requests_they_stand_for(http_url):
 
 def test_32_concurrent_streams(http_url):
     def one(i: int) -> tuple[str, str | None]:
-        events = list(sse(f"{http_url}/v1/completions", {"model": MODEL, "prompt": f"Story number {i}:",
-                                                         "max_tokens": 12, "temperature": 0.7, "seed": i}))
+        events = list(
+            sse(
+                f"{http_url}/v1/completions",
+                {"model": MODEL, "prompt": f"Story number {i}:", "max_tokens": 12, "temperature": 0.7, "seed": i},
+            )
+        )
         chunks = [e for e in events if isinstance(e, dict) and e["choices"]]
         return "".join(c["choices"][0]["text"] for c in chunks), chunks[-1]["choices"][0]["finish_reason"]
 
@@ -174,18 +193,21 @@ def test_32_concurrent_streams(http_url):
     assert all(text and reason in ("stop", "length") for text, reason in results)
 
 
-@pytest.mark.parametrize("body,field", [
-    ({"prompt": "x", "max_tokens": -1}, "max_tokens"),
-    ({"prompt": "x", "temperature": 5}, "temperature"),
-    ({"prompt": "x", "top_p": 0}, "top_p"),
-    ({"prompt": "x", "n": 65}, "n"),
-    # Longer than this stack's workers hold (their 64 MiB KV cache), though the model's context allows it.
-    ({"prompt": "hello " * 1500, "max_tokens": 4}, "prompt_token_ids"),
-    ({"max_tokens": 4}, "prompt"),
-    ({"prompt": "x", "logprobs": 50}, "logprobs"),
-    ({"prompt": "x", "prompt_logprobs": 21}, "prompt_logprobs"),
-    ({"prompt": "x", "prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
-])
+@pytest.mark.parametrize(
+    "body,field",
+    [
+        ({"prompt": "x", "max_tokens": -1}, "max_tokens"),
+        ({"prompt": "x", "temperature": 5}, "temperature"),
+        ({"prompt": "x", "top_p": 0}, "top_p"),
+        ({"prompt": "x", "n": 65}, "n"),
+        # Longer than this stack's workers hold (their 64 MiB KV cache), though the model's context allows it.
+        ({"prompt": "hello " * 1500, "max_tokens": 4}, "prompt_token_ids"),
+        ({"max_tokens": 4}, "prompt"),
+        ({"prompt": "x", "logprobs": 50}, "logprobs"),
+        ({"prompt": "x", "prompt_logprobs": 21}, "prompt_logprobs"),
+        ({"prompt": "x", "prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
+    ],
+)
 def test_bad_parameters_are_400_naming_the_field(http_url, body, field):
     status, resp = post(f"{http_url}/v1/completions", {"model": MODEL, **body})
     assert status == 400

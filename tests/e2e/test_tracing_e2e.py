@@ -32,8 +32,7 @@ REPO = Path(__file__).resolve().parents[2]
 ARTIFACTS = REPO / "artifacts" / "tracing"
 PERFETTO_QUERY = REPO.parent / "shared" / "tools" / "perfetto_query" / "perfetto_query.py"
 SERVICES = {"gateway", "tokenizer", "scheduler", "gpu_worker"}
-COUNTERS = {"queue depth", "batch size rank 0", "KV blocks used rank 0", "tokens/s rank 0", "MFU rank 0",
-            "MBU rank 0"}
+COUNTERS = {"queue depth", "batch size rank 0", "KV blocks used rank 0", "tokens/s rank 0", "MFU rank 0", "MBU rank 0"}
 
 
 @dataclass(slots=True)
@@ -51,9 +50,13 @@ class Served:
 @pytest.fixture(scope="module")
 def traced_stack(tmp_path_factory):
     # TP 3 (the default model's only split), so the trace shows a thread track per rank.
-    config = StackConfig.on_free_ports(tracing=True, tp_size=3, data_dir=tmp_path_factory.mktemp("traced-data"),
-                                       log_dir=log_dir(tmp_path_factory, "traced"),
-                                       env={"KV_CACHE_BYTES": str(64 << 20)})
+    config = StackConfig.on_free_ports(
+        tracing=True,
+        tp_size=3,
+        data_dir=tmp_path_factory.mktemp("traced-data"),
+        log_dir=log_dir(tmp_path_factory, "traced"),
+        env={"KV_CACHE_BYTES": str(64 << 20)},
+    )
     with running_stack(config) as stack:
         yield stack
 
@@ -69,11 +72,15 @@ def served(traced_stack: LocalStack) -> Served:
     http = f"http://127.0.0.1:{traced_stack.config.http_port}"
     trace_id = secrets.token_hex(16)
     traceparent = f"00-{trace_id}-{secrets.token_hex(8)}-01"
-    status, body = post(f"{http}/v1/completions", {"prompt": "The capital of France is", "max_tokens": 8,
-                                                   "temperature": 0}, headers={"traceparent": traceparent})
+    status, body = post(
+        f"{http}/v1/completions",
+        {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0},
+        headers={"traceparent": traceparent},
+    )
     assert status == 200, body
-    events = list(sse(f"{http}/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi!"}],
-                                                       "max_tokens": 6}))
+    events = list(
+        sse(f"{http}/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi!"}], "max_tokens": 6})
+    )
     with ShardlineClient(f"127.0.0.1:{traced_stack.config.grpc_port}") as client:
         done = client.generate("Once upon a time", max_tokens=6, seed=1)
     request_ids = [body["id"], events[0]["id"], done.request_id]
@@ -123,20 +130,24 @@ def _perfetto_rows(trace: Path, trace_id: str) -> list[dict]:
     union all
     select 'counter', ct.name, '', count(*) from counter c join counter_track ct on c.track_id = ct.id group by 2
     """
-    run = subprocess.run([sys.executable, str(PERFETTO_QUERY), str(trace), sql, "--json"],
-                         capture_output=True, text=True, timeout=300)
+    run = subprocess.run(
+        [sys.executable, str(PERFETTO_QUERY), str(trace), sql, "--json"], capture_output=True, text=True, timeout=300
+    )
     assert run.returncode == 0, run.stderr
     return json.loads(run.stdout)
 
 
-@pytest.mark.skipif(shutil.which("node") is None or not PERFETTO_QUERY.is_file(),
-                    reason="needs node and shared/tools/perfetto_query")
-def test_exported_trace_loads_in_perfetto(served: Served, traced_stack: LocalStack,
-                                          capsys: pytest.CaptureFixture) -> None:
+@pytest.mark.skipif(
+    shutil.which("node") is None or not PERFETTO_QUERY.is_file(), reason="needs node and shared/tools/perfetto_query"
+)
+def test_exported_trace_loads_in_perfetto(
+    served: Served, traced_stack: LocalStack, capsys: pytest.CaptureFixture
+) -> None:
     trace = ARTIFACTS / "request.pftrace"
     trace.parent.mkdir(parents=True, exist_ok=True)
-    code = shardline_cli(["trace", "export", "--request", served.traced_id, "-o", str(trace),
-                          "--redis-url", traced_stack.redis_url])
+    code = shardline_cli(
+        ["trace", "export", "--request", served.traced_id, "-o", str(trace), "--redis-url", traced_stack.redis_url]
+    )
     assert code == 0 and f"wrote {trace}" in capsys.readouterr().out
     rows = _perfetto_rows(trace, served.trace_id)
     by_kind: dict[str, dict[tuple[str, str], int]] = {}
@@ -156,8 +167,7 @@ def test_exported_trace_loads_in_perfetto(served: Served, traced_stack: LocalSta
 
 def _dashboard_rendered(request_ids: list[str]) -> str:
     # Each request's row, with at least one stage drawn in its latency bar.
-    return " && ".join(f"!!document.querySelector('tr[data-request-id=\"{rid}\"] .bar .stage')"
-                       for rid in request_ids)
+    return " && ".join(f"!!document.querySelector('tr[data-request-id=\"{rid}\"] .bar .stage')" for rid in request_ids)
 
 
 @pytest.mark.skipif(find_chromium() is None, reason="needs chromium (scripts/setup.sh installs it)")
@@ -169,7 +179,8 @@ def test_dashboard_in_headless_chromium(served: Served) -> None:
             await browser.screenshot(ARTIFACTS / "dashboard.png")
             dom = await browser.dom()
             link = await browser.evaluate(
-                f"document.querySelector('tr[data-request-id=\"{served.traced_id}\"] a[target=_blank]').href")
+                f"document.querySelector('tr[data-request-id=\"{served.traced_id}\"] a[target=_blank]').href"
+            )
             # The row's Perfetto link opens the request's trace in the UI served by the tracing service.
             await browser.navigate(link)
             await browser.wait_for(f"document.body.innerText.includes('request {served.traced_id}')", timeout_s=90)

@@ -39,16 +39,34 @@ def _alive(pid: int) -> bool:
 
 
 def _logs(tmp_path: Path) -> str:
-    return "".join(f"\n--- {log.name}\n{log.read_text(errors='replace')[-2000:]}"
-                   for log in sorted((tmp_path / "logs").glob("*.log")))
+    return "".join(
+        f"\n--- {log.name}\n{log.read_text(errors='replace')[-2000:]}"
+        for log in sorted((tmp_path / "logs").glob("*.log"))
+    )
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGHUP, signal.SIGKILL])
 def test_stopping_up_while_starting_stops_every_service(tmp_path, sig):
     up = subprocess.Popen(
-        [sys.executable, "-m", "shardline.cli.main", "up", "--http-port", str(free_port()),
-         "--grpc-port", str(free_port()), "--data-dir", str(tmp_path / "data"), "--log-dir", str(tmp_path / "logs")],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        [
+            sys.executable,
+            "-m",
+            "shardline.cli.main",
+            "up",
+            "--http-port",
+            str(free_port()),
+            "--grpc-port",
+            str(free_port()),
+            "--data-dir",
+            str(tmp_path / "data"),
+            "--log-dir",
+            str(tmp_path / "logs"),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
     try:
         # Redis, the tokenizer and the scheduler start at once; the worker's model load keeps `up` starting.
         deadline = time.monotonic() + 60

@@ -16,7 +16,8 @@ def test_the_cpu_worker_restarted_itself_under_the_malloc_settings(stack):
         pytest.skip("a GPU worker, or malloc settings of the environment's own, keep malloc as it is")
     worker = next(child for child in stack.children if child.name.startswith("worker"))
     assert worker.proc.poll() is None  # the process the stack started (same pid), still serving
-    environ = dict(item.split("=", 1) for item in
-                   open(f"/proc/{worker.proc.pid}/environ").read().split("\0") if "=" in item)
+    environ = dict(
+        item.split("=", 1) for item in open(f"/proc/{worker.proc.pid}/environ").read().split("\0") if "=" in item
+    )
     assert {key: environ.get(key) for key in MALLOC_ENV} == MALLOC_ENV and environ[REEXEC_MARKER] == "1"
     assert "MALLOC_ARENA_MAX" not in worker.env  # set by the worker itself, not by the launcher

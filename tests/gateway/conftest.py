@@ -52,8 +52,12 @@ def start_tokenizer(port: int) -> subprocess.Popen:
     """A real tokenizer service on `port`, returned once it serves."""
     env = {**os.environ, "SHARDLINE_TRACING": "0"}
     process = subprocess.Popen(
-        [sys.executable, "-m", "tokenizer_svc.main", "--port", str(port)], cwd=REPO, env=env,
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        [sys.executable, "-m", "tokenizer_svc.main", "--port", str(port)],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
     try:
         _wait_serving(f"127.0.0.1:{port}", process)
     except BaseException:

@@ -39,14 +39,21 @@ class Stack:
         return generation_pb2_grpc.GenerationStub(self.channel)
 
 
-async def start_gateway_for(scheduler_port: int, tokenizer_address: str, **settings: Any) -> tuple[
-        GatewayServer, InMemorySpanExporter]:
+async def start_gateway_for(
+    scheduler_port: int, tokenizer_address: str, **settings: Any
+) -> tuple[GatewayServer, InMemorySpanExporter]:
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     config = GatewaySettings(
-        host="127.0.0.1", http_port=0, grpc_port=0, tokenizer_address=tokenizer_address,
-        scheduler_address=f"127.0.0.1:{scheduler_port}", tracing=False, **settings)
+        host="127.0.0.1",
+        http_port=0,
+        grpc_port=0,
+        tokenizer_address=tokenizer_address,
+        scheduler_address=f"127.0.0.1:{scheduler_port}",
+        tracing=False,
+        **settings,
+    )
     return await start_gateway(config, provider.get_tracer("test")), exporter
 
 

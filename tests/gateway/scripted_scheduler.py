@@ -135,12 +135,22 @@ class ScriptedScheduler(scheduler_pb2_grpc.SchedulerServicer):
 
     def _info(self, record: Record) -> common_pb2.RequestInfo:
         submit = record.submit
-        usage = sampling_pb2.Usage(prompt_tokens=len(submit.prompt_token_ids), completion_tokens=len(record.output),
-                                   total_tokens=len(submit.prompt_token_ids) + len(record.output))
+        usage = sampling_pb2.Usage(
+            prompt_tokens=len(submit.prompt_token_ids),
+            completion_tokens=len(record.output),
+            total_tokens=len(submit.prompt_token_ids) + len(record.output),
+        )
         return common_pb2.RequestInfo(
-            request_id=submit.request_id, model=submit.model, status=record.status, params=submit.params,
-            finish_reason=record.finish_reason, usage=usage, output_token_ids=record.output, attempt=1,
-            owner=submit.owner)
+            request_id=submit.request_id,
+            model=submit.model,
+            status=record.status,
+            params=submit.params,
+            finish_reason=record.finish_reason,
+            usage=usage,
+            output_token_ids=record.output,
+            attempt=1,
+            owner=submit.owner,
+        )
 
     async def _run(self) -> None:
         while True:
@@ -169,7 +179,9 @@ class ScriptedScheduler(scheduler_pb2_grpc.SchedulerServicer):
         if script.hold_after is not None and done >= script.hold_after and not self._released:
             return None
         params = record.submit.params
-        limit = min(len(script.token_ids), params.max_tokens) if params.HasField("max_tokens") else len(script.token_ids)
+        limit = (
+            min(len(script.token_ids), params.max_tokens) if params.HasField("max_tokens") else len(script.token_ids)
+        )
         new = script.token_ids[done : min(limit, done + script.tokens_per_step)]
         first = not record.output
         record.output += new
@@ -177,12 +189,15 @@ class ScriptedScheduler(scheduler_pb2_grpc.SchedulerServicer):
         if first and new:  # as a worker does: the first delta says what the prefix cache served
             delta.usage.CopyFrom(self._usage(record))
         if first and new and params.HasField("prompt_logprobs"):  # one per prompt token after the first
-            delta.prompt_logprobs.extend(sampling_pb2.TokenLogprob(token_id=token_id, logprob=-1.0)
-                                         for token_id in submit.prompt_token_ids[1:])
+            delta.prompt_logprobs.extend(
+                sampling_pb2.TokenLogprob(token_id=token_id, logprob=-1.0) for token_id in submit.prompt_token_ids[1:]
+            )
         if script.logprobs:
             for token_id in new:
-                top = [sampling_pb2.TopLogprob(token_id=token_id, logprob=-0.25),
-                       sampling_pb2.TopLogprob(token_id=token_id + 1, logprob=-2.5)]
+                top = [
+                    sampling_pb2.TopLogprob(token_id=token_id, logprob=-0.25),
+                    sampling_pb2.TopLogprob(token_id=token_id + 1, logprob=-2.5),
+                ]
                 delta.logprobs.append(sampling_pb2.TokenLogprob(token_id=token_id, logprob=-0.25, top=top))
         if len(record.output) >= limit:
             reason = script.finish_reason if limit == len(script.token_ids) else sampling_pb2.FINISH_REASON_LENGTH
@@ -200,5 +215,9 @@ class ScriptedScheduler(scheduler_pb2_grpc.SchedulerServicer):
     @staticmethod
     def _usage(record: Record) -> sampling_pb2.Usage:
         prompt = len(record.submit.prompt_token_ids)
-        return sampling_pb2.Usage(prompt_tokens=prompt, completion_tokens=len(record.output),
-                                  total_tokens=prompt + len(record.output), cached_tokens=record.script.cached_tokens)
+        return sampling_pb2.Usage(
+            prompt_tokens=prompt,
+            completion_tokens=len(record.output),
+            total_tokens=prompt + len(record.output),
+            cached_tokens=record.script.cached_tokens,
+        )

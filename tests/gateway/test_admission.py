@@ -26,12 +26,17 @@ def _tokenized(stack: Stack) -> int:
 async def _http_burst(stack: Stack, count: int) -> list[tuple[int, float, dict]]:
     """(status, seconds, JSON body) of `count` completions sent at once."""
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
+
         async def one() -> tuple[int, float, dict]:
             start = time.perf_counter()
             body = {"model": MODEL, "prompt": "Hello there", "max_tokens": 2}
             async with http.post(f"{stack.base_url}/v1/completions", json=body) as response:
-                return response.status, time.perf_counter() - start, {
-                    **await response.json(), "retry_after": response.headers.get("Retry-After")}
+                return (
+                    response.status,
+                    time.perf_counter() - start,
+                    {**await response.json(), "retry_after": response.headers.get("Retry-After")},
+                )
+
         return await asyncio.gather(*(one() for _ in range(count)))
 
 
@@ -47,6 +52,7 @@ def test_a_burst_past_the_admission_bound_is_refused_before_tokenizing(tokenizer
         assert all(r["error"]["type"] == "rate_limit_error" and r["retry_after"] == "1" for r in refused)
         assert "admitting" in refused[0]["error"]["message"]
         assert 0 < stack.gateway.backends.tokenizer.peak <= 4
+
         # Over gRPC: OK or RESOURCE_EXHAUSTED, never a bare CANCELLED.
         async def one() -> grpc.StatusCode:
             try:
@@ -54,6 +60,7 @@ def test_a_burst_past_the_admission_bound_is_refused_before_tokenizing(tokenizer
                 return grpc.StatusCode.OK
             except grpc.aio.AioRpcError as exc:
                 return exc.code()
+
         codes = await asyncio.gather(*(one() for _ in range(BURST)))
         assert set(codes) <= {grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED}, set(codes)
         assert stack.gateway.backends.tokenizer.peak <= 4
@@ -71,6 +78,7 @@ def test_grpc_never_sheds_a_burst_as_cancelled(tokenizer_address, text_ids) -> N
                 return grpc.StatusCode.OK
             except grpc.aio.AioRpcError as exc:
                 return exc.code()
+
         codes = await asyncio.gather(*(one() for _ in range(2000)))
         assert set(codes) == {grpc.StatusCode.INVALID_ARGUMENT}, Counter(codes)
 
@@ -85,8 +93,11 @@ def test_a_full_queue_refuses_new_arrivals_untokenized(tokenizer_address, text_i
         assert set(statuses) == {200, 429} and statuses.count(200) == 20
         # Those admitted when the queue filled were tokenized; the rest never were.
         assert _tokenized(stack) <= 20 + 64
-        queue_full = [seconds for status, seconds, reply in results
-                      if status == 429 and "queue is full" in reply["error"]["message"]]
+        queue_full = [
+            seconds
+            for status, seconds, reply in results
+            if status == 429 and "queue is full" in reply["error"]["message"]
+        ]
         assert queue_full
 
     run_on_stack(tokenizer_address, Script(text_ids[:2]), body, max_admitting=64, queue_full_hold_s=5.0)
@@ -97,8 +108,7 @@ def test_a_prompt_too_big_for_the_context_is_refused_by_its_size(tokenizer_addre
         async with aiohttp.ClientSession() as http:
             requests = [
                 ("/v1/completions", {"model": MODEL, "prompt": BIG}, "prompt"),
-                ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": BIG}]},
-                 "messages"),
+                ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": BIG}]}, "messages"),
                 ("/tokenize", {"model": MODEL, "prompt": BIG}, "prompt"),
                 ("/tokenize", {"model": MODEL, "messages": [{"role": "user", "content": BIG}]}, "messages"),
             ]

@@ -87,17 +87,26 @@ BAD_BODIES = [
     ("chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ("chat/completions", {"n": 65}, "n"),
     ("chat/completions", {"tools": [{"type": "function"}]}, "tools[0]"),
-    ("chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto"}, "tool_choice"),
+    (
+        "chat/completions",
+        {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto"},
+        "tool_choice",
+    ),
     ("chat/completions", {"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
     ("chat/completions", {"response_format": {"type": "xml"}}, "response_format.type"),
     ("chat/completions", {"response_format": "json"}, "response_format"),
     ("chat/completions", {"response_format": {"type": "json_schema"}}, "response_format.json_schema.schema"),
-    ("chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": [1]}}},
-     "response_format.json_schema.schema"),
+    (
+        "chat/completions",
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": [1]}}},
+        "response_format.json_schema.schema",
+    ),
     # Shapes are checked in the gateway; whether a constraint compiles, by the tokenizer service.
-    ("chat/completions", {"response_format": {"type": "json_schema",
-                                              "json_schema": {"name": "x", "schema": {"type": "objekt"}}}},
-     "response_format.json_schema.schema"),
+    (
+        "chat/completions",
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objekt"}}}},
+        "response_format.json_schema.schema",
+    ),
     ("completions", {"guided_regex": "(ab"}, "guided_regex"),
     ("completions", {"guided_regex": 5}, "guided_regex"),
     ("completions", {"guided_choice": []}, "guided_choice"),
@@ -109,16 +118,29 @@ BAD_BODIES = [
     ("chat/completions", {"structured_outputs": {"grammar": "root ::= nope"}}, "structured_outputs.grammar"),
     ("chat/completions", {"structured_outputs": {"json_object": "yes"}}, "structured_outputs.json_object"),
     ("chat/completions", {"structured_outputs": {"json": 0}}, "structured_outputs.json"),
-    ("chat/completions", {"structured_outputs": {"regex": "a", "whitespace_pattern": " "}},
-     "structured_outputs.whitespace_pattern"),
+    (
+        "chat/completions",
+        {"structured_outputs": {"regex": "a", "whitespace_pattern": " "}},
+        "structured_outputs.whitespace_pattern",
+    ),
     ("chat/completions", {"structured_outputs": {"json": False, "regex": "a"}}, "structured_outputs"),
-    ("chat/completions", {"structured_outputs": {"json": {}, "disable_any_whitespace": "yes"}},
-     "structured_outputs.disable_any_whitespace"),
-    ("chat/completions", {"response_format": {"type": "json_schema", "json_schema": "x"}}, "response_format.json_schema"),
+    (
+        "chat/completions",
+        {"structured_outputs": {"json": {}, "disable_any_whitespace": "yes"}},
+        "structured_outputs.disable_any_whitespace",
+    ),
+    (
+        "chat/completions",
+        {"response_format": {"type": "json_schema", "json_schema": "x"}},
+        "response_format.json_schema",
+    ),
     ("completions", {"guided_regex": "a", "guided_whitespace_pattern": " "}, "guided_whitespace_pattern"),
     ("completions", {"guided_regex": "a", "guided_decoding_backend": "outlines"}, "guided_decoding_backend"),
-    ("completions", {"guided_regex": "a", "guided_decoding_backend": "xgrammar:no-such-option"},
-     "guided_decoding_backend"),
+    (
+        "completions",
+        {"guided_regex": "a", "guided_decoding_backend": "xgrammar:no-such-option"},
+        "guided_decoding_backend",
+    ),
     ("chat/completions", {"max_completion_tokens": 0}, "max_completion_tokens"),
     ("chat/completions", {"max_completion_tokens": 8190, "max_tokens": 5}, "max_completion_tokens"),
     ("chat/completions", {"messages": [{"role": "user", "content": None}]}, "messages[0].content"),
@@ -144,14 +166,18 @@ def test_every_bad_parameter_is_a_400_naming_its_field(tokenizer_address, text_i
                 async with http.post(f"{stack.base_url}/v1/completions", data=raw) as response:
                     assert response.status == 400 and (await response.json())["error"]["param"] == "body"
             # A body that does not decode under its Content-Encoding: once a 500.
-            async with http.post(f"{stack.base_url}/v1/completions", data=b'{"prompt": "x"}',
-                                 headers={"Content-Encoding": "gzip", "Content-Type": "application/json"}) as response:
+            async with http.post(
+                f"{stack.base_url}/v1/completions",
+                data=b'{"prompt": "x"}',
+                headers={"Content-Encoding": "gzip", "Content-Type": "application/json"},
+            ) as response:
                 error = (await response.json())["error"]
                 assert response.status == 400 and error["param"] == "body", error
         assert stack.scheduler.submitted == []
         with pytest.raises(openai.BadRequestError) as caught:
             await openai.AsyncOpenAI(base_url=f"{stack.base_url}/v1", api_key="x").completions.create(
-                model=MODEL, prompt="hi", temperature=3)
+                model=MODEL, prompt="hi", temperature=3
+            )
         assert caught.value.body["param"] == "temperature"
 
     run_on_stack(tokenizer_address, Script(text_ids), body)
@@ -163,7 +189,10 @@ def test_prompt_and_body_limits(tokenizer_address, text_ids) -> None:
             long_prompt = {**COMPLETION, "prompt": "one two three four five six seven"}
             async with http.post(f"{stack.base_url}/v1/completions", json=long_prompt) as response:
                 error = (await response.json())["error"]
-                assert response.status == 400 and (error["param"], error["code"]) == ("prompt", "context_length_exceeded")
+                assert response.status == 400 and (error["param"], error["code"]) == (
+                    "prompt",
+                    "context_length_exceeded",
+                )
             too_long = {**COMPLETION, "max_tokens": 8192, "prompt": "one two"}
             async with http.post(f"{stack.base_url}/v1/completions", json=too_long) as response:
                 error = (await response.json())["error"]
@@ -178,32 +207,55 @@ def test_prompt_and_body_limits(tokenizer_address, text_ids) -> None:
 
 def test_invalid_arguments_over_grpc(tokenizer_address, text_ids) -> None:
     cases = [
-        (generation_pb2.GenerateRequest(prompt="hi", params=sampling_pb2.SamplingParameters(temperature=9)),
-         "params.temperature"),
+        (
+            generation_pb2.GenerateRequest(prompt="hi", params=sampling_pb2.SamplingParameters(temperature=9)),
+            "params.temperature",
+        ),
         (generation_pb2.GenerateRequest(prompt="hi", params=sampling_pb2.SamplingParameters(top_p=0)), "params.top_p"),
-        (generation_pb2.GenerateRequest(prompt="hi", params=sampling_pb2.SamplingParameters(stop=["a"] * 17)),
-         "params.stop"),
-        (generation_pb2.GenerateRequest(prompt="hi", params=sampling_pb2.SamplingParameters(max_tokens=0)),
-         "params.max_tokens"),
-        (generation_pb2.GenerateRequest(prompt="hi", params=sampling_pb2.SamplingParameters(top_logprobs=2)),
-         "params.top_logprobs"),
+        (
+            generation_pb2.GenerateRequest(prompt="hi", params=sampling_pb2.SamplingParameters(stop=["a"] * 17)),
+            "params.stop",
+        ),
+        (
+            generation_pb2.GenerateRequest(prompt="hi", params=sampling_pb2.SamplingParameters(max_tokens=0)),
+            "params.max_tokens",
+        ),
+        (
+            generation_pb2.GenerateRequest(prompt="hi", params=sampling_pb2.SamplingParameters(top_logprobs=2)),
+            "params.top_logprobs",
+        ),
         (generation_pb2.GenerateRequest(), "input"),
         (generation_pb2.GenerateRequest(prompt=""), "prompt"),
         (generation_pb2.GenerateRequest(prompt="hi", request_id="has space"), "request_id"),
         # Accepted here once, then refused by the scheduler with its own rule: now one rule for both.
         (generation_pb2.GenerateRequest(prompt="hi", request_id="café-1"), "request_id"),
         (generation_pb2.GenerateRequest(prompt_token_ids={"ids": [49152]}), "prompt_token_ids"),
-        (generation_pb2.GenerateRequest(messages={"messages": [{"role": "", "content": "x"}]}),
-         "messages.messages[0].role"),
-        (generation_pb2.GenerateRequest(messages={"messages": [{"role": "user", "content": "x"}, {"role": "bot"}]}),
-         "messages.messages[1].role"),
-        (generation_pb2.GenerateRequest(prompt="hi", params=sampling_pb2.SamplingParameters(
-            structured_output=sampling_pb2.StructuredOutput(regex="[a-"))), "params.structured_output"),
-        (generation_pb2.GenerateRequest(prompt="hi", params=sampling_pb2.SamplingParameters(
-            structured_output=sampling_pb2.StructuredOutput())), "params.structured_output"),
+        (
+            generation_pb2.GenerateRequest(messages={"messages": [{"role": "", "content": "x"}]}),
+            "messages.messages[0].role",
+        ),
+        (
+            generation_pb2.GenerateRequest(messages={"messages": [{"role": "user", "content": "x"}, {"role": "bot"}]}),
+            "messages.messages[1].role",
+        ),
+        (
+            generation_pb2.GenerateRequest(
+                prompt="hi",
+                params=sampling_pb2.SamplingParameters(structured_output=sampling_pb2.StructuredOutput(regex="[a-")),
+            ),
+            "params.structured_output",
+        ),
+        (
+            generation_pb2.GenerateRequest(
+                prompt="hi", params=sampling_pb2.SamplingParameters(structured_output=sampling_pb2.StructuredOutput())
+            ),
+            "params.structured_output",
+        ),
         # Once INTERNAL: min_tokens over the default max_tokens, which the worker refused.
-        (generation_pb2.GenerateRequest(prompt="hi", params=sampling_pb2.SamplingParameters(min_tokens=2**32 - 1)),
-         "params.min_tokens"),
+        (
+            generation_pb2.GenerateRequest(prompt="hi", params=sampling_pb2.SamplingParameters(min_tokens=2**32 - 1)),
+            "params.min_tokens",
+        ),
         (generation_pb2.GenerateRequest(prompt="hi", timeout=duration_pb2.Duration(seconds=1, nanos=-5)), "timeout"),
         (generation_pb2.GenerateRequest(prompt="hi", timeout=duration_pb2.Duration(nanos=2 * 10**9)), "timeout"),
         (generation_pb2.GenerateRequest(prompt="hi", timeout=duration_pb2.Duration(seconds=-1)), "timeout"),
@@ -218,14 +270,17 @@ def test_invalid_arguments_over_grpc(tokenizer_address, text_ids) -> None:
                     await call
                 assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (field, caught.value.details())
                 assert caught.value.details().startswith(f"{field}:"), caught.value.details()
-        for lookup in (stack.generation.GetRequest(common_pb2.GetRequestRequest(request_id="r" * 100_000)),
-                       stack.generation.Cancel(common_pb2.CancelRequest(request_id="r" * 100_000))):
+        for lookup in (
+            stack.generation.GetRequest(common_pb2.GetRequestRequest(request_id="r" * 100_000)),
+            stack.generation.Cancel(common_pb2.CancelRequest(request_id="r" * 100_000)),
+        ):
             with pytest.raises(grpc.aio.AioRpcError) as caught:
                 await lookup
             assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and len(caught.value.details()) < 300
         # A timeout past what timedelta holds (once INTERNAL, an OverflowError) is the gateway's own limit.
-        reply = await stack.generation.Generate(generation_pb2.GenerateRequest(
-            prompt="hi", timeout=duration_pb2.Duration(seconds=2**62)))
+        reply = await stack.generation.Generate(
+            generation_pb2.GenerateRequest(prompt="hi", timeout=duration_pb2.Duration(seconds=2**62))
+        )
         assert reply.text
         # Bytes that are no GenerateRequest: grpc would answer UNKNOWN, with a Python exception's text.
         for method, call in (("Generate", stack.channel.unary_unary), ("GenerateStream", stack.channel.unary_stream)):
@@ -263,7 +318,8 @@ def test_a_full_scheduler_queue_is_429_and_resource_exhausted(tokenizer_address,
         stack.scheduler.reject_with = grpc.StatusCode.RESOURCE_EXHAUSTED
         with pytest.raises(openai.RateLimitError) as caught:
             await openai.AsyncOpenAI(base_url=f"{stack.base_url}/v1", api_key="x", max_retries=0).completions.create(
-                model=MODEL, prompt="hi")
+                model=MODEL, prompt="hi"
+            )
         assert caught.value.body["type"] == "rate_limit_error"
         assert caught.value.response.headers["Retry-After"] == "1"  # the openai client honours it
         with pytest.raises(grpc.aio.AioRpcError) as grpc_caught:
@@ -303,8 +359,9 @@ def test_api_keys_over_http_and_grpc(tokenizer_address, text_ids) -> None:
                 await call
             assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED
         # A caller without a key is refused before its request is read: UNAUTHENTICATED, not a parse error.
-        raw = stack.channel.unary_unary("/shardline.v1.Generation/Generate", request_serializer=None,
-                                        response_deserializer=None)
+        raw = stack.channel.unary_unary(
+            "/shardline.v1.Generation/Generate", request_serializer=None, response_deserializer=None
+        )
         with pytest.raises(grpc.aio.AioRpcError) as caught:
             await raw(BAD)
         assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED
@@ -334,6 +391,7 @@ def test_scheduler_unavailable_is_503(tokenizer_address, text_ids) -> None:
 def test_a_streamed_failure_names_the_field_at_fault(tokenizer_address, text_ids) -> None:
     """A constraint that left the worker no token is the client's error, streamed or not: the
     same param and code either way."""
+
     async def body(stack: Stack) -> None:
         async with aiohttp.ClientSession() as http:
             async with http.post(f"{stack.base_url}/v1/completions", json=COMPLETION) as response:
@@ -345,8 +403,11 @@ def test_a_streamed_failure_names_the_field_at_fault(tokenizer_address, text_ids
         assert lines[-1] == b"data: [DONE]\n"
         assert streamed == whole and whole["param"] == "structured_output", whole
 
-    run_on_stack(tokenizer_address, Script(text_ids[:3], finish_reason=sampling_pb2.FINISH_REASON_ERROR,
-                                           error=DEAD_END + " after 2 output tokens"), body)
+    run_on_stack(
+        tokenizer_address,
+        Script(text_ids[:3], finish_reason=sampling_pb2.FINISH_REASON_ERROR, error=DEAD_END + " after 2 output tokens"),
+        body,
+    )
 
 
 def test_a_failed_generation_is_reported(tokenizer_address, text_ids) -> None:
@@ -367,6 +428,7 @@ def test_a_failed_generation_is_reported(tokenizer_address, text_ids) -> None:
 
 def test_health_needs_a_live_worker(tokenizer_address, text_ids) -> None:
     """/health is a readiness check: 503 while no live worker serves the model, though its services answer."""
+
     async def body(stack: Stack) -> None:
         async with aiohttp.ClientSession() as http:
             async with http.get(f"{stack.base_url}/health") as response:
@@ -374,14 +436,20 @@ def test_health_needs_a_live_worker(tokenizer_address, text_ids) -> None:
             stack.scheduler.workers_alive = False
             async with http.get(f"{stack.base_url}/health") as response:
                 assert response.status == 503
-                assert await response.json() == {"status": "unavailable", "tokenizer": True, "scheduler": True,
-                                                 "subscribed": True, "workers": 0}
+                assert await response.json() == {
+                    "status": "unavailable",
+                    "tokenizer": True,
+                    "scheduler": True,
+                    "subscribed": True,
+                    "workers": 0,
+                }
 
     run_on_stack(tokenizer_address, Script(text_ids[:3]), body)
 
 
 def test_a_surrogate_pair_is_a_character(tokenizer_address, text_ids) -> None:
     """JSON spells a character outside the BMP as two surrogates (lone ones are in BAD_BODIES)."""
+
     async def body(stack: Stack) -> None:
         async with aiohttp.ClientSession() as http:
             async with http.post(f"{stack.base_url}/v1/completions", json={**COMPLETION, "prompt": "\U0001f343"}) as r:
@@ -393,6 +461,7 @@ def test_a_surrogate_pair_is_a_character(tokenizer_address, text_ids) -> None:
 def test_a_request_past_its_deadline_is_a_timeout_error(tokenizer_address, text_ids) -> None:
     """The scheduler cancels a request at its deadline; the client gets 504 / DEADLINE_EXCEEDED, not a
     short answer with finish_reason "abort"."""
+
     async def body(stack: Stack) -> None:
         async with aiohttp.ClientSession() as http:
             async with http.post(f"{stack.base_url}/v1/completions", json=COMPLETION) as response:
@@ -402,8 +471,10 @@ def test_a_request_past_its_deadline_is_a_timeout_error(tokenizer_address, text_
             async with http.post(f"{stack.base_url}/v1/completions", json={**COMPLETION, "stream": True}) as response:
                 lines = [line async for line in response.content if line.startswith(b"data: ")]
             assert b'"code":"timeout"' in lines[-2] and lines[-1] == b"data: [DONE]\n"
-        for call in (stack.generation.Generate(generation_pb2.GenerateRequest(prompt="hi")),
-                     _drain(stack.generation.GenerateStream(generation_pb2.GenerateRequest(prompt="hi")))):
+        for call in (
+            stack.generation.Generate(generation_pb2.GenerateRequest(prompt="hi")),
+            _drain(stack.generation.GenerateStream(generation_pb2.GenerateRequest(prompt="hi"))),
+        ):
             with pytest.raises(grpc.aio.AioRpcError) as caught:
                 await call
             assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
@@ -418,8 +489,10 @@ def test_a_body_that_does_not_arrive_in_time_is_a_408(tokenizer_address, text_id
     async def body(stack: Stack) -> None:
         host, port = stack.base_url.removeprefix("http://").split(":")
         reader, writer = await asyncio.open_connection(host, int(port))
-        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: 100\r\n\r\n{\"model\": ")
+        writer.write(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b'Content-Length: 100\r\n\r\n{"model": '
+        )
         await writer.drain()
         head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout=10)
         assert head.startswith(b"HTTP/1.1 408"), head

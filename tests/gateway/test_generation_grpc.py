@@ -36,11 +36,17 @@ def test_generate_returns_the_whole_result(tokenizer_address, text_ids) -> None:
         assert (reply.text, list(reply.token_ids)) == (TEXT, text_ids)
         assert reply.finish_reason == sampling_pb2.FINISH_REASON_STOP
         assert reply.usage.completion_tokens == len(text_ids)
-        chat = await stack.generation.Generate(generation_pb2.GenerateRequest(
-            messages={"messages": [{"role": "user", "content": "hi"}]}, request_id="my-chat-1"))
+        chat = await stack.generation.Generate(
+            generation_pb2.GenerateRequest(
+                messages={"messages": [{"role": "user", "content": "hi"}]}, request_id="my-chat-1"
+            )
+        )
         assert chat.request_id == "my-chat-1" and chat.text == TEXT
-        tokens = await stack.generation.Generate(generation_pb2.GenerateRequest(
-            prompt_token_ids={"ids": [1, 19556]}, params=sampling_pb2.SamplingParameters(max_tokens=2)))
+        tokens = await stack.generation.Generate(
+            generation_pb2.GenerateRequest(
+                prompt_token_ids={"ids": [1, 19556]}, params=sampling_pb2.SamplingParameters(max_tokens=2)
+            )
+        )
         assert tokens.finish_reason == sampling_pb2.FINISH_REASON_LENGTH and tokens.usage.prompt_tokens == 2
         assert list(stack.scheduler.submitted[2].prompt_token_ids) == [1, 19556]
 
@@ -126,7 +132,8 @@ def test_get_request_and_list_models(tokenizer_address, text_ids) -> None:
         assert caught.value.code() == grpc.StatusCode.NOT_FOUND
         models = await stack.generation.ListModels(generation_pb2.ListModelsRequest())
         assert [(m.name, m.max_context_length, m.num_workers, m.vocab_size) for m in models.models] == [
-            (MODEL, 8192, 1, 49152)]
+            (MODEL, 8192, 1, 49152)
+        ]
         # The SDK's typed view, and the vocabulary `shardline bench` draws its prompts from.
         async with AsyncShardlineClient(f"127.0.0.1:{stack.gateway.grpc.port}") as client:
             assert await client.models() == [ModelInfo(MODEL, 8192, 1, 49152)]
@@ -143,13 +150,19 @@ def test_resume_a_finished_request_from_an_offset(tokenizer_address, text_ids, t
     async def body(stack: Stack) -> None:
         reply = await stack.generation.Generate(request())
         for offset in (0, 4, len(text_ids)):
-            chunks = [c async for c in stack.generation.Resume(
-                generation_pb2.ResumeRequest(request_id=reply.request_id, offset=offset))]
-            assert "".join(c.text for c in chunks) == TEXT[len(tokenizer.decode(text_ids[:offset])):]
+            chunks = [
+                c
+                async for c in stack.generation.Resume(
+                    generation_pb2.ResumeRequest(request_id=reply.request_id, offset=offset)
+                )
+            ]
+            assert "".join(c.text for c in chunks) == TEXT[len(tokenizer.decode(text_ids[:offset])) :]
             assert [t for c in chunks for t in c.token_ids] == text_ids[offset:]
             assert chunks[0].offset == offset and chunks[-1].finish_reason == sampling_pb2.FINISH_REASON_STOP
-        for bad in (generation_pb2.ResumeRequest(request_id=reply.request_id, offset=99),
-                    generation_pb2.ResumeRequest(request_id="")):
+        for bad in (
+            generation_pb2.ResumeRequest(request_id=reply.request_id, offset=99),
+            generation_pb2.ResumeRequest(request_id=""),
+        ):
             with pytest.raises(grpc.aio.AioRpcError) as caught:
                 await stack.generation.Resume(bad).read()
             assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -176,7 +189,8 @@ def test_resume_a_running_request_on_another_gateway(tokenizer_address, text_ids
         try:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{other.grpc.port}") as channel:
                 resume = generation_pb2_grpc.GenerationStub(channel).Resume(
-                    generation_pb2.ResumeRequest(request_id=request_id, offset=2))
+                    generation_pb2.ResumeRequest(request_id=request_id, offset=2)
+                )
                 replayed = await resume.read()
                 assert list(replayed.token_ids) == text_ids[2:5] and replayed.offset == 2
                 assert stack.scheduler.records[request_id].gateway_id == "gateway-b"
@@ -186,14 +200,15 @@ def test_resume_a_running_request_on_another_gateway(tokenizer_address, text_ids
             await other.stop(0)
         chunks = [replayed, *rest]
         assert [t for c in chunks for t in c.token_ids] == text_ids[2:]
-        assert "".join(c.text for c in chunks) == TEXT[len(" The quick"):]
+        assert "".join(c.text for c in chunks) == TEXT[len(" The quick") :]
         assert chunks[-1].finish_reason == sampling_pb2.FINISH_REASON_STOP
 
     run_on_stack(tokenizer_address, Script(text_ids, hold_after=5), body, resume_grace_s=0)
 
 
-def test_resume_at_the_end_of_a_finished_request_owes_nothing(tokenizer_address, text_ids, tokenizer: Tokenizer
-                                                                ) -> None:
+def test_resume_at_the_end_of_a_finished_request_owes_nothing(
+    tokenizer_address, text_ids, tokenizer: Tokenizer
+) -> None:
     """The client had the last chunk, which flushed all held-back text: a Resume at the end sends none,
     even where the stop token's text ('<|im_end|>') looks like the start of a stop string, or a
     character is unfinished."""
@@ -204,8 +219,12 @@ def test_resume_at_the_end_of_a_finished_request_owes_nothing(tokenizer_address,
         for params in ({"skip_special_tokens": False, "stop": [">>"]}, {}):
             streamed = [c async for c in stack.generation.GenerateStream(request(max_tokens=50, **params))]
             end = streamed[-1].offset + len(streamed[-1].token_ids)
-            again = [c async for c in stack.generation.Resume(
-                generation_pb2.ResumeRequest(request_id=streamed[0].request_id, offset=end))]
+            again = [
+                c
+                async for c in stack.generation.Resume(
+                    generation_pb2.ResumeRequest(request_id=streamed[0].request_id, offset=end)
+                )
+            ]
             assert "".join(c.text for c in again) == "" and not [t for c in again for t in c.token_ids]
             assert again[-1].finish_reason == sampling_pb2.FINISH_REASON_STOP
 

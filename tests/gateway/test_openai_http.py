@@ -29,7 +29,7 @@ async def sse_events(response: aiohttp.ClientResponse) -> list[dict | str]:
     async for line in response.content:
         line = line.decode().rstrip("\n")
         if line.startswith("data: "):
-            payload = line[len("data: "):]
+            payload = line[len("data: ") :]
             events.append(payload if payload == "[DONE]" else json.loads(payload))
         else:
             assert line == "", line
@@ -91,8 +91,11 @@ def test_chat_completion_applies_the_template(tokenizer_address, text_ids, token
 def test_chat_stream_with_the_openai_client_and_usage(tokenizer_address, text_ids) -> None:
     async def body(stack: Stack) -> None:
         stream = await client(stack).chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": PROMPT}], stream=True,
-            stream_options={"include_usage": True})
+            model=MODEL,
+            messages=[{"role": "user", "content": PROMPT}],
+            stream=True,
+            stream_options={"include_usage": True},
+        )
         chunks = [chunk async for chunk in stream]
         assert chunks[0].choices[0].delta.role == "assistant"
         content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -152,7 +155,8 @@ def test_logprobs_in_completions_and_chat(tokenizer_address, text_ids, tokenizer
         assert logprobs.text_offset[0] == 0 and logprobs.text_offset[1] == len(logprobs.tokens[0])
         assert len(logprobs.top_logprobs[0]) == 2
         chat = await client(stack).chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2, logprobs=True, top_logprobs=2)
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2, logprobs=True, top_logprobs=2
+        )
         content = chat.choices[0].logprobs.content
         assert [c.token for c in content] == logprobs.tokens[:2]
         assert [len(c.top_logprobs) for c in content] == [2, 2]
@@ -170,10 +174,10 @@ def test_chat_logprobs_bytes_rebuild_a_character_split_over_tokens(tokenizer_add
     async def body(stack: Stack) -> None:
         messages = [{"role": "user", "content": "hi"}]
         chat = await client(stack).chat.completions.create(model=MODEL, messages=messages, logprobs=True)
-        stream = await client(stack).chat.completions.create(model=MODEL, messages=messages, logprobs=True,
-                                                             stream=True)
-        streamed = [entry async for chunk in stream if chunk.choices[0].logprobs
-                    for entry in chunk.choices[0].logprobs.content]
+        stream = await client(stack).chat.completions.create(model=MODEL, messages=messages, logprobs=True, stream=True)
+        streamed = [
+            entry async for chunk in stream if chunk.choices[0].logprobs for entry in chunk.choices[0].logprobs.content
+        ]
         for content in (chat.choices[0].logprobs.content, streamed):
             assert "\ufffd" in "".join(entry.token for entry in content)
             assert b"".join(bytes(entry.bytes) for entry in content) == text.encode()
@@ -185,10 +189,16 @@ def test_chat_logprobs_bytes_rebuild_a_character_split_over_tokens(tokenizer_add
 
 def test_chat_messages_as_clients_send_them(tokenizer_address, text_ids, tokenizer: Tokenizer) -> None:
     # An assistant turn with null content (it only called tools) and content as several text parts.
-    sent = [{"role": "user", "content": [{"type": "text", "text": "Say"}, {"type": "text", "text": "hi"}]},
-            {"role": "assistant", "content": None}, {"role": "user", "content": "again"}]
-    meant = [{"role": "user", "content": "Say\nhi"}, {"role": "assistant", "content": ""},
-             {"role": "user", "content": "again"}]
+    sent = [
+        {"role": "user", "content": [{"type": "text", "text": "Say"}, {"type": "text", "text": "hi"}]},
+        {"role": "assistant", "content": None},
+        {"role": "user", "content": "again"},
+    ]
+    meant = [
+        {"role": "user", "content": "Say\nhi"},
+        {"role": "assistant", "content": ""},
+        {"role": "user", "content": "again"},
+    ]
 
     async def body(stack: Stack) -> None:
         await client(stack).chat.completions.create(model=MODEL, messages=sent, max_tokens=2)
@@ -246,8 +256,10 @@ def test_n_completions_per_prompt_and_a_batch_of_prompts(tokenizer_address, text
         assert list(http.attributes[attr.CHOICES]) == [f"{result.id}-{i}" for i in range(3)]
         roots = [s for s in spans if s.name == "gateway.choice"]
         assert sorted(s.attributes[attr.REQUEST_ID] for s in roots) == [f"{result.id}-{i}" for i in range(3)]
-        assert all(s.parent.span_id == http.context.span_id and s.attributes[attr.GEN_AI_USAGE_OUTPUT_TOKENS] == 4
-                   for s in roots)
+        assert all(
+            s.parent.span_id == http.context.span_id and s.attributes[attr.GEN_AI_USAGE_OUTPUT_TOKENS] == 4
+            for s in roots
+        )
 
         batch = await client(stack).completions.create(model=MODEL, prompt=["one", "two three"], max_tokens=2, n=2)
         assert [c.index for c in batch.choices] == [0, 1, 2, 3]
@@ -264,8 +276,13 @@ def test_n_completions_per_prompt_and_a_batch_of_prompts(tokenizer_address, text
 def test_a_stream_of_several_choices(tokenizer_address, text_ids, tokenizer: Tokenizer) -> None:
     async def body(stack: Stack) -> None:
         stream = await client(stack).chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": PROMPT}], stream=True, n=2, max_tokens=5,
-            stream_options={"include_usage": True})
+            model=MODEL,
+            messages=[{"role": "user", "content": PROMPT}],
+            stream=True,
+            n=2,
+            max_tokens=5,
+            stream_options={"include_usage": True},
+        )
         chunks = [chunk async for chunk in stream]
         for index in (0, 1):
             mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == index]
@@ -301,29 +318,48 @@ def test_structured_output_fields_reach_the_scheduler(tokenizer_address, text_id
     async def body(stack: Stack) -> None:
         openai_client = client(stack)
         await openai_client.chat.completions.create(
-            model=MODEL, messages=messages, max_tokens=4,
-            response_format={"type": "json_schema", "json_schema": {"name": "place", "schema": schema, "strict": True}})
-        await openai_client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4,
-                                                    response_format={"type": "json_object"})
-        await openai_client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4,
-                                                    response_format={"type": "text"})
-        await openai_client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4,
-                                               extra_body={"guided_choice": ["yes", "no"]})
-        await openai_client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4,
-                                               extra_body={"guided_json": json.dumps(schema)})
-        await openai_client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4,
-                                                    extra_body={"structured_outputs": {"regex": "[0-9]+"}})
-        await openai_client.chat.completions.create(  # vLLM ignores disable_any_whitespace where no JSON is
-            model=MODEL, messages=messages, max_tokens=4,
-            extra_body={"structured_outputs": {"regex": "[0-9]+", "disable_any_whitespace": True}})
+            model=MODEL,
+            messages=messages,
+            max_tokens=4,
+            response_format={"type": "json_schema", "json_schema": {"name": "place", "schema": schema, "strict": True}},
+        )
         await openai_client.chat.completions.create(
-            model=MODEL, messages=messages, max_tokens=4,
-            extra_body={"structured_outputs": {"json": schema, "disable_any_whitespace": True}})
+            model=MODEL, messages=messages, max_tokens=4, response_format={"type": "json_object"}
+        )
+        await openai_client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=4, response_format={"type": "text"}
+        )
         await openai_client.completions.create(
-            model=MODEL, prompt=PROMPT, max_tokens=4,
-            extra_body={"guided_json": schema, "guided_decoding_backend": "xgrammar:disable-any-whitespace"})
-        constraints = [s.params.structured_output if s.params.HasField("structured_output") else None
-                       for s in stack.scheduler.submitted]
+            model=MODEL, prompt=PROMPT, max_tokens=4, extra_body={"guided_choice": ["yes", "no"]}
+        )
+        await openai_client.completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=4, extra_body={"guided_json": json.dumps(schema)}
+        )
+        await openai_client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=4, extra_body={"structured_outputs": {"regex": "[0-9]+"}}
+        )
+        await openai_client.chat.completions.create(  # vLLM ignores disable_any_whitespace where no JSON is
+            model=MODEL,
+            messages=messages,
+            max_tokens=4,
+            extra_body={"structured_outputs": {"regex": "[0-9]+", "disable_any_whitespace": True}},
+        )
+        await openai_client.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            max_tokens=4,
+            extra_body={"structured_outputs": {"json": schema, "disable_any_whitespace": True}},
+        )
+        await openai_client.completions.create(
+            model=MODEL,
+            prompt=PROMPT,
+            max_tokens=4,
+            extra_body={"guided_json": schema, "guided_decoding_backend": "xgrammar:disable-any-whitespace"},
+        )
+        constraints = [
+            s.params.structured_output if s.params.HasField("structured_output") else None
+            for s in stack.scheduler.submitted
+        ]
         assert json.loads(constraints[0].json_schema) == schema
         assert constraints[1].json_object and constraints[2] is None
         assert list(constraints[3].choice.choices) == ["yes", "no"]
@@ -331,9 +367,21 @@ def test_structured_output_fields_reach_the_scheduler(tokenizer_address, text_id
         assert constraints[5].regex == "[0-9]+"
         assert [c.disable_any_whitespace for c in constraints if c is not None] == [False] * 6 + [True, True]
         assert constraints[6].regex == "[0-9]+" and json.loads(constraints[7].json_schema) == schema
-        kinds = [span.attributes.get(attr.STRUCTURED_OUTPUT) for span in stack.spans.get_finished_spans()
-                 if span.name == "gateway.request"]
-        assert kinds == ["json_schema", "json_object", None, "choice", "json_schema", "regex", "regex",
-                         "json_schema", "json_schema"]
+        kinds = [
+            span.attributes.get(attr.STRUCTURED_OUTPUT)
+            for span in stack.spans.get_finished_spans()
+            if span.name == "gateway.request"
+        ]
+        assert kinds == [
+            "json_schema",
+            "json_object",
+            None,
+            "choice",
+            "json_schema",
+            "regex",
+            "regex",
+            "json_schema",
+            "json_schema",
+        ]
 
     run_on_stack(tokenizer_address, Script(text_ids), body)

@@ -19,8 +19,9 @@ def _logprob(token_id: int, logprob: float, top: list[tuple[int, float]], rank: 
 def test_completion_top_logprobs_always_hold_the_sampled_token() -> None:
     # Token 11 was sampled although 20 was likelier; with logprobs=0 there are no alternatives at all.
     logprobs = [_logprob(10, -0.25, [(10, -0.25)]), _logprob(11, -3.0, [(20, -0.5)]), _logprob(12, -0.125, [])]
-    completion = Completion(text="Hello world", token_ids=[10, 11, 12], logprobs=logprobs, token_texts=TEXTS,
-                            finish_reason="length")
+    completion = Completion(
+        text="Hello world", token_ids=[10, 11, 12], logprobs=logprobs, token_texts=TEXTS, finish_reason="length"
+    )
     body = ResponseFormatter("cmpl-1", "m", chat=False).whole(completion)["choices"][0]["logprobs"]
     assert body["top_logprobs"] == [{"Hel": -0.25}, {"X": -0.5, "lo": -3.0}, {" world": -0.125}]
     assert body["tokens"] == ["Hel", "lo", " world"] and body["text_offset"] == [0, 3, 5]
@@ -32,8 +33,12 @@ def test_streamed_offsets_count_text_held_back_in_an_earlier_chunk() -> None:
     first = StreamChunk("", [10], 0, [_logprob(10, -0.1, [])], TEXTS)
     second = StreamChunk("Hello", [11], 1, [_logprob(11, -0.2, [])], TEXTS)
     third = StreamChunk(" world", [12], 2, [_logprob(12, -0.3, [])], TEXTS, finish_reason="length")
-    offsets = [e["choices"][0]["logprobs"]["text_offset"] for c in (first, second, third)
-               for e in formatter.events(c) if e["choices"]]
+    offsets = [
+        e["choices"][0]["logprobs"]["text_offset"]
+        for c in (first, second, third)
+        for e in formatter.events(c)
+        if e["choices"]
+    ]
     assert offsets == [[0], [3], [5]]
 
 
@@ -42,8 +47,14 @@ PROMPT_LOGPROBS = [_logprob(11, -2.0, [(20, -0.5)], rank=2), _logprob(12, -1.0, 
 
 
 def test_echo_puts_the_prompt_and_its_logprobs_before_the_completion() -> None:
-    completion = Completion(text="X", token_ids=[20], logprobs=[_logprob(20, -0.5, [(20, -0.5)])],
-                            token_texts=TEXTS, finish_reason="length", prompt_logprobs=PROMPT_LOGPROBS)
+    completion = Completion(
+        text="X",
+        token_ids=[20],
+        logprobs=[_logprob(20, -0.5, [(20, -0.5)])],
+        token_texts=TEXTS,
+        finish_reason="length",
+        prompt_logprobs=PROMPT_LOGPROBS,
+    )
     choice = ResponseFormatter("cmpl-1", "m", chat=False, echo=ECHO).whole(completion)["choices"][0]
     assert choice["text"] == "Hello worldX" and "prompt_logprobs" not in choice
     assert choice["logprobs"] == {
@@ -57,13 +68,15 @@ def test_echo_puts_the_prompt_and_its_logprobs_before_the_completion() -> None:
     choice = ResponseFormatter("cmpl-1", "m", chat=False, echo=ECHO).whole(plain)["choices"][0]
     assert choice["text"] == "Hello worldX" and choice["logprobs"] is None
     # prompt_logprobs without logprobs (vLLM's own field) puts nothing in the legacy object.
-    asked = Completion(text="X", token_ids=[20], token_texts=TEXTS, finish_reason="length",
-                       prompt_logprobs=PROMPT_LOGPROBS)
+    asked = Completion(
+        text="X", token_ids=[20], token_texts=TEXTS, finish_reason="length", prompt_logprobs=PROMPT_LOGPROBS
+    )
     choice = ResponseFormatter("cmpl-1", "m", chat=False, echo=ECHO, prompt_logprobs=True).whole(asked)["choices"][0]
     assert choice["text"] == "Hello worldX" and choice["logprobs"] is None and len(choice["prompt_logprobs"]) == 3
     # A one-token prompt has no prompt logprobs, but its token is still listed (with a null logprob).
-    one = Completion(text="X", token_ids=[20], logprobs=[_logprob(20, -0.5, [])], token_texts=TEXTS,
-                     finish_reason="length")
+    one = Completion(
+        text="X", token_ids=[20], logprobs=[_logprob(20, -0.5, [])], token_texts=TEXTS, finish_reason="length"
+    )
     choice = ResponseFormatter("cmpl-1", "m", chat=False, echo=EchoedPrompt("Hel", "Hel")).whole(one)["choices"][0]
     assert choice["logprobs"]["tokens"] == ["Hel", "X"] and choice["logprobs"]["token_logprobs"] == [None, -0.5]
 
@@ -81,27 +94,40 @@ def test_a_streamed_echo_is_the_first_event() -> None:
 def test_echo_with_max_tokens_0_is_the_prompt_alone() -> None:
     # The one token the engine sampled is left out: no text, no logprob; the limit ended the choice.
     only = EchoedPrompt(text="Hello world", first_token_text="Hel", only=True)
-    completion = Completion(text="X", token_ids=[20], logprobs=[_logprob(20, -0.5, [(20, -0.5)])],
-                            token_texts=TEXTS, finish_reason="stop", prompt_logprobs=PROMPT_LOGPROBS)
+    completion = Completion(
+        text="X",
+        token_ids=[20],
+        logprobs=[_logprob(20, -0.5, [(20, -0.5)])],
+        token_texts=TEXTS,
+        finish_reason="stop",
+        prompt_logprobs=PROMPT_LOGPROBS,
+    )
     choice = ResponseFormatter("cmpl-1", "m", chat=False, echo=only).whole(completion)["choices"][0]
     assert choice["text"] == "Hello world" and choice["finish_reason"] == "length"
     assert choice["logprobs"]["tokens"] == ["Hel", "lo", " world"]
     assert choice["logprobs"]["token_logprobs"] == [None, -2.0, -1.0]
     # Streamed: the echo, then the end, and nothing of the token between.
     formatter = ResponseFormatter("cmpl-1", "m", chat=False, echo=only)
-    chunk = StreamChunk("X", [20], 0, [_logprob(20, -0.5, [])], TEXTS, finish_reason="stop",
-                        prompt_logprobs=PROMPT_LOGPROBS)
+    chunk = StreamChunk(
+        "X", [20], 0, [_logprob(20, -0.5, [])], TEXTS, finish_reason="stop", prompt_logprobs=PROMPT_LOGPROBS
+    )
     events = [e["choices"][0] for e in formatter.events(chunk)]
     assert [(e["text"], e["finish_reason"]) for e in events] == [("Hello world", None), ("", "length")]
     assert events[0]["logprobs"]["token_logprobs"] == [None, -2.0, -1.0] and events[1]["logprobs"] is None
 
 
 def test_prompt_logprobs_take_vllms_shape() -> None:
-    completion = Completion(text="X", token_ids=[20], token_texts=TEXTS, finish_reason="length",
-                            prompt_logprobs=PROMPT_LOGPROBS)
-    want = [None, {"20": {"logprob": -0.5, "rank": 1, "decoded_token": "X"},
-                   "11": {"logprob": -2.0, "rank": 2, "decoded_token": "lo"}},
-            {"12": {"logprob": -1.0, "rank": 1, "decoded_token": " world"}}]
+    completion = Completion(
+        text="X", token_ids=[20], token_texts=TEXTS, finish_reason="length", prompt_logprobs=PROMPT_LOGPROBS
+    )
+    want = [
+        None,
+        {
+            "20": {"logprob": -0.5, "rank": 1, "decoded_token": "X"},
+            "11": {"logprob": -2.0, "rank": 2, "decoded_token": "lo"},
+        },
+        {"12": {"logprob": -1.0, "rank": 1, "decoded_token": " world"}},
+    ]
     choice = ResponseFormatter("cmpl-1", "m", chat=False, prompt_logprobs=True).whole(completion)["choices"][0]
     assert choice["prompt_logprobs"] == want and choice["text"] == "X"
     chat = ResponseFormatter("chatcmpl-1", "m", chat=True, prompt_logprobs=True).whole(completion)

@@ -52,12 +52,18 @@ def test_stop_strings_wait_for_min_tokens(tokenizer_address, text_ids, tokens_pe
     """As in vLLM, a stop string ends a request only from its min_tokens-th token on, however the
     tokens arrive: the "o" of " brown" (token 3) passes; with min_tokens 6 the "o" of " over" (token
     6) ends it, with 7 that of " dog" (token 9). Deltas of several tokens cross min_tokens mid-way."""
+
     async def body(stack: Stack) -> None:
         for min_tokens, text in ((6, " The quick brown fox jumps "), (7, " The quick brown fox jumps over the lazy d")):
             for stream in (False, True):
                 reply = await client(stack).completions.create(
-                    model=MODEL, prompt=PROMPT, stop="o", extra_body={"min_tokens": min_tokens}, max_tokens=32,
-                    stream=stream)
+                    model=MODEL,
+                    prompt=PROMPT,
+                    stop="o",
+                    extra_body={"min_tokens": min_tokens},
+                    max_tokens=32,
+                    stream=stream,
+                )
                 chunks = [chunk async for chunk in reply] if stream else [reply]
                 assert "".join(c.choices[0].text for c in chunks) == text, (min_tokens, stream)
                 assert chunks[-1].choices[0].finish_reason == "stop"
@@ -69,26 +75,33 @@ def test_stop_strings_wait_for_min_tokens(tokenizer_address, text_ids, tokens_pe
 
 @pytest.mark.parametrize("tokens_per_step", [1, 3, 4, 40])
 def test_a_stop_string_ends_the_tokens_logprobs_and_usage_at_the_token_that_completes_it(
-        tokenizer_address, text_ids, tokenizer: Tokenizer, tokens_per_step) -> None:
+    tokenizer_address, text_ids, tokenizer: Tokenizer, tokens_per_step
+) -> None:
     """Tokens that came in the same delta after the one completing a stop string are not output: as in
     vLLM, which checks stop strings after every token, the logprobs and the usage end at that token."""
     stop = "ick bro"  # completed by the third token, " brown"
     through = next(k for k in range(1, len(text_ids) + 1) if stop in tokenizer.decode(text_ids[:k]))
 
     async def body(stack: Stack) -> None:
-        whole = await client(stack).completions.create(model=MODEL, prompt=PROMPT, stop=stop, max_tokens=32,
-                                                       logprobs=1)
+        whole = await client(stack).completions.create(model=MODEL, prompt=PROMPT, stop=stop, max_tokens=32, logprobs=1)
         assert whole.choices[0].text == " The qu"
         assert whole.choices[0].logprobs.tokens == [tokenizer.decode([t]) for t in text_ids[:through]]
         assert whole.usage.completion_tokens == through
         streamed = await client(stack).completions.create(
-            model=MODEL, prompt=PROMPT, stop=[stop, "zzz"], max_tokens=32, logprobs=1, stream=True,
-            stream_options={"include_usage": True})
+            model=MODEL,
+            prompt=PROMPT,
+            stop=[stop, "zzz"],
+            max_tokens=32,
+            logprobs=1,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
         chunks = [chunk async for chunk in streamed]
         assert sum(len(c.choices[0].logprobs.tokens) for c in chunks if c.choices) == through
         assert chunks[-1].usage.completion_tokens == through
         chat = await client(stack).chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": "hi"}], stop=stop, max_tokens=32, logprobs=True)
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], stop=stop, max_tokens=32, logprobs=True
+        )
         assert [c.token for c in chat.choices[0].logprobs.content] == whole.choices[0].logprobs.tokens
         assert chat.usage.completion_tokens == through
 
@@ -97,7 +110,8 @@ def test_a_stop_string_ends_the_tokens_logprobs_and_usage_at_the_token_that_comp
 
 @pytest.mark.parametrize("probes", [2, 3])
 def test_the_token_completing_a_stop_string_is_found_over_several_rounds(
-        tokenizer_address, text_ids, tokenizer: Tokenizer, probes, monkeypatch) -> None:
+    tokenizer_address, text_ids, tokenizer: Tokenizer, probes, monkeypatch
+) -> None:
     # With few probes per Detokenize call, a long delta takes several rounds to narrow down.
     monkeypatch.setattr("gateway.stop_search._CUT_PROBES", probes)
     for stop in ("azy d", " quick", "Zü"):
@@ -125,7 +139,8 @@ def test_the_search_reads_a_run_of_invalid_bytes_as_characters(tokenizer_address
 
 
 def test_a_failed_search_keeps_every_token_and_a_stop_at_the_end_costs_one_probe(
-        tokenizer_address, text_ids, monkeypatch) -> None:
+    tokenizer_address, text_ids, monkeypatch
+) -> None:
     probes: list[int] = []  # items per Detokenize call of the search
     failure: list[BaseException] = []
     searching = []
@@ -173,7 +188,8 @@ def test_of_two_stops_one_token_completes_the_first_listed_wins(tokenizer_addres
 
 @pytest.mark.parametrize("tokens_per_step", [1, 2, 3, 40])
 def test_which_stop_wins_does_not_depend_on_how_many_tokens_a_delta_holds(
-        tokenizer_address, text_ids, tokens_per_step) -> None:
+    tokenizer_address, text_ids, tokens_per_step
+) -> None:
     # " quick" completes both "ick" and " q": token by token, the first listed wins (vLLM), however
     # the tokens reach the gateway.
     async def body(stack: Stack) -> None:
@@ -186,7 +202,8 @@ def test_which_stop_wins_does_not_depend_on_how_many_tokens_a_delta_holds(
 
 @pytest.mark.parametrize("tokens_per_step", [1, 40])
 def test_a_stop_ending_in_a_token_with_unfinished_bytes_waits_for_them_as_a_stream_does(
-        tokenizer_address, text_ids, tokenizer, tokens_per_step) -> None:
+    tokenizer_address, text_ids, tokenizer, tokens_per_step
+) -> None:
     # " \xf0\x9f\x98" (a space and three of the emoji's bytes) is one token: a stream shows its space
     # only with the emoji's last byte, so "h " completes at the token after it, in any delta size.
     emoji_start = next(i for i, t in enumerate(text_ids) if tokenizer.decode([t]).startswith(" \ufffd"))
@@ -207,11 +224,16 @@ def test_the_stop_token_is_output_but_not_text(tokenizer_address, text_ids, toke
 
     async def body(stack: Stack) -> None:
         openai_client = client(stack)
-        raw = await openai_client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=100,
-                                                     extra_body={"skip_special_tokens": False})
+        raw = await openai_client.completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=100, extra_body={"skip_special_tokens": False}
+        )
         assert raw.choices[0].text == TEXT and raw.usage.completion_tokens == len(text_ids) + 1
-        chunks = [c.choices[0].text async for c in await openai_client.completions.create(
-            model=MODEL, prompt=PROMPT, max_tokens=100, stream=True, extra_body={"skip_special_tokens": False})]
+        chunks = [
+            c.choices[0].text
+            async for c in await openai_client.completions.create(
+                model=MODEL, prompt=PROMPT, max_tokens=100, stream=True, extra_body={"skip_special_tokens": False}
+            )
+        ]
         assert "".join(chunks) == TEXT
 
     run_on_stack(tokenizer_address, Script(text_ids + [eos]), body)
@@ -220,8 +242,9 @@ def test_the_stop_token_is_output_but_not_text(tokenizer_address, text_ids, toke
     last = text_ids[-1]
 
     async def stopped_on_id(stack: Stack) -> None:
-        reply = await client(stack).completions.create(model=MODEL, prompt=PROMPT, max_tokens=100,
-                                                       extra_body={"stop_token_ids": [last]})
+        reply = await client(stack).completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=100, extra_body={"stop_token_ids": [last]}
+        )
         assert reply.choices[0].text == tokenizer.decode(text_ids[:-1])
         assert reply.usage.completion_tokens == len(text_ids)
 

@@ -46,12 +46,31 @@ def test_min_tokens_must_fit_the_max_tokens_it_gets(default, prompt_tokens) -> N
 
 
 def test_openai_fields_map_onto_sampling_parameters() -> None:
-    params, priority, max_tokens_field, n = sampling_from_openai({
-        "max_completion_tokens": 12, "max_tokens": 99, "temperature": 0.7, "top_k": -1, "seed": -1,
-        "stop": "END", "stop_token_ids": [7], "logprobs": True, "top_logprobs": 3, "priority": -2,
-        "ignore_eos": True, "skip_special_tokens": False, "user": "ignored"}, chat=True)
+    params, priority, max_tokens_field, n = sampling_from_openai(
+        {
+            "max_completion_tokens": 12,
+            "max_tokens": 99,
+            "temperature": 0.7,
+            "top_k": -1,
+            "seed": -1,
+            "stop": "END",
+            "stop_token_ids": [7],
+            "logprobs": True,
+            "top_logprobs": 3,
+            "priority": -2,
+            "ignore_eos": True,
+            "skip_special_tokens": False,
+            "user": "ignored",
+        },
+        chat=True,
+    )
     assert (params.max_tokens, params.top_k, params.seed, list(params.stop)) == (12, 0, 2**64 - 1, ["END"])
-    assert (params.logprobs, params.top_logprobs, params.ignore_eos, params.skip_special_tokens) == (True, 3, True, False)
+    assert (params.logprobs, params.top_logprobs, params.ignore_eos, params.skip_special_tokens) == (
+        True,
+        3,
+        True,
+        False,
+    )
     assert abs(params.temperature - 0.7) < 1e-6 and priority == -2
     assert max_tokens_field == "max_completion_tokens"  # so that errors name the field the client sent
     assert n == 1
@@ -92,8 +111,11 @@ def test_prompt_logprobs_and_echo() -> None:
     assert not params.HasField("prompt_logprobs")  # echo alone needs none computed
     params, *_ = sampling_from_openai({"messages": [], "prompt_logprobs": 0}, chat=True)
     assert params.HasField("prompt_logprobs") and params.prompt_logprobs == 0
-    for body, chat, field in (({"echo": True}, True, "echo"), ({"prompt_logprobs": 21}, False, "prompt_logprobs"),
-                              ({"prompt_logprobs": 1, "stream": True}, False, "prompt_logprobs")):
+    for body, chat, field in (
+        ({"echo": True}, True, "echo"),
+        ({"prompt_logprobs": 21}, False, "prompt_logprobs"),
+        ({"prompt_logprobs": 1, "stream": True}, False, "prompt_logprobs"),
+    ):
         with pytest.raises(InvalidArgument) as caught:
             sampling_from_openai(body, chat=chat)
         assert caught.value.field == field

@@ -36,8 +36,11 @@ REFUSED = [
     (False, {"functions": []}, "functions"),
     (False, {"use_beam_search": True}, "use_beam_search"),  # vLLM's, not done here
     (True, {"max_token": 5}, "max_token"),  # a misspelling is not silently dropped
-    (True, {"stream": True, "stream_options": {"continuous_usage_stats": True}},
-     "stream_options.continuous_usage_stats"),
+    (
+        True,
+        {"stream": True, "stream_options": {"continuous_usage_stats": True}},
+        "stream_options.continuous_usage_stats",
+    ),
     (True, {"user": 7}, "user"),
     (False, {"metadata": "tag"}, "metadata"),
     (False, {"metadata": {"k": 1}}, "metadata.k"),
@@ -56,8 +59,9 @@ def test_a_field_that_cannot_be_honoured_is_refused_naming_it(chat, fields, para
 @pytest.mark.parametrize("chat", [True, False])
 def test_harmless_fields_and_nulls_are_taken(chat) -> None:
     base = CHAT if chat else COMPLETION
-    parsed = parse_request({**base, "user": "u-1", "metadata": {"team": "search"}, "functions": None,
-                            "suffix": None, "tools": None}, chat)
+    parsed = parse_request(
+        {**base, "user": "u-1", "metadata": {"team": "search"}, "functions": None, "suffix": None, "tools": None}, chat
+    )
     assert parsed.chat == chat
 
 
@@ -75,8 +79,9 @@ def test_a_surrogate_in_a_bodys_utf8_is_a_400_naming_its_field(tokenizer_address
     async def body(stack: Stack) -> None:
         async with aiohttp.ClientSession() as http:
             for path, raw, param in SURROGATE_BODIES:
-                async with http.post(f"{stack.base_url}{path}", data=raw,
-                                     headers={"Content-Type": "application/json"}) as response:
+                async with http.post(
+                    f"{stack.base_url}{path}", data=raw, headers={"Content-Type": "application/json"}
+                ) as response:
                     error = (await response.json())["error"]
                     assert (response.status, error["param"]) == (400, param), (raw, error)
             # The same in a UTF-16 body, which json.loads reads too.

@@ -30,9 +30,11 @@ def test_a_key_reads_resumes_and_cancels_only_its_own_requests(tokenizer_address
         resume = generation_pb2.ResumeRequest(request_id="owned-1")
         assert [c async for c in stack.generation.Resume(resume, metadata=OWNER)]
 
-        refused = [stack.generation.GetRequest(lookup, metadata=OTHER),
-                   stack.generation.Cancel(common_pb2.CancelRequest(request_id="owned-1"), metadata=OTHER),
-                   _drain(stack.generation.Resume(resume, metadata=OTHER))]
+        refused = [
+            stack.generation.GetRequest(lookup, metadata=OTHER),
+            stack.generation.Cancel(common_pb2.CancelRequest(request_id="owned-1"), metadata=OTHER),
+            _drain(stack.generation.Resume(resume, metadata=OTHER)),
+        ]
         for call in refused:
             with pytest.raises(grpc.aio.AioRpcError) as caught:
                 await call
@@ -42,8 +44,11 @@ def test_a_key_reads_resumes_and_cancels_only_its_own_requests(tokenizer_address
         # Over HTTP the same key makes the same owner; another key, another.
         async with aiohttp.ClientSession() as http:
             for key in ("k1", "k2"):
-                async with http.post(f"{stack.base_url}/v1/completions", json={"model": MODEL, "prompt": "hi"},
-                                     headers={"Authorization": f"Bearer {key}"}) as response:
+                async with http.post(
+                    f"{stack.base_url}/v1/completions",
+                    json={"model": MODEL, "prompt": "hi"},
+                    headers={"Authorization": f"Bearer {key}"},
+                ) as response:
                     assert response.status == 200
         assert [s.owner == submit.owner for s in stack.scheduler.submitted[1:]] == [True, False]
 

@@ -64,6 +64,6 @@ def test_of_stops_one_token_completes_the_first_listed_wins_as_in_vllm() -> None
     for stops, sent in ((["brown", "row"], " The quick "), (["row", "brown"], " The quick b")):
         matcher = StopMatcher(stops)
         assert matcher.feed(" The quick", one_token=True) == (" The quick", False)
-        assert matcher.feed(" brown", one_token=True) == (sent[len(" The quick"):], True), stops
+        assert matcher.feed(" brown", one_token=True) == (sent[len(" The quick") :], True), stops
     # Over a piece of several tokens the one complete first wins, whatever the list's order.
     assert StopMatcher(["brown", "row"]).feed(" The quick brown") == (" The quick b", True)

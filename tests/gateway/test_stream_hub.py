@@ -14,8 +14,8 @@ from opentelemetry import trace
 from gateway import stream_hub
 from gateway.request_stream import RequestStream
 from gateway.stop_matcher import StopMatcher
-from shardline.proto import common_pb2, generation_pb2, sampling_pb2
 from shardline.ports import free_port
+from shardline.proto import common_pb2, generation_pb2, sampling_pb2
 from tests.gateway.conftest import TEXT, start_tokenizer
 from tests.gateway.harness import Stack, run_on_stack
 from tests.gateway.scripted_scheduler import MODEL, Script
@@ -35,8 +35,10 @@ def test_one_detokenize_call_per_token_batch_for_all_requests(tokenizer_address,
 
         stub.Detokenize = counting
         oai = openai.AsyncOpenAI(base_url=f"{stack.base_url}/v1", api_key="x")
-        requests = [asyncio.create_task(oai.completions.create(model=MODEL, prompt=f"Prompt {i}", max_tokens=50))
-                    for i in range(3)]
+        requests = [
+            asyncio.create_task(oai.completions.create(model=MODEL, prompt=f"Prompt {i}", max_tokens=50))
+            for i in range(3)
+        ]
         while len(stack.scheduler.submitted) < 3 or any(len(r.output) < 1 for r in stack.scheduler.records.values()):
             await asyncio.sleep(0.01)
         stack.scheduler.release()
@@ -115,15 +117,21 @@ def test_request_span_honours_traceparent_and_reaches_submit(tokenizer_address, 
 
 
 def _sample(metrics: str, name: str) -> float:
-    found = re.search(rf'^{name}\{{(finish_reason="length",)?gen_ai_request_model="{MODEL}"\}} (\S+)$', metrics,
-                      re.MULTILINE)
+    found = re.search(
+        rf'^{name}\{{(finish_reason="length",)?gen_ai_request_model="{MODEL}"\}} (\S+)$', metrics, re.MULTILINE
+    )
     return float(found.group(2)) if found else 0.0
 
 
 def test_metrics_models_and_health(tokenizer_address, text_ids) -> None:
-    names = ["gen_ai_server_time_to_first_token_seconds_count", "gen_ai_server_time_per_output_token_seconds_count",
-             "gen_ai_server_request_duration_seconds_count", "shardline_prompt_tokens_total",
-             "shardline_generation_tokens_total", "shardline_requests_total"]
+    names = [
+        "gen_ai_server_time_to_first_token_seconds_count",
+        "gen_ai_server_time_per_output_token_seconds_count",
+        "gen_ai_server_request_duration_seconds_count",
+        "shardline_prompt_tokens_total",
+        "shardline_generation_tokens_total",
+        "shardline_requests_total",
+    ]
 
     async def body(stack: Stack) -> None:
         async with aiohttp.ClientSession() as http:
@@ -138,16 +146,25 @@ def test_metrics_models_and_health(tokenizer_address, text_ids) -> None:
             assert [a - b for a, b in zip(after, before)] == [1, 1, 1, 1, 10, 1]
             # The scheduler's queue and pool, asked for at scrape time, and not the zeros of gauges
             # that only the scheduler and workers set.
-            for line in ("shardline_queue_depth 3.0", "shardline_running_requests 0.0", "shardline_workers_alive 1.0",
-                         'shardline_kv_cache_usage_ratio{worker_id="worker-0"} 0.25'):
+            for line in (
+                "shardline_queue_depth 3.0",
+                "shardline_running_requests 0.0",
+                "shardline_workers_alive 1.0",
+                'shardline_kv_cache_usage_ratio{worker_id="worker-0"} 0.25',
+            ):
                 assert len(re.findall(rf"^{re.escape(line)}$", metrics, re.MULTILINE)) == 1, line
             assert "shardline_generation_tokens_per_second" not in metrics
             models = await oai.models.list()
             assert [(m.id, m.owned_by) for m in models.data] == [(MODEL, "shardline")]
             async with http.get(f"{stack.base_url}/health") as response:
                 assert response.status == 200
-                assert await response.json() == {"status": "ok", "tokenizer": True, "scheduler": True,
-                                                 "subscribed": True, "workers": 1}
+                assert await response.json() == {
+                    "status": "ok",
+                    "tokenizer": True,
+                    "scheduler": True,
+                    "subscribed": True,
+                    "workers": 1,
+                }
             async with http.get(f"{stack.base_url}/v1/nothing") as response:
                 assert response.status == 404 and "error" in await response.json()
 
@@ -163,8 +180,9 @@ def test_resume_does_not_repeat_held_deltas_that_the_record_already_holds(tokeni
         hub.register(stream)
         # Held (buffered) while the record is read: tokens 3..5, which the record will also hold.
         await hub._handle([common_pb2.RequestDelta(request_id=rid, offset=3, token_ids=text_ids[3:6])])
-        record = common_pb2.RequestInfo(request_id=rid, output_token_ids=text_ids[:5],
-                                        status=sampling_pb2.REQUEST_STATUS_RUNNING)
+        record = common_pb2.RequestInfo(
+            request_id=rid, output_token_ids=text_ids[:5], status=sampling_pb2.REQUEST_STATUS_RUNNING
+        )
         await hub.apply_record(rid, record, 2)
         chunks = []
         while not stream.queue.empty():
@@ -187,9 +205,18 @@ def test_a_resume_at_any_offset_gives_exactly_the_text_not_yet_had(tokenizer_add
         hub.register(stream)
         for i in range(count):
             last = final and i == count - 1
-            await hub._handle([common_pb2.RequestDelta(
-                request_id=rid, offset=i, token_ids=[ids[i]],
-                finish_reason=sampling_pb2.FINISH_REASON_STOP if last else sampling_pb2.FINISH_REASON_UNSPECIFIED)])
+            await hub._handle(
+                [
+                    common_pb2.RequestDelta(
+                        request_id=rid,
+                        offset=i,
+                        token_ids=[ids[i]],
+                        finish_reason=sampling_pb2.FINISH_REASON_STOP
+                        if last
+                        else sampling_pb2.FINISH_REASON_UNSPECIFIED,
+                    )
+                ]
+            )
         text = ""
         while not stream.queue.empty():
             text += stream.queue.get_nowait().text
@@ -200,8 +227,11 @@ def test_a_resume_at_any_offset_gives_exactly_the_text_not_yet_had(tokenizer_add
         hub = stack.gateway.hub
         whole = await streamed(hub, "whole", len(ids), final=True)
         assert whole == tokenizer.decode(ids)
-        record = common_pb2.RequestInfo(output_token_ids=ids, status=sampling_pb2.REQUEST_STATUS_FINISHED,
-                                        finish_reason=sampling_pb2.FINISH_REASON_STOP)
+        record = common_pb2.RequestInfo(
+            output_token_ids=ids,
+            status=sampling_pb2.REQUEST_STATUS_FINISHED,
+            finish_reason=sampling_pb2.FINISH_REASON_STOP,
+        )
         for offset in range(len(ids) + 1):
             had = await streamed(hub, f"had-{offset}", offset, final=False)
             rid = f"resumed-{offset}"
@@ -228,8 +258,11 @@ def test_a_client_leaving_a_stream_cancels_it_and_logs_no_error(tokenizer_addres
             await stack.scheduler.wait_cancelled(first.request_id)
         async with aiohttp.ClientSession() as http:
             for chat in (False, True):
-                body = {"model": MODEL, "stream": True, **({"messages": [{"role": "user", "content": "hi"}]} if chat
-                                                            else {"prompt": "hi"})}
+                body = {
+                    "model": MODEL,
+                    "stream": True,
+                    **({"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "hi"}),
+                }
                 url = f"{stack.base_url}/v1/{'chat/completions' if chat else 'completions'}"
                 async with http.post(url, json=body) as response:
                     await response.content.readline()
@@ -241,8 +274,11 @@ def test_a_client_leaving_a_stream_cancels_it_and_logs_no_error(tokenizer_addres
         run_on_stack(tokenizer_address, Script(text_ids, hold_after=2), body, resume_grace_s=0)
     # The gateway's and OpenTelemetry's own errors (an HTTP client of another test collected here may
     # log asyncio noise of its own).
-    ours = [r.getMessage() for r in caplog.records
-            if r.levelname == "ERROR" and r.name.startswith(("gateway", "opentelemetry", "tracing", "shardline"))]
+    ours = [
+        r.getMessage()
+        for r in caplog.records
+        if r.levelname == "ERROR" and r.name.startswith(("gateway", "opentelemetry", "tracing", "shardline"))
+    ]
     assert ours == []
 
 
@@ -259,12 +295,18 @@ def test_a_first_token_without_the_prompt_logprobs_asked_for_fails_the_request(t
         one = RequestStream("pl-one-token-prompt", 1, True, StopMatcher([]), wants_prompt_logprobs=True)
         for stream in (whole, lost, one):
             hub.register(stream)
-        await hub._handle([
-            common_pb2.RequestDelta(request_id="pl-whole", offset=0, token_ids=text_ids[:1],
-                                    prompt_logprobs=[top(text_ids[1]), top(text_ids[2])]),
-            common_pb2.RequestDelta(request_id="pl-lost", offset=0, token_ids=text_ids[:2]),
-            common_pb2.RequestDelta(request_id="pl-one-token-prompt", offset=0, token_ids=text_ids[:1]),
-        ])
+        await hub._handle(
+            [
+                common_pb2.RequestDelta(
+                    request_id="pl-whole",
+                    offset=0,
+                    token_ids=text_ids[:1],
+                    prompt_logprobs=[top(text_ids[1]), top(text_ids[2])],
+                ),
+                common_pb2.RequestDelta(request_id="pl-lost", offset=0, token_ids=text_ids[:2]),
+                common_pb2.RequestDelta(request_id="pl-one-token-prompt", offset=0, token_ids=text_ids[:1]),
+            ]
+        )
         chunk = whole.queue.get_nowait()
         assert [lp.token_id for lp in chunk.prompt_logprobs] == text_ids[1:3] and chunk.finish_reason is None
         assert set(chunk.token_texts) == set(text_ids[1:3])
@@ -314,7 +356,8 @@ def test_a_tokenizer_restart_pauses_the_streams_and_loses_nothing(text_ids) -> N
 
 
 def test_a_tokenizer_that_stays_down_fails_streams_as_unavailable_and_the_requests_run_on(
-        text_ids, monkeypatch) -> None:
+    text_ids, monkeypatch
+) -> None:
     """Past the outage window the client gets UNAVAILABLE with the offset to resume at, not INTERNAL,
     and the request is not cancelled: it finishes and is recorded, for a Resume once the tokenizer is back."""
     monkeypatch.setattr(stream_hub, "TOKENIZER_OUTAGE_S", 1.0)

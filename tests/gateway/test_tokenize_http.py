@@ -36,8 +36,9 @@ def test_a_chats_count_is_its_prompt_tokens_in_usage(tokenizer_address, text_ids
     async def body(stack: Stack) -> None:
         status, tokens = await _post(stack, "/tokenize", {"model": MODEL, "messages": MESSAGES})
         assert status == 200, tokens
-        status, chat = await _post(stack, "/v1/chat/completions", {"model": MODEL, "messages": MESSAGES,
-                                                                   "max_tokens": 2})
+        status, chat = await _post(
+            stack, "/v1/chat/completions", {"model": MODEL, "messages": MESSAGES, "max_tokens": 2}
+        )
         assert status == 200 and tokens["count"] == chat["usage"]["prompt_tokens"]
         assert list(stack.scheduler.submitted[0].prompt_token_ids) == tokens["tokens"]
         _, bare = await _post(stack, "/tokenize", {"messages": MESSAGES, "add_generation_prompt": False})

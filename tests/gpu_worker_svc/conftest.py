@@ -18,5 +18,6 @@ def hf_default_model(default_model):
     """HF transformers' own GGUF loader is the reference implementation (slow: ~25 s)."""
     transformers = pytest.importorskip("transformers")
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(default_model.parent), gguf_file=default_model.name, dtype=torch.float32)
+        str(default_model.parent), gguf_file=default_model.name, dtype=torch.float32
+    )
     return model.eval()

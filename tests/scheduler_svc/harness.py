@@ -18,8 +18,12 @@ from tests.scheduler_svc.scripted_worker import ScriptedWorker
 
 def make_settings(redis_url: str, **overrides: object) -> SchedulerSettings:
     values: dict[str, object] = dict(
-        host="127.0.0.1", port=0, redis_url=redis_url, tracing=False,
-        heartbeat_interval_s=0.1, heartbeat_timeout_s=2.0,
+        host="127.0.0.1",
+        port=0,
+        redis_url=redis_url,
+        tracing=False,
+        heartbeat_interval_s=0.1,
+        heartbeat_timeout_s=2.0,
     )
     values.update(overrides)
     return SchedulerSettings(**values)
@@ -67,8 +71,11 @@ class Gateway:
         return next((d for d in self.deltas(request_id) if d.finish_reason), None)
 
     async def wait_finished(self, *request_ids: str, timeout_s: float = 10.0) -> None:
-        await eventually(lambda: all(self.final(r) is not None for r in request_ids), timeout_s,
-                         f"{request_ids} to finish on {self.gateway_id}")
+        await eventually(
+            lambda: all(self.final(r) is not None for r in request_ids),
+            timeout_s,
+            f"{request_ids} to finish on {self.gateway_id}",
+        )
 
     def close(self) -> None:
         self._call.cancel()
@@ -90,14 +97,29 @@ class Cluster:
         self.workers.append(worker)
         return worker
 
-    async def submit(self, request_id: str, gateway_id: str = "gw-1", prompt: list[int] | None = None,
-                     max_tokens: int = 5, seed: int = 7, priority: int = 0,
-                     **fields: object) -> scheduler_pb2.SubmitResponse:
+    async def submit(
+        self,
+        request_id: str,
+        gateway_id: str = "gw-1",
+        prompt: list[int] | None = None,
+        max_tokens: int = 5,
+        seed: int = 7,
+        priority: int = 0,
+        **fields: object,
+    ) -> scheduler_pb2.SubmitResponse:
         params = sampling_pb2.SamplingParameters(max_tokens=max_tokens, seed=seed, temperature=0.0)
-        return await self.stub.Submit(scheduler_pb2.SubmitRequest(
-            request_id=request_id, gateway_id=gateway_id, model="test-model",
-            prompt_token_ids=[1, 2, 3] if prompt is None else prompt, params=params, eos_token_ids=[2],
-            priority=priority, **fields))
+        return await self.stub.Submit(
+            scheduler_pb2.SubmitRequest(
+                request_id=request_id,
+                gateway_id=gateway_id,
+                model="test-model",
+                prompt_token_ids=[1, 2, 3] if prompt is None else prompt,
+                params=params,
+                eos_token_ids=[2],
+                priority=priority,
+                **fields,
+            )
+        )
 
     async def info(self, request_id: str) -> common_pb2.RequestInfo:
         return await self.stub.GetRequest(common_pb2.GetRequestRequest(request_id=request_id))

@@ -33,11 +33,26 @@ class _Running:
 class ScriptedWorker(worker_pb2_grpc.WorkerServicer):
     """A fake worker for component tests (see the module docstring)."""
 
-    def __init__(self, worker_id: str, max_num_seqs: int = 4, block_size: int = 4, model: str = "test-model",
-                 tick_s: float = 0.01, heartbeat_s: float | None = 0.1, max_model_len: int = 0,
-                 reregister: bool = False) -> None:
-        self.info = worker_pb2.WorkerInfo(worker_id=worker_id, model=model, tp_size=1, kv_blocks_total=64,
-                                          block_size=block_size, max_num_seqs=max_num_seqs, max_model_len=max_model_len)
+    def __init__(
+        self,
+        worker_id: str,
+        max_num_seqs: int = 4,
+        block_size: int = 4,
+        model: str = "test-model",
+        tick_s: float = 0.01,
+        heartbeat_s: float | None = 0.1,
+        max_model_len: int = 0,
+        reregister: bool = False,
+    ) -> None:
+        self.info = worker_pb2.WorkerInfo(
+            worker_id=worker_id,
+            model=model,
+            tp_size=1,
+            kv_blocks_total=64,
+            block_size=block_size,
+            max_num_seqs=max_num_seqs,
+            max_model_len=max_model_len,
+        )
         self.tick_s = tick_s
         self.reregister = reregister  # registers again when a heartbeat says the scheduler forgot it
         self.heartbeat_s = heartbeat_s
@@ -56,7 +71,8 @@ class ScriptedWorker(worker_pb2_grpc.WorkerServicer):
 
     async def start(self, scheduler_port: int) -> "ScriptedWorker":
         self._server = await start_grpc_server(
-            [GrpcService(self, worker_pb2_grpc.add_WorkerServicer_to_server, WORKER_SERVICE)], 0, "127.0.0.1")
+            [GrpcService(self, worker_pb2_grpc.add_WorkerServicer_to_server, WORKER_SERVICE)], 0, "127.0.0.1"
+        )
         self.info.address = f"127.0.0.1:{self._server.port}"
         self._channel = grpc.aio.insecure_channel(f"127.0.0.1:{scheduler_port}")
         self.scheduler = scheduler_pb2_grpc.SchedulerStub(self._channel)
@@ -78,8 +94,9 @@ class ScriptedWorker(worker_pb2_grpc.WorkerServicer):
     async def _heartbeat(self) -> None:
         while True:
             await asyncio.sleep(self.heartbeat_s)
-            reply = await self.scheduler.Heartbeat(scheduler_pb2.HeartbeatRequest(
-                worker_id=self.info.worker_id, running=len(self.running)))
+            reply = await self.scheduler.Heartbeat(
+                scheduler_pb2.HeartbeatRequest(worker_id=self.info.worker_id, running=len(self.running))
+            )
             if not reply.registered and self.reregister:  # as the real worker does: a new session
                 self.running.clear()
                 self._aborts.clear()
@@ -114,8 +131,13 @@ class ScriptedWorker(worker_pb2_grpc.WorkerServicer):
         deltas = []
         for request_id in self._aborts:
             if (request := self.running.pop(request_id, None)) is not None:
-                deltas.append(common_pb2.RequestDelta(request_id=request_id, offset=len(request.output),
-                                                      finish_reason=sampling_pb2.FINISH_REASON_ABORT))
+                deltas.append(
+                    common_pb2.RequestDelta(
+                        request_id=request_id,
+                        offset=len(request.output),
+                        finish_reason=sampling_pb2.FINISH_REASON_ABORT,
+                    )
+                )
         self._aborts.clear()
         if self.generating.is_set():
             for request_id, request in list(self.running.items()):
@@ -130,5 +152,8 @@ class ScriptedWorker(worker_pb2_grpc.WorkerServicer):
         if not deltas:
             return None
         self.step += 1
-        return worker_pb2.StepOutput(step=self.step, deltas=deltas, stats=worker_pb2.StepStats(
-            batch_size=len(deltas), num_running=len(self.running)))
+        return worker_pb2.StepOutput(
+            step=self.step,
+            deltas=deltas,
+            stats=worker_pb2.StepStats(batch_size=len(deltas), num_running=len(self.running)),
+        )

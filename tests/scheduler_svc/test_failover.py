@@ -47,8 +47,16 @@ async def test_a_redispatch_does_not_ask_for_the_prompt_logprobs_again(redis_url
         gateway = await c.gateway("gw-1")
         doomed = await c.worker("w0")
         params = sampling_pb2.SamplingParameters(max_tokens=10, seed=5, logprobs=True, prompt_logprobs=2)
-        await c.stub.Submit(scheduler_pb2.SubmitRequest(request_id="r1", gateway_id="gw-1", model="test-model",
-                                                        prompt_token_ids=[9, 8, 7], params=params, eos_token_ids=[2]))
+        await c.stub.Submit(
+            scheduler_pb2.SubmitRequest(
+                request_id="r1",
+                gateway_id="gw-1",
+                model="test-model",
+                prompt_token_ids=[9, 8, 7],
+                params=params,
+                eos_token_ids=[2],
+            )
+        )
         await eventually(lambda: len(gateway.tokens("r1")) >= 3, what="first tokens")
         doomed.generating.clear()
         await asyncio.sleep(0.05)
@@ -148,9 +156,17 @@ async def test_scheduler_restart_recovers_unfinished_requests_from_redis(redis_u
     gateway = await Gateway(stub, "gw-1").start()
     worker = await ScriptedWorker("w0", max_num_seqs=1).start(first.port)
     for request_id, priority in (("running", 0), ("waiting-low", 3), ("waiting-high", 1)):
-        await stub.Submit(scheduler_pb2.SubmitRequest(
-            request_id=request_id, gateway_id="gw-1", model="test-model", prompt_token_ids=[4, 5, 6],
-            params=sampling_pb2.SamplingParameters(max_tokens=6, seed=9), eos_token_ids=[2, 3], priority=priority))
+        await stub.Submit(
+            scheduler_pb2.SubmitRequest(
+                request_id=request_id,
+                gateway_id="gw-1",
+                model="test-model",
+                prompt_token_ids=[4, 5, 6],
+                params=sampling_pb2.SamplingParameters(max_tokens=6, seed=9),
+                eos_token_ids=[2, 3],
+                priority=priority,
+            )
+        )
     await eventually(lambda: len(gateway.tokens("running")) >= 2, what="first tokens")
     worker.generating.clear()
     await asyncio.sleep(0.05)
@@ -193,4 +209,5 @@ async def test_a_request_redispatched_at_once_is_recorded_running(redis_url: str
         await asyncio.sleep(0.2)
         infos = [await c.info(f"r{i}") for i in range(4)]
         assert [(i.status, i.worker_id, i.attempt) for i in infos] == [
-            (sampling_pb2.REQUEST_STATUS_RUNNING, "w2", 2)] * 4
+            (sampling_pb2.REQUEST_STATUS_RUNNING, "w2", 2)
+        ] * 4

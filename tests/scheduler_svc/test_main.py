@@ -17,15 +17,31 @@ def test_flags_override_the_environment(monkeypatch) -> None:
     monkeypatch.setenv("SHARDLINE_PORT", "6000")
     settings, level = parse_args(["--port", "7000", "--redis-url", "redis://r:1/0", "--no-tracing"])
     assert (settings.port, settings.redis_url, settings.queue_capacity, settings.tracing) == (
-        7000, "redis://r:1/0", 7, False)
+        7000,
+        "redis://r:1/0",
+        7,
+        False,
+    )
     assert level == "INFO"
 
 
 def test_serves_until_sigterm(redis_url: str) -> None:
     process = subprocess.Popen(
-        [sys.executable, "-m", "scheduler_svc.main", "--port", "0", "--host", "127.0.0.1",
-         "--redis-url", redis_url, "--no-tracing"],
-        stderr=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-m",
+            "scheduler_svc.main",
+            "--port",
+            "0",
+            "--host",
+            "127.0.0.1",
+            "--redis-url",
+            redis_url,
+            "--no-tracing",
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 60
         port = None

@@ -10,9 +10,9 @@ from prometheus_client import REGISTRY
 
 from shardline.ports import free_port
 from shardline.proto import sampling_pb2, scheduler_pb2
-from tracing import attributes as attr
 from tests.scheduler_svc.harness import cluster, eventually
 from tests.tracing.run_async import run_async
+from tracing import attributes as attr
 
 TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
 TRACEPARENT = f"00-{TRACE_ID}-b7ad6b7169203331-01"
@@ -26,9 +26,16 @@ async def test_queue_and_dispatch_spans_join_the_callers_trace(redis_url: str) -
     async with cluster(redis_url, tracer=provider.get_tracer("test")) as c:
         gateway = await c.gateway("gw-1")
         await c.submit("earlier", max_tokens=1)
-        await c.stub.Submit(scheduler_pb2.SubmitRequest(
-            request_id="r1", gateway_id="gw-1", model="test-model", prompt_token_ids=[1, 2],
-            params=sampling_pb2.SamplingParameters(max_tokens=2, seed=1)), metadata=(("traceparent", TRACEPARENT),))
+        await c.stub.Submit(
+            scheduler_pb2.SubmitRequest(
+                request_id="r1",
+                gateway_id="gw-1",
+                model="test-model",
+                prompt_token_ids=[1, 2],
+                params=sampling_pb2.SamplingParameters(max_tokens=2, seed=1),
+            ),
+            metadata=(("traceparent", TRACEPARENT),),
+        )
         worker = await c.worker("w0")
         await gateway.wait_finished("r1")
 
@@ -36,8 +43,11 @@ async def test_queue_and_dispatch_spans_join_the_callers_trace(redis_url: str) -
         assert sent.traceparent.split("-")[1] == TRACE_ID
         spans = {(s.name, s.attributes.get(attr.REQUEST_ID)): s for s in exporter.get_finished_spans()}
         queue, dispatch = spans[("queue", "r1")], spans[("dispatch", "r1")]
-        submit = next(s for s in exporter.get_finished_spans() if s.name == "shardline.v1.Scheduler/Submit"
-                      and format(s.context.trace_id, "032x") == TRACE_ID)
+        submit = next(
+            s
+            for s in exporter.get_finished_spans()
+            if s.name == "shardline.v1.Scheduler/Submit" and format(s.context.trace_id, "032x") == TRACE_ID
+        )
         for span in (queue, dispatch):
             assert format(span.context.trace_id, "032x") == TRACE_ID
             assert span.parent.span_id == submit.context.span_id

@@ -90,7 +90,8 @@ async def finished(c: Cluster, request_id: str, timeout_s: float = 30.0) -> comm
 
 @run_async
 async def test_a_redis_killed_and_restarted_on_its_aof_pauses_the_streams_and_loses_nothing(
-        own_redis: EmbeddedRedis) -> None:
+    own_redis: EmbeddedRedis,
+) -> None:
     async with streaming(own_redis) as (c, gateway):
         os.kill(own_redis.pid, signal.SIGKILL)
         await asyncio.sleep(1.0)
@@ -127,7 +128,8 @@ async def test_writes_paused_for_3_s_lose_no_token(own_redis: EmbeddedRedis) -> 
 
 @run_async
 async def test_a_long_outage_fails_the_streams_resumably_and_the_requests_finish_after_it(
-        own_redis: EmbeddedRedis) -> None:
+    own_redis: EmbeddedRedis,
+) -> None:
     async with streaming(own_redis, redis_outage_s=0.5) as (c, gateway):
         os.kill(own_redis.pid, signal.SIGKILL)
         await gateway.wait_finished(*IDS, timeout_s=10)

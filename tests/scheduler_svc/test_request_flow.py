@@ -58,8 +58,10 @@ async def test_redis_holds_record_tokens_and_timings(redis_url: str) -> None:
         assert (info.worker_id, info.attempt, info.model) == ("w0", 1, "test-model")
         assert (info.usage.prompt_tokens, info.usage.completion_tokens) == (5, 3)
         assert (info.params.seed, info.params.max_tokens) == (11, 3)
-        times = [t.ToNanoseconds() / 1e9 for t in
-                 (info.arrival_time, info.dispatch_time, info.first_token_time, info.finish_time)]
+        times = [
+            t.ToNanoseconds() / 1e9
+            for t in (info.arrival_time, info.dispatch_time, info.first_token_time, info.finish_time)
+        ]
         assert before - 1 <= times[0] <= times[1] <= times[2] <= times[3] <= time.time()
         async with RequestStore(redis_url) as store:
             assert await store.get_prompt("r1") == [5, 6, 7, 8, 9]
@@ -111,8 +113,10 @@ async def test_cancel_queued_request(redis_url: str) -> None:
         await gateway.wait_finished("r1")
         assert gateway.final("r1").finish_reason == sampling_pb2.FINISH_REASON_ABORT
         info = await c.info("r1")
-        assert (info.status, info.finish_reason) == (sampling_pb2.REQUEST_STATUS_CANCELLED,
-                                                     sampling_pb2.FINISH_REASON_ABORT)
+        assert (info.status, info.finish_reason) == (
+            sampling_pb2.REQUEST_STATUS_CANCELLED,
+            sampling_pb2.FINISH_REASON_ABORT,
+        )
         # It never reaches a worker, and cancelling again is a no-op that reports the final status.
         worker = await c.worker("w0")
         again = await c.stub.Cancel(common_pb2.CancelRequest(request_id="r1"))
@@ -157,6 +161,7 @@ async def test_finished_request_cancel_is_a_no_op_and_unknown_is_not_found(redis
 @run_async
 async def test_bad_input_gets_clear_codes(redis_url: str) -> None:
     async with cluster(redis_url, worker_connect_timeout_s=0.3) as c:
+
         async def code_and_details(call) -> tuple[grpc.StatusCode, str]:
             with pytest.raises(grpc.aio.AioRpcError) as failed:
                 await call
@@ -187,10 +192,12 @@ async def test_bad_input_gets_clear_codes(redis_url: str) -> None:
         # A worker whose advertised address does not answer is refused, not registered.
         with socket.socket() as closed:
             closed.bind(("127.0.0.1", 0))
-            unreachable = worker_pb2.WorkerInfo(worker_id="w9", address=f"127.0.0.1:{closed.getsockname()[1]}",
-                                                max_num_seqs=4)
-            code, details = await code_and_details(c.stub.RegisterWorker(
-                scheduler_pb2.RegisterWorkerRequest(worker=unreachable)))
+            unreachable = worker_pb2.WorkerInfo(
+                worker_id="w9", address=f"127.0.0.1:{closed.getsockname()[1]}", max_num_seqs=4
+            )
+            code, details = await code_and_details(
+                c.stub.RegisterWorker(scheduler_pb2.RegisterWorkerRequest(worker=unreachable))
+            )
         assert code == grpc.StatusCode.UNAVAILABLE and "worker.address" in details
         assert not (await c.stub.ListWorkers(scheduler_pb2.ListWorkersRequest())).workers
 
@@ -201,7 +208,9 @@ async def test_bad_input_gets_clear_codes(redis_url: str) -> None:
         client = redis.Redis.from_url(redis_url)
         try:
             assert sorted(k.decode() for k in client.keys("shardline:req:*")) == [
-                "shardline:req:r1", "shardline:req:r1:prompt"]
+                "shardline:req:r1",
+                "shardline:req:r1:prompt",
+            ]
         finally:
             client.close()
 
@@ -209,9 +218,14 @@ async def test_bad_input_gets_clear_codes(redis_url: str) -> None:
 @run_async
 async def test_submit_without_seed_gets_one_fixed(redis_url: str) -> None:
     async with cluster(redis_url) as c:
-        await c.stub.Submit(scheduler_pb2.SubmitRequest(
-            request_id="r1", gateway_id="gw-1", prompt_token_ids=[1, 2],
-            params=sampling_pb2.SamplingParameters(max_tokens=2)))
+        await c.stub.Submit(
+            scheduler_pb2.SubmitRequest(
+                request_id="r1",
+                gateway_id="gw-1",
+                prompt_token_ids=[1, 2],
+                params=sampling_pb2.SamplingParameters(max_tokens=2),
+            )
+        )
         info = await c.info("r1")
         assert info.params.HasField("seed")
         assert info.status == sampling_pb2.REQUEST_STATUS_QUEUED
@@ -273,8 +287,10 @@ async def test_a_request_no_worker_can_hold_is_refused_naming_the_field(redis_ur
         await c.submit("early", prompt=list(range(3, 23)), max_tokens=5)  # no worker says yet: queued
         await c.worker("small", max_model_len=8)
         await c.worker("large", max_model_len=12)
-        for prompt, max_tokens, field in ((list(range(3, 15)), 1, "prompt_token_ids"),
-                                          (list(range(3, 11)), 5, "params.max_tokens")):
+        for prompt, max_tokens, field in (
+            (list(range(3, 15)), 1, "prompt_token_ids"),
+            (list(range(3, 11)), 5, "params.max_tokens"),
+        ):
             with pytest.raises(grpc.aio.AioRpcError) as refused:
                 await c.submit(f"too-long-{field}", prompt=prompt, max_tokens=max_tokens)
             assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -310,9 +326,13 @@ async def test_a_submit_cancelled_mid_write_leaves_nothing_running(redis_url: st
             return await create(*args, **kwargs)
 
         store.create = slow_create
-        submit = scheduler_pb2.SubmitRequest(request_id="orphan", gateway_id="gw-1", model="test-model",
-                                             prompt_token_ids=[1, 2, 3],
-                                             params=sampling_pb2.SamplingParameters(max_tokens=5))
+        submit = scheduler_pb2.SubmitRequest(
+            request_id="orphan",
+            gateway_id="gw-1",
+            model="test-model",
+            prompt_token_ids=[1, 2, 3],
+            params=sampling_pb2.SamplingParameters(max_tokens=5),
+        )
         with pytest.raises(grpc.aio.AioRpcError) as gave_up:
             await c.stub.Submit(submit, timeout=0.1)
         assert gave_up.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED

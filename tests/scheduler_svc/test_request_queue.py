@@ -9,9 +9,16 @@ from shardline.proto import sampling_pb2
 
 
 def _request(request_id: str, priority: int = 0, model: str = "m") -> LiveRequest:
-    return LiveRequest(request_id=request_id, gateway_id="gw", model=model, priority=priority,
-                       prompt_token_ids=[1], params=sampling_pb2.SamplingParameters(), eos_token_ids=[],
-                       arrival_ts=0.0)
+    return LiveRequest(
+        request_id=request_id,
+        gateway_id="gw",
+        model=model,
+        priority=priority,
+        prompt_token_ids=[1],
+        params=sampling_pb2.SamplingParameters(),
+        eos_token_ids=[],
+        arrival_ts=0.0,
+    )
 
 
 def _admit(queue: RequestQueue, request: LiveRequest) -> int:

@@ -11,10 +11,12 @@ from tests.scheduler_svc.harness import cluster
 from tests.tracing.run_async import run_async
 
 
-def _delta(request_id: str, tokens: list[int], offset: int, finish: int = 0,
-           usage: sampling_pb2.Usage | None = None) -> common_pb2.RequestDelta:
-    return common_pb2.RequestDelta(request_id=request_id, token_ids=tokens, offset=offset, finish_reason=finish,
-                                   usage=usage)
+def _delta(
+    request_id: str, tokens: list[int], offset: int, finish: int = 0, usage: sampling_pb2.Usage | None = None
+) -> common_pb2.RequestDelta:
+    return common_pb2.RequestDelta(
+        request_id=request_id, token_ids=tokens, offset=offset, finish_reason=finish, usage=usage
+    )
 
 
 @run_async
@@ -24,9 +26,18 @@ async def test_steps_are_persisted_in_one_pipeline_and_relayed_per_step(redis_ur
         worker = registry.add(worker_pb2.WorkerInfo(worker_id="w0", max_num_seqs=4))
         table = RequestTable(store, relay, registry, on_change=lambda: None)
         for request_id in ("a", "b"):
-            request = LiveRequest(request_id=request_id, gateway_id="gw", model="m", priority=0,
-                                  prompt_token_ids=[1, 2], params=sampling_pb2.SamplingParameters(),
-                                  eos_token_ids=[], arrival_ts=0.0, worker_id="w0", attempt=1)
+            request = LiveRequest(
+                request_id=request_id,
+                gateway_id="gw",
+                model="m",
+                priority=0,
+                prompt_token_ids=[1, 2],
+                params=sampling_pb2.SamplingParameters(),
+                eos_token_ids=[],
+                arrival_ts=0.0,
+                worker_id="w0",
+                attempt=1,
+            )
             assert await store.create(request.to_record(), request.prompt_token_ids)
             table.add(request)
             worker.in_flight.add(request_id)
@@ -41,8 +52,10 @@ async def test_steps_are_persisted_in_one_pipeline_and_relayed_per_step(redis_ur
         subscription = relay.subscribe("gw")
         steps = [
             # A worker's first delta of a request says how many prompt tokens its prefix cache served.
-            worker_pb2.StepOutput(step=1, deltas=[_delta("a", [10, 11], 0, usage=sampling_pb2.Usage(cached_tokens=2)),
-                                                  _delta("b", [20], 0)]),
+            worker_pb2.StepOutput(
+                step=1,
+                deltas=[_delta("a", [10, 11], 0, usage=sampling_pb2.Usage(cached_tokens=2)), _delta("b", [20], 0)],
+            ),
             # "a" repeats token 11; "ghost" belongs to no live request.
             worker_pb2.StepOutput(step=2, deltas=[_delta("a", [11, 12], 1), _delta("ghost", [9], 0)]),
             worker_pb2.StepOutput(step=3, deltas=[_delta("b", [21], 1, sampling_pb2.FINISH_REASON_STOP)]),
@@ -74,18 +87,38 @@ async def test_logprobs_are_persisted_token_for_token_and_read_back(redis_url: s
     async with cluster(redis_url) as running:
         params = sampling_pb2.SamplingParameters(max_tokens=8, seed=1, logprobs=True, prompt_logprobs=0)
         for request_id in ("kept", "old"):
-            await running.stub.Submit(scheduler_pb2.SubmitRequest(
-                request_id=request_id, gateway_id="gw", model="test-model", prompt_token_ids=[1, 2, 3],
-                params=params, eos_token_ids=[2]))
+            await running.stub.Submit(
+                scheduler_pb2.SubmitRequest(
+                    request_id=request_id,
+                    gateway_id="gw",
+                    model="test-model",
+                    prompt_token_ids=[1, 2, 3],
+                    params=params,
+                    eos_token_ids=[2],
+                )
+            )
         table = running.server.dispatcher.requests
         kept = table.get("kept")
         kept.worker_id = "w0"
         steps = [  # the second repeats token 11, with its logprob: both are dropped together
-            worker_pb2.StepOutput(step=1, deltas=[common_pb2.RequestDelta(
-                request_id="kept", token_ids=[10, 11], offset=0, logprobs=[lp(10), lp(11)],
-                prompt_logprobs=[lp(2), lp(3)])]),
-            worker_pb2.StepOutput(step=2, deltas=[common_pb2.RequestDelta(
-                request_id="kept", token_ids=[11, 12], offset=1, logprobs=[lp(11), lp(12)])]),
+            worker_pb2.StepOutput(
+                step=1,
+                deltas=[
+                    common_pb2.RequestDelta(
+                        request_id="kept",
+                        token_ids=[10, 11],
+                        offset=0,
+                        logprobs=[lp(10), lp(11)],
+                        prompt_logprobs=[lp(2), lp(3)],
+                    )
+                ],
+            ),
+            worker_pb2.StepOutput(
+                step=2,
+                deltas=[
+                    common_pb2.RequestDelta(request_id="kept", token_ids=[11, 12], offset=1, logprobs=[lp(11), lp(12)])
+                ],
+            ),
         ]
         await table.handle_steps("w0", steps)
         info = await running.info("kept")

@@ -15,15 +15,23 @@ def test_prefix_hashes_are_the_engine_block_hashes() -> None:
     blocks = pool.allocate(2)
     parent = None
     for block_id, start in zip(blocks, (0, 4)):
-        parent = pool.cache_full_block(block_id, parent, prompt[start:start + 4])
+        parent = pool.cache_full_block(block_id, parent, prompt[start : start + 4])
     assert prefix_hashes(prompt, 4, max_blocks=8) == [pool.block_hash(b) for b in blocks]
     assert prefix_hashes(prompt, 4, max_blocks=1) == [pool.block_hash(blocks[0])]
     assert prefix_hashes(prompt[:3], 4, max_blocks=8) == []
 
 
 def _request(request_id: str, prompt: list[int]) -> LiveRequest:
-    return LiveRequest(request_id=request_id, gateway_id="gw", model="m", priority=0, prompt_token_ids=prompt,
-                       params=sampling_pb2.SamplingParameters(), eos_token_ids=[], arrival_ts=0.0)
+    return LiveRequest(
+        request_id=request_id,
+        gateway_id="gw",
+        model="m",
+        priority=0,
+        prompt_token_ids=prompt,
+        params=sampling_pb2.SamplingParameters(),
+        eos_token_ids=[],
+        arrival_ts=0.0,
+    )
 
 
 def _pool(*worker_ids: str) -> WorkerRegistry:

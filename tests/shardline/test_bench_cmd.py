@@ -41,23 +41,51 @@ def test_percentiles_and_std_are_numpys():
 
 
 def test_goodput_counts_requests_meeting_every_slo_and_detail_keeps_every_request():
-    timings = [RequestTiming(input_len=8, output_len=3, cached_tokens=4, chunk_times=[0.1, 0.15, 0.2]),
-               RequestTiming(input_len=8, output_len=3, chunk_times=[0.5, 0.55, 0.6]),
-               RequestTiming(input_len=8, output_len=3, chunk_times=[0.1, 0.4, 0.7]),
-               RequestTiming(input_len=8, ok=False, error="boom")]
+    timings = [
+        RequestTiming(input_len=8, output_len=3, cached_tokens=4, chunk_times=[0.1, 0.15, 0.2]),
+        RequestTiming(input_len=8, output_len=3, chunk_times=[0.5, 0.55, 0.6]),
+        RequestTiming(input_len=8, output_len=3, chunk_times=[0.1, 0.4, 0.7]),
+        RequestTiming(input_len=8, ok=False, error="boom"),
+    ]
     out = summarize(timings, 2.0, Slos(ttft_ms=200, e2el_ms=650))
     assert out["goodput"] == pytest.approx(0.5)  # the first and third meet both; the second is late
     assert out["cached_prompt_tokens"] == 4
     assert [d["error"] for d in out["detail"]] == [None, None, None, "boom"]  # send order, failures kept
-    assert out["detail"][2] == {"input_len": 8, "output_len": 3, "cached_tokens": 0, "ttft_ms": 100.0,
-                                "e2el_ms": 700.0, "itl_ms": [300.0, 300.0], "error": None}
+    assert out["detail"][2] == {
+        "input_len": 8,
+        "output_len": 3,
+        "cached_tokens": 0,
+        "ttft_ms": 100.0,
+        "e2el_ms": 700.0,
+        "itl_ms": [300.0, 300.0],
+        "error": None,
+    }
 
 
 @pytest.mark.slow
 def test_bench_runs_rounds_on_the_engine_and_writes_them(tmp_path, capsys):
     out = tmp_path / "bench.json"
-    assert main(["bench", "--engine", "--model", "dummy:smollm2-135m", "--num-prompts", "2", "--input-len", "8",
-                 "--output-len", "3", "--rounds", "2", "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "--engine",
+                "--model",
+                "dummy:smollm2-135m",
+                "--num-prompts",
+                "2",
+                "--input-len",
+                "8",
+                "--output-len",
+                "3",
+                "--rounds",
+                "2",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     report = json.loads(out.read_text())
     assert [r["completed"] for r in report["rounds"]["engine"]] == [2, 2]
     assert report["results"]["engine"]["completed"] == 2
@@ -74,20 +102,23 @@ def test_arrivals_keep_the_rate_and_burstiness_sets_their_spread(burstiness):
     gaps = [b - a for a, b in zip(offsets, offsets[1:])]
     assert offsets[0] == 0 and all(g >= 0 for g in gaps)
     assert statistics.fmean(gaps) == pytest.approx(1 / 50, rel=0.05)
-    assert statistics.pstdev(gaps) / statistics.fmean(gaps) == pytest.approx(burstiness ** -0.5, rel=0.05)
+    assert statistics.pstdev(gaps) / statistics.fmean(gaps) == pytest.approx(burstiness**-0.5, rel=0.05)
     assert LoadSpec(num_prompts=3, burstiness=burstiness).arrival_offsets() == [0.0] * 3  # rate inf: all at once
 
 
-@pytest.mark.parametrize("rate, burstiness, error", [
-    ("5", "0", "--burstiness must be a finite number above 0"),
-    ("5", "-1", "--burstiness must be a finite number above 0"),
-    ("5", "inf", "--burstiness must be a finite number above 0"),
-    ("5", "1e308", "--burstiness must be a finite number above 0"),  # rate x burstiness overflows
-    ("5", "nan", "--burstiness must be a finite number above 0"),
-    ("0", "1", "--request-rate must be above 0"),
-    ("-2", "1", "--request-rate must be above 0"),
-    ("nan", "1", "--request-rate must be above 0"),
-])
+@pytest.mark.parametrize(
+    "rate, burstiness, error",
+    [
+        ("5", "0", "--burstiness must be a finite number above 0"),
+        ("5", "-1", "--burstiness must be a finite number above 0"),
+        ("5", "inf", "--burstiness must be a finite number above 0"),
+        ("5", "1e308", "--burstiness must be a finite number above 0"),  # rate x burstiness overflows
+        ("5", "nan", "--burstiness must be a finite number above 0"),
+        ("0", "1", "--request-rate must be above 0"),
+        ("-2", "1", "--request-rate must be above 0"),
+        ("nan", "1", "--request-rate must be above 0"),
+    ],
+)
 def test_bad_arrival_settings_are_refused_in_one_line(capsys, rate, burstiness, error):
     assert main(["bench", "--engine", "--request-rate", rate, "--burstiness", burstiness]) == 2
     assert error in capsys.readouterr().out

@@ -55,8 +55,7 @@ def test_an_engine_failure_fails_every_open_request():
 def test_a_burst_shares_the_first_step_as_in_the_worker():
     """With the worker's admission gap (200 ms here), requests arriving a few ms apart (Poisson, 200/s) are
     prefilled in one step, as the worker would, rather than the first alone."""
-    spec = LoadSpec(num_prompts=6, input_len=12, output_len=2, request_rate=200.0, max_concurrency=6,
-                    vocab_size=49152)
+    spec = LoadSpec(num_prompts=6, input_len=12, output_len=2, request_rate=200.0, max_concurrency=6, vocab_size=49152)
     batch_sizes: list[int] = []
 
     async def run():

@@ -22,9 +22,13 @@ class _Gateway(generation_pb2_grpc.GenerationServicer):
         top = [sampling_pb2.TopLogprob(token_id=40_000 + i, logprob=-1.5 - i) for i in range(_TOP)]
         logprobs = [sampling_pb2.TokenLogprob(token_id=30_000, logprob=-0.25, top=top)] * _LOGPROBS
         return generation_pb2.GenerateResponse(
-            request_id=request.request_id, text="x" * _LOGPROBS, token_ids=[30_000] * _LOGPROBS, logprobs=logprobs,
+            request_id=request.request_id,
+            text="x" * _LOGPROBS,
+            token_ids=[30_000] * _LOGPROBS,
+            logprobs=logprobs,
             finish_reason=sampling_pb2.FINISH_REASON_LENGTH,
-            usage=sampling_pb2.Usage(prompt_tokens=1, completion_tokens=_LOGPROBS))
+            usage=sampling_pb2.Usage(prompt_tokens=1, completion_tokens=_LOGPROBS),
+        )
 
 
 @pytest.fixture

@@ -39,8 +39,13 @@ class _Gateway:
         self.resumed.append((req.request_id, req.offset))
         yield generation_pb2.GenerateStreamResponse(request_id=req.request_id, text="Hel", token_ids=[1], offset=0)
         yield generation_pb2.GenerateStreamResponse(
-            request_id=req.request_id, text="lo", token_ids=[2], offset=1,
-            finish_reason=sampling_pb2.FINISH_REASON_LENGTH, usage=sampling_pb2.Usage(completion_tokens=2))
+            request_id=req.request_id,
+            text="lo",
+            token_ids=[2],
+            offset=1,
+            finish_reason=sampling_pb2.FINISH_REASON_LENGTH,
+            usage=sampling_pb2.Usage(completion_tokens=2),
+        )
 
 
 @pytest.mark.parametrize("streamed", [False, True])

@@ -29,7 +29,9 @@ def test_sdk_request_building_takes_what_callers_pass():
     assert req.params.seed == 2**64 - 1  # a signed seed, as OpenAI's, keeps its bits
     assert req.timeout.ToMilliseconds() == 1  # rounded up, never a zero deadline
     assert dict(build_request("hi", logit_bias={"5": -100, 7: 2.5}).params.logit_bias) == {5: -100.0, 7: 2.5}
-    developer = build_request(messages=[{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "hi"}])
+    developer = build_request(
+        messages=[{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    )
     assert [m.role for m in developer.messages.messages] == ["system", "user"]
     with pytest.raises(ValueError, match="timeout"):
         build_request("hi", timeout=0)

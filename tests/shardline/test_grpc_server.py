@@ -28,6 +28,7 @@ class _Context:
 def _unary(exc: BaseException):
     async def handler(request, context):
         raise exc
+
     return _wrap_unary(handler)
 
 
@@ -35,16 +36,20 @@ def _stream(exc: BaseException):
     async def handler(request, context):
         yield 1
         raise exc
+
     return _wrap_stream(handler)
 
 
-@pytest.mark.parametrize("exc, code", [
-    (InvalidArgument("params.top_p", "must be in (0, 1]"), grpc.StatusCode.INVALID_ARGUMENT),
-    (NotFound("no request 'x'"), grpc.StatusCode.NOT_FOUND),
-    (ValueError("bad"), grpc.StatusCode.INVALID_ARGUMENT),
-    (RuntimeError("boom"), grpc.StatusCode.INTERNAL),
-    (KeyError("k"), grpc.StatusCode.INTERNAL),
-])
+@pytest.mark.parametrize(
+    "exc, code",
+    [
+        (InvalidArgument("params.top_p", "must be in (0, 1]"), grpc.StatusCode.INVALID_ARGUMENT),
+        (NotFound("no request 'x'"), grpc.StatusCode.NOT_FOUND),
+        (ValueError("bad"), grpc.StatusCode.INVALID_ARGUMENT),
+        (RuntimeError("boom"), grpc.StatusCode.INTERNAL),
+        (KeyError("k"), grpc.StatusCode.INTERNAL),
+    ],
+)
 def test_errors_map_to_their_status(exc, code):
     async def run() -> tuple[_Context, _Context]:
         unary, stream = _Context(), _Context()

@@ -45,16 +45,20 @@ _TENSOR_BYTES = 40 << 20
 
 def _clean_env(**extra: str) -> dict[str, str]:
     """This environment without any malloc settings (the test runner's own, or ours), plus `extra`."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith("MALLOC_") and k not in (REEXEC_MARKER, "GLIBC_TUNABLES")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("MALLOC_") and k not in (REEXEC_MARKER, "GLIBC_TUNABLES")
+    }
     return {**env, **extra}
 
 
 def _malloc_info(how: str, env: dict[str, str]) -> tuple[int, int]:
     """(heaps, bytes in blocks mapped on their own) that glibc reports while the child's thread
     holds its tensor. (torch's import maps a few MB before any tuning.)"""
-    xml = subprocess.run([sys.executable, "-c", _MALLOC_INFO_CHILD, how], capture_output=True, text=True,
-                         check=True, env=env).stdout
+    xml = subprocess.run(
+        [sys.executable, "-c", _MALLOC_INFO_CHILD, how], capture_output=True, text=True, check=True, env=env
+    ).stdout
     mmapped = re.search(r'<total type="mmap" count="\d+" size="(\d+)"', xml)
     return len(re.findall(r"<heap nr=", xml)), int(mmapped.group(1))
 
@@ -79,8 +83,9 @@ _REEXEC_CHILD = textwrap.dedent("""
 
 
 def _reexec(env: dict[str, str]) -> list[list[str]]:
-    out = subprocess.run([sys.executable, "-c", _REEXEC_CHILD], capture_output=True, text=True, check=True,
-                         env=env).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", _REEXEC_CHILD], capture_output=True, text=True, check=True, env=env
+    ).stdout
     return [line.split() for line in out.splitlines()]
 
 

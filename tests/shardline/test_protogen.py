@@ -70,9 +70,13 @@ def _descriptor_set(tmp_path: Path) -> descriptor_pb2.FileDescriptorSet:
     out = tmp_path / "descriptors.pb"
     subprocess.run(
         [
-            sys.executable, "-m", "grpc_tools.protoc",
-            f"-I{protogen.PROTO_ROOT}", f"-I{protogen.WELL_KNOWN_INCLUDE}",
-            "--include_source_info", f"--descriptor_set_out={out}",
+            sys.executable,
+            "-m",
+            "grpc_tools.protoc",
+            f"-I{protogen.PROTO_ROOT}",
+            f"-I{protogen.WELL_KNOWN_INCLUDE}",
+            "--include_source_info",
+            f"--descriptor_set_out={out}",
             *map(str, protogen.proto_files()),
         ],
         check=True,
@@ -128,8 +132,15 @@ def test_every_element_has_a_triple_slash_doc_comment(tmp_path: Path) -> None:
             if not comments.get(path, "").startswith("/"):
                 undocumented.append(f"{file.name}: {name}")
     # The walk reaches every kind of element, so an empty result means something.
-    assert {"Generation.Resume", "GenerateRequest.input", "GenerateRequest.prompt", "FinishReason",
-            "FINISH_REASON_STOP", "SchedulerStats.queue_depth", "SamplingParameters.seed"} <= checked
+    assert {
+        "Generation.Resume",
+        "GenerateRequest.input",
+        "GenerateRequest.prompt",
+        "FinishReason",
+        "FINISH_REASON_STOP",
+        "SchedulerStats.queue_depth",
+        "SamplingParameters.seed",
+    } <= checked
     assert undocumented == []
 
 
@@ -141,15 +152,29 @@ def test_services_expose_the_contracted_rpcs(tmp_path: Path) -> None:
     }
     unary, server_stream, bidi = (False, False), (False, True), (True, True)
     assert services["Generation"] == {
-        "Generate": unary, "GenerateStream": server_stream, "Cancel": unary,
-        "Resume": server_stream, "GetRequest": unary, "ListModels": unary,
+        "Generate": unary,
+        "GenerateStream": server_stream,
+        "Cancel": unary,
+        "Resume": server_stream,
+        "GetRequest": unary,
+        "ListModels": unary,
     }
     assert services["Tokenizer"] == {
-        "Tokenize": unary, "ApplyChatTemplate": unary, "Detokenize": unary, "GetInfo": unary,
+        "Tokenize": unary,
+        "ApplyChatTemplate": unary,
+        "Detokenize": unary,
+        "GetInfo": unary,
         "CheckStructuredOutput": unary,
     }
     assert services["Scheduler"] == {
-        "Submit": unary, "Cancel": unary, "Subscribe": server_stream, "RegisterWorker": unary,
-        "Heartbeat": unary, "GetRequest": unary, "ListWorkers": unary, "GetStats": unary, "Attach": unary,
+        "Submit": unary,
+        "Cancel": unary,
+        "Subscribe": server_stream,
+        "RegisterWorker": unary,
+        "Heartbeat": unary,
+        "GetRequest": unary,
+        "ListWorkers": unary,
+        "GetStats": unary,
+        "Attach": unary,
     }
     assert services["Worker"] == {"Session": bidi, "GetInfo": unary}

@@ -10,9 +10,9 @@ import pytest
 import redis
 from redis.asyncio.connection import AbstractConnection
 
+from shardline.ports import free_port
 from shardline.proto import sampling_pb2
 from shardline.request_record import FinishReason, RequestRecord, RequestStatus
-from shardline.ports import free_port
 from shardline.request_store import RequestStore, StoreUnavailable, pack_token_ids, unpack_token_ids
 
 PARAMS = {"temperature": 0.7, "seed": 1234, "max_tokens": 16, "stop": ["\n\n"]}
@@ -86,7 +86,10 @@ async def test_lifecycle(redis_url: str) -> None:
         got = await store.get("r1")
         assert got is not None
         assert (got.status, got.finish_reason, got.worker_id, got.attempt) == (
-            RequestStatus.FINISHED, FinishReason.LENGTH, "worker-b", 2,
+            RequestStatus.FINISHED,
+            FinishReason.LENGTH,
+            "worker-b",
+            2,
         )
         assert got.finish_ts is not None and got.finish_ts >= got.arrival_ts
         assert await store.get_tokens("r1") == [10, 11, 12]
@@ -176,13 +179,17 @@ async def test_a_steps_tokens_and_finishes_land_together(redis_url: str, monkeyp
         for request_id in ("r1", "r2"):
             await store.create(record(request_id), [1])
         sends = _count_round_trips(monkeypatch)
-        done = await store.append_step({"r1": (0, [5]), "r2": (0, [6, 2])},
-                                       finishes=[("r2", RequestStatus.FINISHED, FinishReason.STOP, None)])
+        done = await store.append_step(
+            {"r1": (0, [5]), "r2": (0, [6, 2])}, finishes=[("r2", RequestStatus.FINISHED, FinishReason.STOP, None)]
+        )
         assert done == [True] and len(sends) == 1
         monkeypatch.undo()
         r1, r2 = await store.get("r1"), await store.get("r2")
-        assert (r1.status, r2.status, r2.finish_reason) == (RequestStatus.QUEUED, RequestStatus.FINISHED,
-                                                             FinishReason.STOP)
+        assert (r1.status, r2.status, r2.finish_reason) == (
+            RequestStatus.QUEUED,
+            RequestStatus.FINISHED,
+            FinishReason.STOP,
+        )
         assert await store.get_tokens("r2") == [6, 2]
         assert await store.list_active() == ["r1"]
         # A bad finish is refused before anything of the step is written.
@@ -201,8 +208,10 @@ async def test_a_steps_dispatches_and_finishes_are_one_round_trip_each(
             await store.create(record(request_id), [1])
         sends = _count_round_trips(monkeypatch)
         assert await store.mark_dispatched_many([(rid, "worker-a", 1) for rid in ids]) == [True] * 16
-        done = await store.finish_many([(rid, RequestStatus.FINISHED, FinishReason.LENGTH, None) for rid in ids[:15]]
-                                       + [("ghost", RequestStatus.CANCELLED, FinishReason.ABORT, None)])
+        done = await store.finish_many(
+            [(rid, RequestStatus.FINISHED, FinishReason.LENGTH, None) for rid in ids[:15]]
+            + [("ghost", RequestStatus.CANCELLED, FinishReason.ABORT, None)]
+        )
         assert done == [True] * 15 + [False]
         assert len(sends) == 2
         monkeypatch.undo()
@@ -239,8 +248,11 @@ async def test_logprobs_are_kept_token_for_token(redis_url: str, monkeypatch: py
         for request_id in ("with", "without"):
             await store.create(record(request_id), [1, 2, 3])
         sends = _count_round_trips(monkeypatch)
-        await store.append_step({"with": (0, [7]), "without": (0, [8])}, logprobs={"with": [lp(7)]},
-                                prompt_logprobs={"with": [lp(2), lp(3)]})
+        await store.append_step(
+            {"with": (0, [7]), "without": (0, [8])},
+            logprobs={"with": [lp(7)]},
+            prompt_logprobs={"with": [lp(2), lp(3)]},
+        )
         await store.append_step({"with": (1, [9, 10]), "without": (1, [11])}, logprobs={"with": [lp(9), lp(10)]})
         assert len(sends) == 2  # still one round trip a step
         monkeypatch.undo()
@@ -289,8 +301,13 @@ async def test_finish_sets_ttl_and_keys_expire(redis_url: str) -> None:
         await store.create(record("r1"), [1, 2])
         await store.append_step({"r1": (0, [3])})
         await store.append_step({"r1": (1, [4])}, logprobs={"r1": [b"lp"]}, prompt_logprobs={"r1": [b"p"]})
-        keys = ["shardline:req:r1", "shardline:req:r1:prompt", "shardline:req:r1:tokens",
-                "shardline:req:r1:logprobs", "shardline:req:r1:prompt_logprobs"]
+        keys = [
+            "shardline:req:r1",
+            "shardline:req:r1:prompt",
+            "shardline:req:r1:tokens",
+            "shardline:req:r1:logprobs",
+            "shardline:req:r1:prompt_logprobs",
+        ]
         assert [raw.ttl(k) for k in keys] == [-1] * 5  # live requests never expire
         await store.finish("r1", RequestStatus.FINISHED, FinishReason.STOP)
         assert all(3590 <= raw.ttl(k) <= 3600 for k in keys)

@@ -55,8 +55,7 @@ def test_an_interrupt_while_starting_stops_what_started(tmp_path):
     started: list[subprocess.Popen] = []
 
     def sleeper(name: str, argv: list[str], env: dict[str, str]) -> subprocess.Popen:
-        started.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
-                                        start_new_session=True))
+        started.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True))
         return started[-1]
 
     stack._popen = sleeper

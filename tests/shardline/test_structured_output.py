@@ -10,14 +10,17 @@ from shardline.proto import sampling_pb2
 from shardline.structured_output import MAX_CHOICES, MAX_SCHEMA_DEPTH, MAX_SPEC_CHARS, StructuredOutputSpec
 
 
-@pytest.mark.parametrize("message", [
-    sampling_pb2.StructuredOutput(json_schema='{"type": "integer"}'),
-    sampling_pb2.StructuredOutput(json_object=True),
-    sampling_pb2.StructuredOutput(regex="[a-z]+"),
-    sampling_pb2.StructuredOutput(choice=sampling_pb2.Choices(choices=["a", "b"])),
-    sampling_pb2.StructuredOutput(grammar='root ::= "x"'),
-    sampling_pb2.StructuredOutput(json_object=True, disable_any_whitespace=True),
-])
+@pytest.mark.parametrize(
+    "message",
+    [
+        sampling_pb2.StructuredOutput(json_schema='{"type": "integer"}'),
+        sampling_pb2.StructuredOutput(json_object=True),
+        sampling_pb2.StructuredOutput(regex="[a-z]+"),
+        sampling_pb2.StructuredOutput(choice=sampling_pb2.Choices(choices=["a", "b"])),
+        sampling_pb2.StructuredOutput(grammar='root ::= "x"'),
+        sampling_pb2.StructuredOutput(json_object=True, disable_any_whitespace=True),
+    ],
+)
 def test_round_trips_through_the_proto(message):
     spec = StructuredOutputSpec.from_proto(message)
     assert spec.to_proto() == message
@@ -38,19 +41,22 @@ def test_a_schema_at_the_nesting_bound_compiles():
     assert StructuredOutputSpec("json_schema", _nested_schema((MAX_SCHEMA_DEPTH - 1) // 2)).grammar() is not None
 
 
-@pytest.mark.parametrize("spec, error", [
-    (StructuredOutputSpec("yaml", "x"), "unknown kind 'yaml'"),
-    (StructuredOutputSpec("regex", "  "), "regex must be a non-empty string"),
-    (StructuredOutputSpec("choice", ()), f"choice needs 1 to {MAX_CHOICES} strings"),
-    (StructuredOutputSpec("choice", ("a", "")), "every choice must be a non-empty string"),
-    (StructuredOutputSpec("json_schema", "[1, 2]"), "json_schema must be a JSON object"),
-    (StructuredOutputSpec("json_schema", "{"), "json_schema is not valid JSON"),
-    (StructuredOutputSpec("json_schema", "true"), "json_schema must be a JSON object"),
-    (StructuredOutputSpec("regex", "a+", any_whitespace=False), "disable_any_whitespace applies to json_schema"),
-    (StructuredOutputSpec("grammar", "x" * (MAX_SPEC_CHARS + 1)), "grammar is 65537 characters"),
-    # Compile time grows with nesting far faster than with size: 480 objects deep took 27 s.
-    (StructuredOutputSpec("json_schema", _nested_schema(51)), "json_schema is nested 103 levels deep"),
-])
+@pytest.mark.parametrize(
+    "spec, error",
+    [
+        (StructuredOutputSpec("yaml", "x"), "unknown kind 'yaml'"),
+        (StructuredOutputSpec("regex", "  "), "regex must be a non-empty string"),
+        (StructuredOutputSpec("choice", ()), f"choice needs 1 to {MAX_CHOICES} strings"),
+        (StructuredOutputSpec("choice", ("a", "")), "every choice must be a non-empty string"),
+        (StructuredOutputSpec("json_schema", "[1, 2]"), "json_schema must be a JSON object"),
+        (StructuredOutputSpec("json_schema", "{"), "json_schema is not valid JSON"),
+        (StructuredOutputSpec("json_schema", "true"), "json_schema must be a JSON object"),
+        (StructuredOutputSpec("regex", "a+", any_whitespace=False), "disable_any_whitespace applies to json_schema"),
+        (StructuredOutputSpec("grammar", "x" * (MAX_SPEC_CHARS + 1)), "grammar is 65537 characters"),
+        # Compile time grows with nesting far faster than with size: 480 objects deep took 27 s.
+        (StructuredOutputSpec("json_schema", _nested_schema(51)), "json_schema is nested 103 levels deep"),
+    ],
+)
 def test_shape_errors_name_the_field(spec, error):
     with pytest.raises(ValueError, match=r"^structured_output: ") as caught:
         spec.check()

@@ -73,8 +73,10 @@ def test_a_first_exit_is_restarted_at_once():
     clock, services, supervisor, reports = make("worker-0")
     assert crash_and_wait(clock, services["worker-0"], supervisor, after_s=60) == 0
     assert crash_and_wait(clock, services["worker-0"], supervisor, after_s=60) == 0
-    assert reports == ["worker-0 exited (code -9); restarting it now",
-                       "worker-0 exited (code -9) 60.0s after its restart; restarting it now"]
+    assert reports == [
+        "worker-0 exited (code -9); restarting it now",
+        "worker-0 exited (code -9) 60.0s after its restart; restarting it now",
+    ]
 
 
 def test_a_crash_loop_backs_off_is_reported_once_and_leaves_the_others_alone():
@@ -169,8 +171,9 @@ def test_real_processes_killed_in_a_loop_back_off_while_a_sibling_runs_on():
 
     reports: list[str] = []
     policy = BackoffPolicy(first_delay_s=0.4, max_delay_s=0.8, healthy_after_s=5.0, crash_loop_exits=3)
-    supervisor = Supervisor(lambda: [SupervisedProcess(n, p.poll, lambda n=n: restart(n)) for n, p in procs.items()],
-                            policy, reports.append)
+    supervisor = Supervisor(
+        lambda: [SupervisedProcess(n, p.poll, lambda n=n: restart(n)) for n, p in procs.items()], policy, reports.append
+    )
     supervisor.check()
     waits = []
     try:

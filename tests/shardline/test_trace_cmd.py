@@ -40,8 +40,12 @@ def test_selection_flags() -> None:
     assert selection("--request", "a", "--request", "b") == trace_cmd.Selection(["a", "b"])
     assert selection("--last", "5") == trace_cmd.Selection([], last=5)
     assert selection("--since", "100", "--until", "2025-11-24T16:00:00Z").window == (100 * NS, 1_764_000_000 * NS)
-    for argv, message in ((("--request", "a", "--last", "2"), "one of"), (("--last", "1", "--since", "5"), "one of"),
-                          (("--last", "0"), "at least 1"), (("--since", "then"), "not a time")):
+    for argv, message in (
+        (("--request", "a", "--last", "2"), "one of"),
+        (("--last", "1", "--since", "5"), "one of"),
+        (("--last", "0"), "at least 1"),
+        (("--since", "then"), "not a time"),
+    ):
         with pytest.raises(ValueError, match=message):
             selection(*argv)
 

@@ -12,9 +12,9 @@ from tokenizers import normalizers
 
 from shardline.ports import free_port
 from shardline.proto import sampling_pb2, tokenizer_pb2, tokenizer_pb2_grpc
+from shardline.text.tokenizer import Tokenizer
 from tests.gateway.conftest import start_tokenizer
 from tokenizer_svc.prompt_size import PromptSize
-from shardline.text.tokenizer import Tokenizer
 
 CONTEXT = 8192  # the default model's
 
@@ -27,7 +27,9 @@ def _texts(tokenizer: Tokenizer, corpus: list[str]) -> list[str]:
     return [
         *(text * 50 for text in corpus),
         tokenizer.decode([longest], skip_special_tokens=False) * 200,
-        " " * 20_000, "-" * 20_000, "\n" * 20_000,
+        " " * 20_000,
+        "-" * 20_000,
+        "\n" * 20_000,
         *("".join(rng.choice(alphabet) for _ in range(5_000)) for _ in range(5)),
     ]
 
@@ -73,8 +75,9 @@ def test_3_mb_prompts_leave_the_tokenizers_memory_within_100_mb() -> None:
     port = free_port()
     process = start_tokenizer(port)
     try:
-        with grpc.insecure_channel(f"127.0.0.1:{port}", options=[
-                ("grpc.max_send_message_length", 64 << 20)]) as channel:
+        with grpc.insecure_channel(
+            f"127.0.0.1:{port}", options=[("grpc.max_send_message_length", 64 << 20)]
+        ) as channel:
             stub = tokenizer_pb2_grpc.TokenizerStub(channel)
             stub.Tokenize(tokenizer_pb2.TokenizeRequest(texts=["warm up " * 100]), timeout=30)
             before = _rss_bytes(process.pid)
@@ -86,7 +89,8 @@ def test_3_mb_prompts_leave_the_tokenizers_memory_within_100_mb() -> None:
                 assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
                 assert caught.value.details().startswith("texts[0]: has at least")
                 chat = tokenizer_pb2.ApplyChatTemplateRequest(
-                    messages=[sampling_pb2.ChatMessage(role="user", content=text)], add_generation_prompt=True)
+                    messages=[sampling_pb2.ChatMessage(role="user", content=text)], add_generation_prompt=True
+                )
                 with pytest.raises(grpc.RpcError) as caught:
                     stub.ApplyChatTemplate(chat, timeout=30)
                 assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT

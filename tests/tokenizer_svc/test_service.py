@@ -20,8 +20,13 @@ from shardline.text.chat_template import ChatTemplate
 from shardline.text.detokenizer import PREFIX_WINDOW, next_prefix
 from shardline.text.tokenizer import Tokenizer, TokenizerError
 from tokenizer_svc.main import main, parse_settings
-from tokenizer_svc.server import (SERVICE_NAME, build_service, max_context_length, read_chat_template,
-                                  start_tokenizer_server)
+from tokenizer_svc.server import (
+    SERVICE_NAME,
+    build_service,
+    max_context_length,
+    read_chat_template,
+    start_tokenizer_server,
+)
 from tokenizer_svc.service import TokenizerService
 
 Stub = tokenizer_pb2_grpc.TokenizerStub
@@ -112,8 +117,11 @@ def test_detokenize_incremental_streams_add_up(service, tokenizer, corpus) -> No
             for i in live:
                 pending[i] = pending[i] + [ids[i][step]]
                 final = step == len(ids[i]) - 1
-                items.append(tokenizer_pb2.DetokenizeItem(
-                    prefix_token_ids=prefixes[i], new_token_ids=pending[i], final=final, skip_special_tokens=True))
+                items.append(
+                    tokenizer_pb2.DetokenizeItem(
+                        prefix_token_ids=prefixes[i], new_token_ids=pending[i], final=final, skip_special_tokens=True
+                    )
+                )
             response = await stub.Detokenize(tokenizer_pb2.DetokenizeRequest(items=items))
             for i, result in zip(live, response.results):
                 out[i] += result.text
@@ -131,7 +139,8 @@ def test_apply_chat_template_renders_and_tokenizes(service, tokenizer) -> None:
 
     async def body(stub: Stub) -> None:
         request = tokenizer_pb2.ApplyChatTemplateRequest(
-            messages=[sampling_pb2.ChatMessage(role=r, content=c) for r, c in messages], add_generation_prompt=True)
+            messages=[sampling_pb2.ChatMessage(role=r, content=c) for r, c in messages], add_generation_prompt=True
+        )
         response = await stub.ApplyChatTemplate(request)
         template = ChatTemplate(tokenizer.chat_template, tokenizer.bos_token, tokenizer.eos_token)
         expected = template.render([{"role": r, "content": c} for r, c in messages], add_generation_prompt=True)
@@ -147,7 +156,8 @@ def test_chat_template_errors_name_the_message(service) -> None:
         await expect_invalid(stub.ApplyChatTemplate(tokenizer_pb2.ApplyChatTemplateRequest()), "messages")
         bad_role = [sampling_pb2.ChatMessage(role="user", content="hi"), sampling_pb2.ChatMessage(role="", content="x")]
         await expect_invalid(
-            stub.ApplyChatTemplate(tokenizer_pb2.ApplyChatTemplateRequest(messages=bad_role)), "messages[1].role")
+            stub.ApplyChatTemplate(tokenizer_pb2.ApplyChatTemplateRequest(messages=bad_role)), "messages[1].role"
+        )
 
     with_stub(service, body)
 
@@ -181,8 +191,10 @@ def test_get_info_describes_the_default_model(service) -> None:
 
 def test_out_of_vocabulary_ids_are_invalid_argument(service) -> None:
     async def body(stub: Stub) -> None:
-        items = [tokenizer_pb2.DetokenizeItem(new_token_ids=[5]),
-                 tokenizer_pb2.DetokenizeItem(new_token_ids=[19556, 49152])]
+        items = [
+            tokenizer_pb2.DetokenizeItem(new_token_ids=[5]),
+            tokenizer_pb2.DetokenizeItem(new_token_ids=[19556, 49152]),
+        ]
         await expect_invalid(stub.Detokenize(tokenizer_pb2.DetokenizeRequest(items=items)), "items[1].new_token_ids")
         item = tokenizer_pb2.DetokenizeItem(prefix_token_ids=[10**6], new_token_ids=[5])
         request = tokenizer_pb2.DetokenizeRequest(items=[item])
@@ -199,8 +211,13 @@ def test_check_structured_output_says_why_a_constraint_does_not_compile(service)
             request = tokenizer_pb2.CheckStructuredOutputRequest(structured_output=constraint)
             return (await stub.CheckStructuredOutput(request)).error
 
-        good = [so(json_schema='{"type": "object", "properties": {"a": {"type": "integer"}}}'), so(json_object=True),
-                so(regex=r"\d+"), so(choice=sampling_pb2.Choices(choices=["a", 'say "b"'])), so(grammar='root ::= "x"+')]
+        good = [
+            so(json_schema='{"type": "object", "properties": {"a": {"type": "integer"}}}'),
+            so(json_object=True),
+            so(regex=r"\d+"),
+            so(choice=sampling_pb2.Choices(choices=["a", 'say "b"'])),
+            so(grammar='root ::= "x"+'),
+        ]
         assert [await check(c) for c in good] == [""] * len(good)
         assert (await check(so(json_schema='{"type": "objekt"}'))).startswith("the json schema does not compile: ")
         assert "objekt" in await check(so(json_schema='{"type": "objekt"}'))
@@ -240,45 +257,82 @@ def test_main_fails_cleanly_on_a_missing_model(tmp_path: Path) -> None:
 
 
 HERMES_TEMPLATE = Path(__file__).parents[1] / "shardline" / "text" / "hermes_tool_template.jinja"
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city", "parameters": {
-    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather in a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+        },
+    }
+]
 
 
 def test_tools_and_tool_calls_render_as_transformers_renders_them(hf_tokenizer) -> None:
     service = build_service(None, str(HERMES_TEMPLATE))
     messages = [
         sampling_pb2.ChatMessage(role="user", content="Weather in Oslo?"),
-        sampling_pb2.ChatMessage(role="assistant", tool_calls=[
-            sampling_pb2.ToolCall(id="call_1", name="get_weather", arguments='{"city": "Oslo"}')]),
-        sampling_pb2.ChatMessage(role="tool", content="Sunny", tool_call_id="call_1", name="get_weather")]
+        sampling_pb2.ChatMessage(
+            role="assistant",
+            tool_calls=[sampling_pb2.ToolCall(id="call_1", name="get_weather", arguments='{"city": "Oslo"}')],
+        ),
+        sampling_pb2.ChatMessage(role="tool", content="Sunny", tool_call_id="call_1", name="get_weather"),
+    ]
     # What transformers is given by vLLM: the arguments as a mapping.
-    hf_messages = [{"role": "user", "content": "Weather in Oslo?"},
-                   {"role": "assistant", "content": "", "tool_calls": [{"id": "call_1", "type": "function", "function": {
-                       "name": "get_weather", "arguments": {"city": "Oslo"}}}]},
-                   {"role": "tool", "content": "Sunny", "tool_call_id": "call_1", "name": "get_weather"}]
-    expected = hf_tokenizer.apply_chat_template(hf_messages, tools=TOOLS, chat_template=HERMES_TEMPLATE.read_text(),
-                                                tokenize=False, add_generation_prompt=True)
+    hf_messages = [
+        {"role": "user", "content": "Weather in Oslo?"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}
+            ],
+        },
+        {"role": "tool", "content": "Sunny", "tool_call_id": "call_1", "name": "get_weather"},
+    ]
+    expected = hf_tokenizer.apply_chat_template(
+        hf_messages, tools=TOOLS, chat_template=HERMES_TEMPLATE.read_text(), tokenize=False, add_generation_prompt=True
+    )
     assert '"name": "get_weather", "arguments": {"city": "Oslo"}}' in expected and "<tools>" in expected
 
     async def body(stub: Stub) -> None:
         info = await stub.GetInfo(tokenizer_pb2.GetTokenizerInfoRequest())
         assert info.tool_call_format == "hermes"
-        reply = await stub.ApplyChatTemplate(tokenizer_pb2.ApplyChatTemplateRequest(
-            messages=messages, add_generation_prompt=True, tools_json=json.dumps(TOOLS)))
+        reply = await stub.ApplyChatTemplate(
+            tokenizer_pb2.ApplyChatTemplateRequest(
+                messages=messages, add_generation_prompt=True, tools_json=json.dumps(TOOLS)
+            )
+        )
         assert reply.prompt == expected
-        without = await stub.ApplyChatTemplate(tokenizer_pb2.ApplyChatTemplateRequest(
-            messages=messages[:1], add_generation_prompt=True))
+        without = await stub.ApplyChatTemplate(
+            tokenizer_pb2.ApplyChatTemplateRequest(messages=messages[:1], add_generation_prompt=True)
+        )
         assert "<tools>" not in without.prompt
-        await expect_invalid(stub.ApplyChatTemplate(tokenizer_pb2.ApplyChatTemplateRequest(
-            messages=messages, tools_json='{"not": "a list"}')), "tools")
-        bad_call = sampling_pb2.ChatMessage(role="assistant", tool_calls=[sampling_pb2.ToolCall(name="f", arguments="[")])
-        await expect_invalid(stub.ApplyChatTemplate(tokenizer_pb2.ApplyChatTemplateRequest(
-            messages=[messages[0], bad_call])), "messages[1].tool_calls[0].function.arguments")
-        lone_surrogate = sampling_pb2.ChatMessage(role="assistant", tool_calls=[
-            sampling_pb2.ToolCall(name="f", arguments='{"c": "\\ud800"}')])
-        await expect_invalid(stub.ApplyChatTemplate(tokenizer_pb2.ApplyChatTemplateRequest(
-            messages=[messages[0], lone_surrogate], tools_json=json.dumps(TOOLS))),
-            "messages[1].tool_calls[0].function.arguments")
+        await expect_invalid(
+            stub.ApplyChatTemplate(
+                tokenizer_pb2.ApplyChatTemplateRequest(messages=messages, tools_json='{"not": "a list"}')
+            ),
+            "tools",
+        )
+        bad_call = sampling_pb2.ChatMessage(
+            role="assistant", tool_calls=[sampling_pb2.ToolCall(name="f", arguments="[")]
+        )
+        await expect_invalid(
+            stub.ApplyChatTemplate(tokenizer_pb2.ApplyChatTemplateRequest(messages=[messages[0], bad_call])),
+            "messages[1].tool_calls[0].function.arguments",
+        )
+        lone_surrogate = sampling_pb2.ChatMessage(
+            role="assistant", tool_calls=[sampling_pb2.ToolCall(name="f", arguments='{"c": "\\ud800"}')]
+        )
+        await expect_invalid(
+            stub.ApplyChatTemplate(
+                tokenizer_pb2.ApplyChatTemplateRequest(
+                    messages=[messages[0], lone_surrogate], tools_json=json.dumps(TOOLS)
+                )
+            ),
+            "messages[1].tool_calls[0].function.arguments",
+        )
 
     with_stub(service, body)
 
@@ -299,24 +353,42 @@ def test_chat_template_from_a_file_or_its_text(tmp_path: Path) -> None:
 
 
 def test_template_variables_reach_the_template() -> None:
-    source = ("{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
-              "{% if enable_thinking is defined and not enable_thinking %}[no thinking]{% endif %}"
-              "{% for d in documents or [] %}<doc>{{ d.text }}</doc>{% endfor %}")
+    source = (
+        "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+        "{% if enable_thinking is defined and not enable_thinking %}[no thinking]{% endif %}"
+        "{% for d in documents or [] %}<doc>{{ d.text }}</doc>{% endfor %}"
+    )
     service = build_service(None, source)
     user = sampling_pb2.ChatMessage(role="user", content="Hi")
 
     async def body(stub: Stub) -> None:
-        reply = await stub.ApplyChatTemplate(tokenizer_pb2.ApplyChatTemplateRequest(
-            messages=[user], template_kwargs_json=json.dumps({"enable_thinking": False,
-                                                              "documents": [{"text": "A"}]})))
+        reply = await stub.ApplyChatTemplate(
+            tokenizer_pb2.ApplyChatTemplateRequest(
+                messages=[user],
+                template_kwargs_json=json.dumps({"enable_thinking": False, "documents": [{"text": "A"}]}),
+            )
+        )
         assert reply.prompt == "user: Hi\n[no thinking]<doc>A</doc>"
-        for bad, field in (('{"messages": []}', "chat_template_kwargs.messages"), ("[1]", "chat_template_kwargs"),
-                           ('{"namespace": 1}', "chat_template_kwargs.namespace"),
-                           ('{"documents": [{"text": "\\ud800"}]}', "messages"),
-                           ('{"documents": 5}', "chat_template_kwargs")):
-            await expect_invalid(stub.ApplyChatTemplate(tokenizer_pb2.ApplyChatTemplateRequest(
-                messages=[user], template_kwargs_json=bad)), field)
-        await expect_invalid(stub.ApplyChatTemplate(tokenizer_pb2.ApplyChatTemplateRequest(
-            messages=[user], add_generation_prompt=True, continue_final_message=True)), "continue_final_message")
+        for bad, field in (
+            ('{"messages": []}', "chat_template_kwargs.messages"),
+            ("[1]", "chat_template_kwargs"),
+            ('{"namespace": 1}', "chat_template_kwargs.namespace"),
+            ('{"documents": [{"text": "\\ud800"}]}', "messages"),
+            ('{"documents": 5}', "chat_template_kwargs"),
+        ):
+            await expect_invalid(
+                stub.ApplyChatTemplate(
+                    tokenizer_pb2.ApplyChatTemplateRequest(messages=[user], template_kwargs_json=bad)
+                ),
+                field,
+            )
+        await expect_invalid(
+            stub.ApplyChatTemplate(
+                tokenizer_pb2.ApplyChatTemplateRequest(
+                    messages=[user], add_generation_prompt=True, continue_final_message=True
+                )
+            ),
+            "continue_final_message",
+        )
 
     with_stub(service, body)

@@ -51,7 +51,10 @@ def test_inject_then_extract_round_trips(recorded: tuple[trace.Tracer, InMemoryS
         metadata = inject_metadata()
     assert [key for key, _ in metadata] == ["traceparent"]
     extracted = trace.get_current_span(extract_context(metadata)).get_span_context()
-    assert (extracted.trace_id, extracted.span_id) == (root.get_span_context().trace_id, root.get_span_context().span_id)
+    assert (extracted.trace_id, extracted.span_id) == (
+        root.get_span_context().trace_id,
+        root.get_span_context().span_id,
+    )
     assert extracted.is_remote
 
 
@@ -104,19 +107,26 @@ async def _start_server(tracer: trace.Tracer) -> tuple[grpc.aio.Server, int]:
         interceptors=[TracingServerInterceptor(tracer)], migration_thread_pool=ThreadPoolExecutor(2)
     )
     health_pb2_grpc.add_HealthServicer_to_server(health.aio.HealthServicer(), server)
-    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("test.Echo", {
-        "Stream": grpc.unary_stream_rpc_method_handler(_stream),
-        "SyncStream": grpc.unary_stream_rpc_method_handler(_sync_stream),
-        "Join": grpc.stream_unary_rpc_method_handler(_join),
-        "EchoEach": grpc.stream_stream_rpc_method_handler(_echo_each),
-        "NotFound": grpc.unary_unary_rpc_method_handler(_not_found),
-        "Abort": grpc.unary_unary_rpc_method_handler(_abort),
-        "SyncCheck": grpc.unary_unary_rpc_method_handler(
-            lambda request, context: health.HealthServicer().Check(request, context),
-            request_deserializer=health_pb2.HealthCheckRequest.FromString,
-            response_serializer=health_pb2.HealthCheckResponse.SerializeToString,
-        ),
-    })])
+    server.add_generic_rpc_handlers(
+        [
+            grpc.method_handlers_generic_handler(
+                "test.Echo",
+                {
+                    "Stream": grpc.unary_stream_rpc_method_handler(_stream),
+                    "SyncStream": grpc.unary_stream_rpc_method_handler(_sync_stream),
+                    "Join": grpc.stream_unary_rpc_method_handler(_join),
+                    "EchoEach": grpc.stream_stream_rpc_method_handler(_echo_each),
+                    "NotFound": grpc.unary_unary_rpc_method_handler(_not_found),
+                    "Abort": grpc.unary_unary_rpc_method_handler(_abort),
+                    "SyncCheck": grpc.unary_unary_rpc_method_handler(
+                        lambda request, context: health.HealthServicer().Check(request, context),
+                        request_deserializer=health_pb2.HealthCheckRequest.FromString,
+                        response_serializer=health_pb2.HealthCheckResponse.SerializeToString,
+                    ),
+                },
+            )
+        ]
+    )
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     return server, port
@@ -161,7 +171,10 @@ async def test_aio_client_and_server_interceptors_join_one_trace(
     assert_child(checks[0], caller)
     assert checks[0].kind == trace.SpanKind.SERVER
     assert dict(checks[0].attributes) == {
-        "rpc.system": "grpc", "rpc.service": "grpc.health.v1.Health", "rpc.method": "Check", "rpc.grpc.status_code": 0,
+        "rpc.system": "grpc",
+        "rpc.service": "grpc.health.v1.Health",
+        "rpc.method": "Check",
+        "rpc.grpc.status_code": 0,
     }
     assert checks[1].parent is None and checks[1].context.trace_id != caller.context.trace_id
     named = by_name(exporter)
@@ -201,7 +214,8 @@ async def test_sync_client_interceptor_propagates(recorded: tuple[trace.Tracer, 
 
 @run_async
 async def test_a_stream_abandoned_at_a_yield_closes_cleanly_from_another_context(
-    recorded: tuple[trace.Tracer, InMemorySpanExporter], caplog: pytest.LogCaptureFixture,
+    recorded: tuple[trace.Tracer, InMemorySpanExporter],
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     # grpc abandons a response stream at a yield when its client leaves mid-write; the event loop then
     # closes the generator from another context. The rpc span must end, with nothing logged.

@@ -21,9 +21,13 @@ def test_metrics_server_exposes_genai_histograms_and_gauges() -> None:
     # A 2 ms token lands in a bucket finer than the conventions' first (10 ms) one.
     assert 'gen_ai_server_time_per_output_token_seconds_bucket{gen_ai_request_model="smollm2-135m",le="0.0025"}' in body
     assert "shardline_queue_depth 7.0" in body
-    for name in ("gen_ai_server_request_duration_seconds", "shardline_running_requests",
-                 "shardline_kv_cache_usage_ratio", "shardline_generation_tokens_per_second",
-                 "shardline_tracing_spans_dropped_total"):
+    for name in (
+        "gen_ai_server_request_duration_seconds",
+        "shardline_running_requests",
+        "shardline_kv_cache_usage_ratio",
+        "shardline_generation_tokens_per_second",
+        "shardline_tracing_spans_dropped_total",
+    ):
         assert f"# TYPE {name.removesuffix('_total')}" in body
 
 

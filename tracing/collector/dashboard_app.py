@@ -98,11 +98,13 @@ async def trace_api(request: web.Request) -> web.Response:
 async def _pftrace_response(spans: list[StoredSpan], name: str) -> web.Response:
     # Encoding a large window takes a while: keep the loop free for exports.
     data, stats = await asyncio.to_thread(encode_pftrace, spans)
-    logger.info("trace %s: %d slices, %d counter samples, %d bytes", name, stats.slices, stats.counter_samples,
-                stats.bytes)
+    logger.info(
+        "trace %s: %d slices, %d counter samples, %d bytes", name, stats.slices, stats.counter_samples, stats.bytes
+    )
     safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
-    return web.Response(body=data, content_type=PFTRACE_TYPE,
-                        headers={"Content-Disposition": f'attachment; filename="{safe}.pftrace"'})
+    return web.Response(
+        body=data, content_type=PFTRACE_TYPE, headers={"Content-Disposition": f'attachment; filename="{safe}.pftrace"'}
+    )
 
 
 async def _redis_unavailable(request: web.Request, handler) -> web.StreamResponse:

@@ -50,8 +50,11 @@ async def serve(settings: TracingSettings, stop: asyncio.Event | None = None) ->
         await runner.setup()
         site = web.TCPSite(runner, settings.host, settings.http_port)
         await site.start()
-        logger.info("tracing: OTLP on :%d, dashboard on %s", receiver.port,
-                    ", ".join(f"http://{host}:{port}/" for host, port, *_ in runner.addresses))
+        logger.info(
+            "tracing: OTLP on :%d, dashboard on %s",
+            receiver.port,
+            ", ".join(f"http://{host}:{port}/" for host, port, *_ in runner.addresses),
+        )
         started()
         await stop.wait()
         logger.info("stopping: finishing in-flight exports")

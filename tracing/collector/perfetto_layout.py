@@ -110,7 +110,7 @@ def pack_lanes(spans: list[StoredSpan]) -> list[list[StoredSpan]]:
     lanes: list[list[StoredSpan]] = []
     open_ends: list[list[int]] = []
     for span in sorted(spans, key=lambda s: (s.start_ns, -s.end_ns)):
-        for lane, ends in zip(lanes, open_ends):
+        for lane, ends in zip(lanes, open_ends):  # noqa: B007 (the lane the loop breaks on is used below)
             while ends and ends[-1] <= span.start_ns:
                 ends.pop()
             if not ends or span.end_ns <= ends[-1]:
@@ -209,6 +209,8 @@ def _add_counters(layout: TraceLayout, spans: list[StoredSpan], processes: dict[
                 tracks[track_key] = next(uuids)
                 name = label if span.rank is None else f"{label} rank {span.rank}"
                 parent = processes[span.instance_id].uuid
-                layout.tracks.append(TrackSpec(uuid=tracks[track_key], name=name, parent_uuid=parent, counter_unit=unit))
+                layout.tracks.append(
+                    TrackSpec(uuid=tracks[track_key], name=name, parent_uuid=parent, counter_unit=unit)
+                )
             layout.counters.append(CounterSample(tracks[track_key], span.start_ns, value))
     layout.counter_tracks = len(tracks)

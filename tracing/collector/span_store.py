@@ -171,8 +171,10 @@ class SpanStore:
         pipe = self._redis.pipeline(transaction=False)
         for request_id in request_ids:
             pipe.zrange(f"{self._prefix}req:{request_id}", 0, -1)
-        traces_of = [sorted({ref.decode().split(":", 1)[0] for ref in refs})
-                     for refs in (await pipe.execute() if request_ids else [])]
+        traces_of = [
+            sorted({ref.decode().split(":", 1)[0] for ref in refs})
+            for refs in (await pipe.execute() if request_ids else [])
+        ]
         trace_ids = sorted({trace_id for traces in traces_of for trace_id in traces})
         pipe = self._redis.pipeline(transaction=False)
         for trace_id in trace_ids:

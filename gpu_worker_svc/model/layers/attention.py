@@ -24,8 +24,9 @@ class PagedAttention(nn.Module):
         # The shapes kernels/decode_attention.cpp takes (all of Llama's and Qwen2's).
         self.cpu_kernel_fits = head_dim % 16 == 0 and head_dim <= 256
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
         """q: [T, Hq, D]; k, v: [T, Hkv, D]. Returns [T, Hq * D]."""
         k_cache, v_cache = kv_cache.view(2, -1, self.num_kv_heads, self.head_dim).unbind(0)
         k_cache.index_copy_(0, meta.slot_mapping, k)
@@ -44,8 +45,9 @@ class PagedAttention(nn.Module):
             out[start:end] = self._sdpa_batch(q[start:end], k[start:end], v[start:end], count)
         for (start, end), gather, mask in zip(meta.prefill_bounds, meta.prefill_gather, meta.prefill_mask):
             if gather is not None:  # the chunk's queries sit at the end of a longer context
-                out[start:end] = self._sdpa(q[start:end], k_cache.index_select(0, gather),
-                                            v_cache.index_select(0, gather), mask, causal=False)
+                out[start:end] = self._sdpa(
+                    q[start:end], k_cache.index_select(0, gather), v_cache.index_select(0, gather), mask, causal=False
+                )
         if meta.decode_index is not None and meta.decode_queries > 1:  # decodes with draft tokens
             queries = q.index_select(0, meta.decode_query_rows).unflatten(0, (-1, meta.decode_queries))
             decodes = self._decode(queries, k_cache, v_cache, meta).flatten(0, 1).index_select(0, meta.decode_valid)
@@ -55,8 +57,9 @@ class PagedAttention(nn.Module):
             out.flatten(1).index_copy_(0, meta.decode_index, decodes)  # far cheaper than index_put on CPU
         return out.flatten(1)
 
-    def _invariant(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   meta: AttentionMetadata) -> torch.Tensor:
+    def _invariant(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
         """Each chunk, then the decodes group by group, each query over its context gathered from the cache."""
         contexts = meta.derived.get("invariant")
         if contexts is None:  # the first layer lays out the step's contexts; the others reuse them
@@ -66,27 +69,37 @@ class PagedAttention(nn.Module):
         for (start, end), context in zip(meta.prefill_bounds, prefills):
             out[start:end] = invariant_attention(q[None, start:end], k_cache, v_cache, context)[0]
         for rows, context in decodes:
-            out.index_copy_(0, rows, invariant_attention(q.index_select(0, rows)[:, None], k_cache, v_cache,
-                                                         context)[:, 0])
+            out.index_copy_(
+                0, rows, invariant_attention(q.index_select(0, rows)[:, None], k_cache, v_cache, context)[:, 0]
+            )
         return out.flatten(1)
 
-    def _invariant_contexts(self, meta: AttentionMetadata
-                            ) -> tuple[list[InvariantContext], list[tuple[torch.Tensor, InvariantContext]]]:
+    def _invariant_contexts(
+        self, meta: AttentionMetadata
+    ) -> tuple[list[InvariantContext], list[tuple[torch.Tensor, InvariantContext]]]:
         """Each chunk's context; and each decode group's flat-batch rows, and its context."""
-        prefills = [InvariantContext.of(gather[None], mask[None], self.num_kv_heads)
-                    for gather, mask in zip(meta.prefill_gather, meta.prefill_mask)]
+        prefills = [
+            InvariantContext.of(gather[None], mask[None], self.num_kv_heads)
+            for gather, mask in zip(meta.prefill_gather, meta.prefill_mask)
+        ]
         decodes = []
         if meta.decode_index is not None:
-            groups = meta.decode_groups or [DecodeGroup(torch.arange(meta.decode_index.numel()), meta.decode_gather,
-                                                        meta.decode_mask)]
+            groups = meta.decode_groups or [
+                DecodeGroup(torch.arange(meta.decode_index.numel()), meta.decode_gather, meta.decode_mask)
+            ]
             for group in groups:
                 allowed = group.mask.view(group.gather.shape[0], 1, -1)
-                decodes.append((meta.decode_index.index_select(0, group.rows.to(meta.decode_index.device)),
-                                InvariantContext.of(group.gather, allowed, self.num_kv_heads)))
+                decodes.append(
+                    (
+                        meta.decode_index.index_select(0, group.rows.to(meta.decode_index.device)),
+                        InvariantContext.of(group.gather, allowed, self.num_kv_heads),
+                    )
+                )
         return prefills, decodes
 
-    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
+    def _decode(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
         """The single-token queries q [B, Hq, D] against their cached contexts → [B, Hq * D];
         or each decode's Q queries, q [B, Q, Hq, D] → [B, Q, Hq * D]."""
         kernel = self._cpu_kernel(q, k_cache)
@@ -95,7 +108,7 @@ class PagedAttention(nn.Module):
             if contexts is None:  # the first layer works them out; the others reuse them
                 contexts = meta.derived["decode_contexts"] = _decode_contexts(meta)
             slots, lengths = contexts
-            return kernel(q, k_cache, v_cache, slots, lengths, self.head_dim ** -0.5)
+            return kernel(q, k_cache, v_cache, slots, lengths, self.head_dim**-0.5)
         if not meta.decode_groups:
             return self._attend(q, k_cache, v_cache, meta.decode_gather, meta.decode_mask)
         out = q.new_empty(*q.shape[:-2], q.shape[-2] * q.shape[-1])
@@ -106,13 +119,23 @@ class PagedAttention(nn.Module):
 
     def _cpu_kernel(self, q: torch.Tensor, k_cache: torch.Tensor) -> Callable | None:
         """kernels/decode_attention.cpp, for decodes (with their drafts or not) on CPU in float32; else None."""
-        if not self.cpu_kernel_fits or q.device.type != "cpu" or q.dtype != torch.float32 \
-                or k_cache.dtype != torch.float32:
+        if (
+            not self.cpu_kernel_fits
+            or q.device.type != "cpu"
+            or q.dtype != torch.float32
+            or k_cache.dtype != torch.float32
+        ):
             return None
         return cpu_build.paged_decode_attention()
 
-    def _attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, gather: torch.Tensor,
-                mask: torch.Tensor | None) -> torch.Tensor:
+    def _attend(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        gather: torch.Tensor,
+        mask: torch.Tensor | None,
+    ) -> torch.Tensor:
         # index_select on the flattened slots is several times faster than advanced indexing.
         b, length = gather.shape
         flat = gather.flatten()
@@ -120,12 +143,12 @@ class PagedAttention(nn.Module):
         vd = v_cache.index_select(0, flat).view(b, length, *v_cache.shape[1:]).transpose(1, 2)
         if q.dim() == 4:  # [B, Q, Hq, D]: a decode's token and its drafts
             return self._attend_queries(q, kd, vd, mask)
-        od = F.scaled_dot_product_attention(q.unsqueeze(2), kd, vd, attn_mask=mask,
-                                            enable_gqa=self.num_heads != self.num_kv_heads)
+        od = F.scaled_dot_product_attention(
+            q.unsqueeze(2), kd, vd, attn_mask=mask, enable_gqa=self.num_heads != self.num_kv_heads
+        )
         return od.flatten(1)
 
-    def _attend_queries(self, q: torch.Tensor, kd: torch.Tensor, vd: torch.Tensor, mask: torch.Tensor
-                        ) -> torch.Tensor:
+    def _attend_queries(self, q: torch.Tensor, kd: torch.Tensor, vd: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Q queries per decode, q [B, Q, Hq, D], over kd/vd [B, Hkv, L, D] → [B, Q, Hq * D].
 
         The G query heads that share a KV head go as G * Q rows of one (decode, KV head) pair: one
@@ -134,8 +157,9 @@ class PagedAttention(nn.Module):
         b, queries, _, dim = q.shape
         group = self.num_heads // self.num_kv_heads
         rows = q.view(b, queries, self.num_kv_heads, group, dim).permute(0, 2, 3, 1, 4)
-        od = F.scaled_dot_product_attention(rows.reshape(b, self.num_kv_heads, group * queries, dim), kd, vd,
-                                            attn_mask=mask.repeat(1, 1, group, 1))
+        od = F.scaled_dot_product_attention(
+            rows.reshape(b, self.num_kv_heads, group * queries, dim), kd, vd, attn_mask=mask.repeat(1, 1, group, 1)
+        )
         return od.view(b, self.num_kv_heads, group, queries, dim).permute(0, 3, 1, 2, 4).reshape(b, queries, -1)
 
     def _sdpa_batch(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, count: int) -> torch.Tensor:
@@ -145,20 +169,30 @@ class PagedAttention(nn.Module):
         kernel then spreads (chunk, head) pairs over its threads, ~4x faster than a call per chunk
         for 16 chunks of 128 tokens; each pair's result is the same bits either way."""
         o = F.scaled_dot_product_attention(
-            q.unflatten(0, (count, -1)).transpose(1, 2), k.unflatten(0, (count, -1)).transpose(1, 2),
-            v.unflatten(0, (count, -1)).transpose(1, 2), is_causal=True, enable_gqa=self.num_heads != self.num_kv_heads)
+            q.unflatten(0, (count, -1)).transpose(1, 2),
+            k.unflatten(0, (count, -1)).transpose(1, 2),
+            v.unflatten(0, (count, -1)).transpose(1, 2),
+            is_causal=True,
+            enable_gqa=self.num_heads != self.num_kv_heads,
+        )
         return o.transpose(1, 2).flatten(0, 1)
 
-    def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-              causal: bool) -> torch.Tensor:
+    def _sdpa(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool
+    ) -> torch.Tensor:
         """One sequence: q [n, Hq, D], k/v [ctx, Hkv, D] → [n, Hq, D].
 
         As a batch of one: given 3-D inputs, torch's CPU SDPA takes its unfused math path (a
         [heads, n, ctx] score matrix, tril, softmax), 5-7x slower than its flash kernel at 512 tokens.
         """
-        o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-                                           attn_mask=mask, is_causal=causal,
-                                           enable_gqa=self.num_heads != self.num_kv_heads)
+        o = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None],
+            k.transpose(0, 1)[None],
+            v.transpose(0, 1)[None],
+            attn_mask=mask,
+            is_causal=causal,
+            enable_gqa=self.num_heads != self.num_kv_heads,
+        )
         return o[0].transpose(0, 1)
 
 
@@ -180,8 +214,9 @@ def _decode_contexts(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tenso
     """For the CPU kernel, in the step's order of decodes: each one's context slots [B, L], and its
     length [B] (with drafts, each query's [B, Q]). Groups go back into one table: the kernel reads
     each decode's own length only, so padding to the longest costs it nothing."""
-    parts = [(g.rows, g.gather, g.mask) for g in meta.decode_groups] or \
-        [(slice(None), meta.decode_gather, meta.decode_mask)]
+    parts = [(g.rows, g.gather, g.mask) for g in meta.decode_groups] or [
+        (slice(None), meta.decode_gather, meta.decode_mask)
+    ]
     decodes, queries = sum(gather.shape[0] for _, gather, _ in parts), meta.decode_queries
     slots = torch.zeros(decodes, max(gather.shape[1] for _, gather, _ in parts), dtype=torch.long)  # 0: never read
     lengths = torch.empty(decodes, queries, dtype=torch.long)

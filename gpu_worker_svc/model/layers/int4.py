@@ -42,7 +42,7 @@ class Int4Weight(nn.Module):
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, shape[-1]).to(torch.bfloat16), self.packed,
-                                                         GROUP_SIZE, self.scales_zeros)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x.reshape(-1, shape[-1]).to(torch.bfloat16), self.packed, GROUP_SIZE, self.scales_zeros
+        )
         return y.to(x.dtype).view(*shape[:-1], -1)
-

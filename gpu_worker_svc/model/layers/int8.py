@@ -81,8 +81,9 @@ class Int8Weight(nn.Module):
         """int8 codes and their per-channel scales, packed for fbgemm's GEMM."""
         with warnings.catch_warnings():  # quantized tensors are deprecated, but fbgemm's prepack still takes one
             warnings.simplefilter("ignore", UserWarning)
-            qweight = torch._make_per_channel_quantized_tensor(codes, scale.double(),
-                                                               torch.zeros_like(scale, dtype=torch.long), 0)
+            qweight = torch._make_per_channel_quantized_tensor(
+                codes, scale.double(), torch.zeros_like(scale, dtype=torch.long), 0
+            )
         previous = torch.backends.quantized.engine
         torch.backends.quantized.engine = "fbgemm"  # the packed weight keeps the backend it was packed for
         try:
@@ -151,7 +152,21 @@ class _OneDNNInt8:
         quantized = torch.quantize_per_tensor(unit_rows, _ACT_SCALE, _ACT_ZERO_POINT, torch.quint8)
         # The quint8 tensor's storage holds the codes as plain bytes: a uint8 tensor over it reads them
         # where int_repr() would copy them (~1 ms per 2048-row GEMM, 4% of a 16 x 128-token prefill).
-        codes = torch.empty(0, dtype=torch.uint8).set_(quantized.untyped_storage(), quantized.storage_offset(),
-                                                       quantized.shape, quantized.stride())
-        return torch.ops.onednn.qlinear_pointwise(codes, _ACT_SCALE, _ACT_ZERO_POINT, self.packed, self.scale,
-                                                  self.zero_point, None, 1.0, 0, torch.float32, "none", [], "")
+        codes = torch.empty(0, dtype=torch.uint8).set_(
+            quantized.untyped_storage(), quantized.storage_offset(), quantized.shape, quantized.stride()
+        )
+        return torch.ops.onednn.qlinear_pointwise(
+            codes,
+            _ACT_SCALE,
+            _ACT_ZERO_POINT,
+            self.packed,
+            self.scale,
+            self.zero_point,
+            None,
+            1.0,
+            0,
+            torch.float32,
+            "none",
+            [],
+            "",
+        )

@@ -71,8 +71,9 @@ class InvariantContext:
         return cls((slots[None] * kv_heads + heads).flatten(), ~allowed, (kv_heads, *slots.shape), pieces)
 
 
-def invariant_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                        context: InvariantContext) -> torch.Tensor:
+def invariant_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, context: InvariantContext
+) -> torch.Tensor:
     """q [S, n, Hq, D] over the keys and values of `context`, in caches [slots, Hkv, D].
     Returns [S, n, Hq, D]: softmax(q k^T / sqrt(D)) v per head."""
     d = q.shape[3]
@@ -86,7 +87,9 @@ def invariant_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         return _attend(q, k, v, context.hidden)
     out = torch.empty_like(q)
     for first, end, keys in context.pieces:  # a long chunk: each piece's rows come out the same bits
-        out[:, first:end] = _attend(q[:, first:end], k[:, :, :keys], v[:, :, :keys], context.hidden[:, first:end, :keys])
+        out[:, first:end] = _attend(
+            q[:, first:end], k[:, :, :keys], v[:, :, :keys], context.hidden[:, first:end, :keys]
+        )
     return out
 
 
@@ -101,16 +104,18 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hidden: torch.Ten
     # stay 0 through the product with the values, which drops them.
     padded = padded_rows(rows)
     q_rows = q.new_zeros(batch, padded, d) if padded > rows else q.new_empty(batch, rows, d)
-    torch.mul(q.view(s_, n, hkv, group, d).permute(2, 0, 1, 3, 4), 1.0 / math.sqrt(d),
-              out=q_rows[:, :rows].view(hkv, s_, n, group, d))
+    torch.mul(
+        q.view(s_, n, hkv, group, d).permute(2, 0, 1, 3, 4),
+        1.0 / math.sqrt(d),
+        out=q_rows[:, :rows].view(hkv, s_, n, group, d),
+    )
     scores = torch.bmm(q_rows, k.reshape(batch, length, d).transpose(1, 2))
     real = scores[:, :rows]
     real.view(hkv, s_, n, group, length).masked_fill_(hidden[None, :, :, None], -math.inf)
     real.sub_(real.amax(-1, keepdim=True)).exp_()
     tiled = scores.view(batch, padded, tiles, TILE)
     denominator = _in_order(tiled[:, :rows].sum(-1).movedim(-1, 0))  # [batch, rows]
-    partial = torch.bmm(tiled.transpose(1, 2).reshape(batch * tiles, padded, TILE),
-                        v.reshape(batch * tiles, TILE, d))
+    partial = torch.bmm(tiled.transpose(1, 2).reshape(batch * tiles, padded, TILE), v.reshape(batch * tiles, TILE, d))
     out = _in_order(partial.view(batch, tiles, padded, d)[:, :, :rows].movedim(1, 0)).div_(denominator[..., None])
     return out.view(hkv, s_, n, group, d).permute(1, 2, 0, 3, 4).reshape(s_, n, hq, d)
 
@@ -147,5 +152,7 @@ def check_invariant_attention(heads: tuple[int, int, int] = (9, 3, 64), position
     out = invariant_attention(q[decoded][:, None], k, v, InvariantContext.of(slots, allowed, kv_heads))
     same = same and all(torch.equal(out[i, 0], whole[p]) for i, p in enumerate(decoded))
     if not same:
-        raise RuntimeError("batch-invariant attention does not hold with this machine's torch kernels (their "
-                           "rounding depends on shapes differently than where it was measured): run without it")
+        raise RuntimeError(
+            "batch-invariant attention does not hold with this machine's torch kernels (their "
+            "rounding depends on shapes differently than where it was measured): run without it"
+        )

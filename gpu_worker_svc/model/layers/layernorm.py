@@ -12,7 +12,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-
 # torch.rms_norm's CPU path is the faster below this size (64 rows of 576), HF's form above it.
 _FUSED_MAX_ELEMENTS = 64 * 576
 
@@ -24,8 +23,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden, dtype=dtype), requires_grad=False)
         self.weight.weight_loader = lambda p, t, s=None: p.data.copy_(t.read())  # type: ignore[attr-defined]
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
-                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if residual is not None:
             x = x + residual
             residual = x
@@ -45,8 +45,10 @@ class RMSNorm(nn.Module):
         rows = torch.randn(2 * _FUSED_MAX_ELEMENTS // self.weight.numel() + 1, self.weight.numel(), generator=g)
         few = torch.cat([self(rows[i : i + 3]) for i in range(0, rows.shape[0], 3)])  # torch.rms_norm
         if not torch.equal(few, self(rows)):  # HF's form
-            raise RuntimeError("batch invariance does not hold with this machine's torch.rms_norm (it rounds "
-                               "otherwise than the norm of a prefill's rows): run without it")
+            raise RuntimeError(
+                "batch invariance does not hold with this machine's torch.rms_norm (it rounds "
+                "otherwise than the norm of a prefill's rows): run without it"
+            )
 
     def divide_channels(self, s: torch.Tensor) -> None:
         """Scale output channel j by 1 / s[j] (int8 smoothing moves s into the next layer's weight)."""

@@ -59,14 +59,16 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 class QKVParallelLinear(ColumnParallelLinear):
     """Fused q/k/v projection split by heads. KV heads are replicated when TP exceeds their count."""
 
-    def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool,
-                 tp: TPGroup, dtype: torch.dtype) -> None:
+    def __init__(
+        self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool, tp: TPGroup, dtype: torch.dtype
+    ) -> None:
         self.head_dim = head_dim
         self.num_heads = num_heads // tp.world_size
         self.num_kv_heads = max(1, num_kv_heads // tp.world_size)
         # With fewer KV heads than ranks, groups of ranks share (replicate) one KV head.
-        self.kv_head_start = (tp.rank * num_kv_heads) // tp.world_size if num_kv_heads < tp.world_size \
-            else tp.rank * self.num_kv_heads
+        self.kv_head_start = (
+            (tp.rank * num_kv_heads) // tp.world_size if num_kv_heads < tp.world_size else tp.rank * self.num_kv_heads
+        )
         self.q_size = self.num_heads * head_dim
         self.kv_size = self.num_kv_heads * head_dim
         nn.Module.__init__(self)

@@ -20,7 +20,8 @@ _BATCH_HINT = 16
 
 def onednn_available() -> bool:
     return torch.backends.mkldnn.is_available() and all(
-        hasattr(torch.ops.mkldnn, op) for op in ("_reorder_linear_weight", "_linear_pointwise"))
+        hasattr(torch.ops.mkldnn, op) for op in ("_reorder_linear_weight", "_linear_pointwise")
+    )
 
 
 class OneDNNWeight(nn.Module):

@@ -40,8 +40,10 @@ def quantize_model(model: nn.Module, method: str, calibrate: Callable[[], None] 
         if calibrate is None:
             raise ValueError("int8 quantization needs a calibration prefill")
         scales = smooth(model.smoothing_groups(), calibrate)
-    return _swap_weights(model, lambda module, weight: QUANTIZATIONS[method](
-        weight * scales[module][None, :] if module in scales else weight))
+    return _swap_weights(
+        model,
+        lambda module, weight: QUANTIZATIONS[method](weight * scales[module][None, :] if module in scales else weight),
+    )
 
 
 def pack_fp32_for_onednn(model: nn.Module) -> int:
@@ -51,8 +53,11 @@ def pack_fp32_for_onednn(model: nn.Module) -> int:
 
 def _swap_weights(model: nn.Module, make: Callable[[nn.Module, torch.Tensor], nn.Module]) -> int:
     # A tied LM head shares its weight with the embedding, whose lookups still need it.
-    embeddings = {id(m.weight) for m in model.modules()
-                  if isinstance(m, VocabParallelEmbedding) and not isinstance(m, ParallelLMHead)}
+    embeddings = {
+        id(m.weight)
+        for m in model.modules()
+        if isinstance(m, VocabParallelEmbedding) and not isinstance(m, ParallelLMHead)
+    }
     count = 0
     for module in model.modules():
         if isinstance(module, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)) and module.quant is None:

@@ -32,13 +32,21 @@ def _inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> to
 class RotaryEmbedding(nn.Module):
     """cos/sin tables, gathered once per step for all layers (`prepare`) and applied per layer (`apply`)."""
 
-    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None,
-                 dtype: torch.dtype, freq_factors: list[float] | None = None) -> None:
+    def __init__(
+        self,
+        head_dim: int,
+        max_positions: int,
+        theta: float,
+        scaling: dict[str, Any] | None,
+        dtype: torch.dtype,
+        freq_factors: list[float] | None = None,
+    ) -> None:
         super().__init__()
         if freq_factors is not None:  # llama.cpp's form of the same scaling: divisors, one per frequency
             if len(freq_factors) != head_dim // 2:
-                raise ValueError(f"rope_freqs has {len(freq_factors)} factors; "
-                                 f"head_dim {head_dim} needs {head_dim // 2}")
+                raise ValueError(
+                    f"rope_freqs has {len(freq_factors)} factors; head_dim {head_dim} needs {head_dim // 2}"
+                )
             inv_freq = _inv_freq(head_dim, theta, None) / torch.tensor(freq_factors, dtype=torch.float32)
         else:
             inv_freq = _inv_freq(head_dim, theta, scaling)

@@ -48,8 +48,9 @@ class _AbsMaxRecorder(nn.Module):
         return F.linear(x, self.weight)
 
 
-def smooth(groups: list[SmoothingGroup], calibrate: Callable[[], None], alpha: float = ALPHA
-           ) -> dict[nn.Module, torch.Tensor]:
+def smooth(
+    groups: list[SmoothingGroup], calibrate: Callable[[], None], alpha: float = ALPHA
+) -> dict[nn.Module, torch.Tensor]:
     """Record input channel maxima over `calibrate()`, rescale every producer, and return each consumer's s.
 
     The consumers' own weights are left as they are: the caller quantizes `weight * s`, which

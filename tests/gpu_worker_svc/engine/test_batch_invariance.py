@@ -25,17 +25,25 @@ RESUME_AT = 7
 def engine():
     # 40 blocks of 16 tokens hold about 3 of these requests at once: a batch of 10 preempts. Chunks of
     # at most 96 tokens split the longer prompts over several steps.
-    e = LLMEngine(EngineConfig(runner=RunnerConfig(quantization="int8", batch_invariant=True, num_blocks=40),
-                               scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=96)))
+    e = LLMEngine(
+        EngineConfig(
+            runner=RunnerConfig(quantization="int8", batch_invariant=True, num_blocks=40),
+            scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=96),
+        )
+    )
     yield e
     e.shutdown()
 
 
 def _requests() -> list[tuple[list[int], SamplingParams]]:
     rng = random.Random(5)
-    return [([rng.randrange(100, 49000) for _ in range(rng.randrange(20, 260))],
-             SamplingParams(max_tokens=16, temperature=0.0 if i % 2 else 0.8, seed=i, ignore_eos=True, logprobs=2))
-            for i in range(8)]
+    return [
+        (
+            [rng.randrange(100, 49000) for _ in range(rng.randrange(20, 260))],
+            SamplingParams(max_tokens=16, temperature=0.0 if i % 2 else 0.8, seed=i, ignore_eos=True, logprobs=2),
+        )
+        for i in range(8)
+    ]
 
 
 def _run(engine: LLMEngine, requests, resume_from: list[list[int]] | None = None) -> tuple[dict, dict]:
@@ -76,8 +84,9 @@ def test_int8_drafts_change_no_bit_of_tokens_or_logprobs(engine):
     tokens and logprobs are bitwise those of decoding one token a step."""
     rng = random.Random(9)
     phrase = [rng.randrange(100, 49000) for _ in range(9)]
-    requests = _requests()[:4] + [(phrase * 6, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True,
-                                                             logprobs=2))]
+    requests = _requests()[:4] + [
+        (phrase * 6, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=2))
+    ]
     one_by_one, _ = _run(engine, requests)
     engine.config.speculative = SpeculativeConfig(num_speculative_tokens=4)
     try:

@@ -15,9 +15,7 @@ def fake_token(seq: Sequence) -> int:
     return 500 + seq.num_output_tokens
 
 
-def step(
-    sched: BatchScheduler, token_fn: Callable[[Sequence], int] = fake_token
-) -> tuple[SchedulerOutput, StepUpdate]:
+def step(sched: BatchScheduler, token_fn: Callable[[Sequence], int] = fake_token) -> tuple[SchedulerOutput, StepUpdate]:
     out = sched.schedule()
     sampled = [token_fn(s.seq) if s.needs_sample else None for s in out.scheduled]
     return out, sched.update(out, sampled)
@@ -270,17 +268,25 @@ def test_reported_cache_hits_are_prompt_tokens_of_the_first_admission():
     # After a preemption, the recompute hits its own output's blocks too: usage must still report
     # prompt tokens only (cached_tokens never exceeds prompt_tokens).
     scheduler = BatchScheduler(SchedulerConfig(8, 64, True), BlockPool(9, 4))
-    seqs = [Sequence(name, list(range(base, base + n)), SamplingParams(max_tokens=m, seed=1), eos_token_id=EOS,
-                     arrival_time=float(i))
-            for i, (name, base, n, m) in enumerate((("A", 100, 6, 20), ("B", 200, 6, 12), ("C", 300, 2, 14)))]
+    seqs = [
+        Sequence(
+            name,
+            list(range(base, base + n)),
+            SamplingParams(max_tokens=m, seed=1),
+            eos_token_id=EOS,
+            arrival_time=float(i),
+        )
+        for i, (name, base, n, m) in enumerate((("A", 100, 6, 20), ("B", 200, 6, 12), ("C", 300, 2, 14)))
+    ]
     for seq in seqs:
         scheduler.add(seq)
     token, preempted, readmitted_hits = 500, set(), 0
     while scheduler.has_unfinished:
         out = scheduler.schedule()
         preempted |= set(out.preempted_ids)
-        readmitted_hits = max([readmitted_hits, *(s.seq.num_cached_tokens for s in out.scheduled
-                                                  if s.seq.request_id in preempted)])
+        readmitted_hits = max(
+            [readmitted_hits, *(s.seq.num_cached_tokens for s in out.scheduled if s.seq.request_id in preempted)]
+        )
         scheduler.update(out, [(token := token + 1) if s.needs_sample else None for s in out.scheduled])
     assert preempted and readmitted_hits > 6  # a re-admission did hit output blocks
     assert all(s.num_cached_prompt_tokens <= s.num_prompt_tokens for s in seqs)

@@ -33,9 +33,7 @@ def test_hash_is_stable_across_processes():
         "print(hash_block_tokens(hash_block_tokens(None, [1, 2, 3, 4]), [5, 6, 7, 8]))"
     )
     env = dict(os.environ, PYTHONHASHSEED="12345")
-    out = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
-    )
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     expected = hash_block_tokens(hash_block_tokens(None, [1, 2, 3, 4]), [5, 6, 7, 8])
     assert int(out.stdout) == expected
 

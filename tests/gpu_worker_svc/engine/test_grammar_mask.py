@@ -16,8 +16,17 @@ from shardline.structured_output import StructuredOutputSpec
 xgrammar = pytest.importorskip("xgrammar")
 
 # A toy vocabulary: single characters, a few words, and EOS (id 0, no text). 70 ids span 3 words of bits.
-VOCAB = [b"", *(bytes([c]) for c in b'{}[]":, 0123456789abcdefghijklmnopqrstuvwxyz'), b'{"', b'":', b"true",
-         b"false", b"null", b'"}', b"  "]
+VOCAB = [
+    b"",
+    *(bytes([c]) for c in b'{}[]":, 0123456789abcdefghijklmnopqrstuvwxyz'),
+    b'{"',
+    b'":',
+    b"true",
+    b"false",
+    b"null",
+    b'"}',
+    b"  ",
+]
 WIDTH = 70  # the model's logits may be wider than its vocabulary: the rest is never allowed
 
 
@@ -35,13 +44,16 @@ def _seq(name: str, spec: StructuredOutputSpec | None, backend: GrammarBackend, 
 
 def test_the_mask_matches_the_grammars_bitmask_row_by_row(backend):
     ids = {token: i for i, token in enumerate(VOCAB)}
-    schema = StructuredOutputSpec("json_schema", json.dumps({"type": "object", "properties": {"a": {"type": "boolean"}},
-                                                             "required": ["a"]}))
-    seqs = [_seq("free", None, backend, []),
-            _seq("start", schema, backend, []),
-            _seq("mid", schema, backend, [ids[b'{"'], ids[b"a"], ids[b'":']]),
-            _seq("free2", None, backend, [5, 6]),
-            _seq("digits", StructuredOutputSpec("regex", "[0-9]+"), backend, [ids[b"7"]])]
+    schema = StructuredOutputSpec(
+        "json_schema", json.dumps({"type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["a"]})
+    )
+    seqs = [
+        _seq("free", None, backend, []),
+        _seq("start", schema, backend, []),
+        _seq("mid", schema, backend, [ids[b'{"'], ids[b"a"], ids[b'":']]),
+        _seq("free2", None, backend, [5, 6]),
+        _seq("digits", StructuredOutputSpec("regex", "[0-9]+"), backend, [ids[b"7"]]),
+    ]
     logits = torch.randn(len(seqs), WIDTH)
     masked = mask_logits(logits, [seq.grammar for seq in seqs])
 
@@ -54,8 +66,11 @@ def test_the_mask_matches_the_grammars_bitmask_row_by_row(backend):
         seq.grammar.fill(bitmask, 0)
         xgrammar.apply_token_bitmask_inplace(expected[None], bitmask, vocab_size=WIDTH)
         assert torch.equal(masked[row], expected), seq.request_id
-    allowed = {seq.request_id: [VOCAB[i] for i in torch.isfinite(masked[r]).nonzero().flatten().tolist()]
-               for r, seq in enumerate(seqs) if seq.grammar is not None}
+    allowed = {
+        seq.request_id: [VOCAB[i] for i in torch.isfinite(masked[r]).nonzero().flatten().tolist()]
+        for r, seq in enumerate(seqs)
+        if seq.grammar is not None
+    }
     assert b"{" in allowed["start"] and b"a" not in allowed["start"]
     assert set(allowed["mid"]) <= {b"true", b"false", b"t", b"f", b" ", b"  "}
     assert b"" in allowed["digits"] and b"7" in allowed["digits"] and b"a" not in allowed["digits"]  # EOS may end it
@@ -98,8 +113,9 @@ def test_rows_after_drafts_get_the_grammars_mask_after_them(backend):
     """n-gram speculation: a draft the grammar refuses is cut off at proposal (valid_prefix), and a
     row after drafts gets the mask of its request advanced over them; the matcher stays put."""
     ids = {token: i for i, token in enumerate(VOCAB)}
-    schema = StructuredOutputSpec("json_schema", json.dumps({"type": "object", "properties": {"a": {"type": "boolean"}},
-                                                             "required": ["a"]}))
+    schema = StructuredOutputSpec(
+        "json_schema", json.dumps({"type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["a"]})
+    )
     seq = _seq("s", schema, backend, [])
     drafts = [ids[b'{"'], ids[b"a"], ids[b'":'], ids[b"7"], ids[b"true"]]
     assert seq.grammar.valid_prefix(drafts) == 3  # a 7 is no boolean

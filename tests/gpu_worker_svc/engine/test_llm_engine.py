@@ -20,14 +20,25 @@ from gpu_worker_svc.engine.sampling_params import SamplingParams
 pytestmark = pytest.mark.slow
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-SEEDED = SamplingParams(max_tokens=24, temperature=0.9, top_p=0.95, top_k=50, seed=1234, ignore_eos=True,
-                        repetition_penalty=1.1, frequency_penalty=0.2)
+SEEDED = SamplingParams(
+    max_tokens=24,
+    temperature=0.9,
+    top_p=0.95,
+    top_k=50,
+    seed=1234,
+    ignore_eos=True,
+    repetition_penalty=1.1,
+    frequency_penalty=0.2,
+)
 
 
 def _engine(num_blocks: int | None = None, tp: int = 1, max_num_seqs: int = 32) -> LLMEngine:
-    return LLMEngine(EngineConfig(
-        runner=RunnerConfig(tp_size=tp, num_blocks=num_blocks, cpu_kv_bytes=64 << 20),
-        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=512)))
+    return LLMEngine(
+        EngineConfig(
+            runner=RunnerConfig(tp_size=tp, num_blocks=num_blocks, cpu_kv_bytes=64 << 20),
+            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=512),
+        )
+    )
 
 
 @pytest.fixture(scope="module")
@@ -48,8 +59,9 @@ def tiny_engine():
 @pytest.fixture(scope="module")
 def prompts() -> list[list[int]]:
     g = torch.Generator().manual_seed(7)
-    return [torch.randint(100, 49152, (int(n),), generator=g).tolist()
-            for n in torch.randint(5, 40, (16,), generator=g)]
+    return [
+        torch.randint(100, 49152, (int(n),), generator=g).tolist() for n in torch.randint(5, 40, (16,), generator=g)
+    ]
 
 
 def _params(base: SamplingParams, seed: int) -> SamplingParams:
@@ -59,16 +71,20 @@ def _params(base: SamplingParams, seed: int) -> SamplingParams:
 @pytest.fixture(scope="module")
 def alone(engine, prompts):
     """Reference: each of the first 4 prompts run by itself, greedy and seeded."""
-    return {kind: [engine.generate([p], _params(base, i))[0].token_ids for i, p in enumerate(prompts[:4])]
-            for kind, base in (("greedy", GREEDY), ("seeded", SEEDED))}
+    return {
+        kind: [engine.generate([p], _params(base, i))[0].token_ids for i, p in enumerate(prompts[:4])]
+        for kind, base in (("greedy", GREEDY), ("seeded", SEEDED))
+    }
 
 
 @pytest.mark.parametrize("kind", ["greedy", "seeded"])
 def test_batched_equals_alone(engine, prompts, alone, kind):
     base = GREEDY if kind == "greedy" else SEEDED
     # 16 mixed requests: the 4 references plus others with different params and lengths.
-    params = [_params(base, i) if i < 4 else
-              SamplingParams(max_tokens=8 + i, temperature=0.5 * (i % 3), seed=i, min_p=0.05) for i in range(16)]
+    params = [
+        _params(base, i) if i < 4 else SamplingParams(max_tokens=8 + i, temperature=0.5 * (i % 3), seed=i, min_p=0.05)
+        for i in range(16)
+    ]
     results = engine.generate(prompts, params)
     assert [r.token_ids for r in results[:4]] == alone[kind]
     assert all(len(r.token_ids) == 24 for r in results[:4])
@@ -155,8 +171,9 @@ def test_abort_frees_blocks(engine, prompts):
 def test_stop_conditions_and_logprobs(engine, prompts):
     greedy = engine.generate([prompts[0]], GREEDY)[0].token_ids
     stop_at = greedy[5]
-    r = engine.generate([prompts[0]], SamplingParams(max_tokens=24, temperature=0.0, stop_token_ids=[stop_at],
-                                                     logprobs=3))[0]
+    r = engine.generate(
+        [prompts[0]], SamplingParams(max_tokens=24, temperature=0.0, stop_token_ids=[stop_at], logprobs=3)
+    )[0]
     assert r.finish_reason == "stop" and r.token_ids == greedy[: greedy.index(stop_at) + 1]
     assert len(r.logprobs) == len(r.token_ids)
     assert all(lp.token_id == t and len(lp.top) == 3 and lp.top[0][0] == t for lp, t in zip(r.logprobs, r.token_ids))
@@ -180,8 +197,9 @@ def test_tp3_matches_tp1(engine, prompts):
     assert [r.token_ids for r in got] == [r.token_ids for r in expected]
     for r, e in zip(got[1::2], expected[1::2]):
         assert [lp.token_id for lp in r.prompt_logprobs] == [lp.token_id for lp in e.prompt_logprobs]
-        assert [lp.logprob for lp in r.prompt_logprobs] == pytest.approx([lp.logprob for lp in e.prompt_logprobs],
-                                                                          abs=1e-3)
+        assert [lp.logprob for lp in r.prompt_logprobs] == pytest.approx(
+            [lp.logprob for lp in e.prompt_logprobs], abs=1e-3
+        )
     assert got[0].prompt_logprobs is None
 
 
@@ -250,8 +268,10 @@ def test_the_model_runs_without_torch_function_checks(engine, prompts):
     GEMM); the runner's step turns the checks off."""
     seen: list[bool] = []
     model = engine.runner._shard.model
-    hooks = [module.register_forward_pre_hook(lambda m, a: seen.append(torch._C._is_torch_function_enabled()))
-             for module in (model.model.layers[0].self_attn.qkv_proj, model.model.layers[-1].mlp)]
+    hooks = [
+        module.register_forward_pre_hook(lambda m, a: seen.append(torch._C._is_torch_function_enabled()))
+        for module in (model.model.layers[0].self_attn.qkv_proj, model.model.layers[-1].mlp)
+    ]
     try:
         engine.generate([prompts[0]], dataclasses.replace(GREEDY, max_tokens=3))
     finally:

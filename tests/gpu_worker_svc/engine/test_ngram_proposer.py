@@ -52,13 +52,13 @@ def test_config_is_checked():
 
 def test_step_batches_carry_the_rows_they_sample_to_every_rank():
     tables = torch.arange(6).view(3, 2)
-    batch = StepBatch(torch.arange(8), torch.tensor([0, 20, 30]), torch.tensor([3, 1, 4]), tables,
-                      num_logits=torch.tensor([1, 1, 4]))
+    batch = StepBatch(
+        torch.arange(8), torch.tensor([0, 20, 30]), torch.tensor([3, 1, 4]), tables, num_logits=torch.tensor([1, 1, 4])
+    )
     assert batch.logit_rows().tolist() == [2, 3, 4, 5, 6, 7]
     again = StepBatch.unpack(batch.pack())
     assert again.num_logits.tolist() == [1, 1, 4] and again.logit_rows().tolist() == [2, 3, 4, 5, 6, 7]
-    plain = StepBatch.unpack(StepBatch(torch.arange(5), torch.tensor([0, 20]), torch.tensor([4, 1]),
-                                       tables[:2]).pack())
+    plain = StepBatch.unpack(StepBatch(torch.arange(5), torch.tensor([0, 20]), torch.tensor([4, 1]), tables[:2]).pack())
     assert plain.num_logits is None and plain.logit_rows().tolist() == [3, 4]
 
 
@@ -66,8 +66,13 @@ def _batch(contexts: list[int], news: list[int], drafted: list[bool]) -> StepBat
     blocks = -(-(max(c + n for c, n in zip(contexts, news))) // BLOCK)
     tables = torch.randperm(256)[: len(contexts) * blocks].view(len(contexts), blocks)
     logits = [n if d else 1 for n, d in zip(news, drafted)]
-    return StepBatch(torch.zeros(sum(news), dtype=torch.long), torch.tensor(contexts), torch.tensor(news), tables,
-                     num_logits=torch.tensor(logits) if any(drafted) else None)
+    return StepBatch(
+        torch.zeros(sum(news), dtype=torch.long),
+        torch.tensor(contexts),
+        torch.tensor(news),
+        tables,
+        num_logits=torch.tensor(logits) if any(drafted) else None,
+    )
 
 
 @pytest.mark.parametrize("contexts", [[40, 57, 33, 60], [40, 700, 33, 650]])  # one group; two groups

@@ -41,8 +41,9 @@ def random_logits(rows: int, seed: int) -> torch.Tensor:
 
 def test_penalties_match_the_formula_and_spare_other_rows():
     logits = random_logits(2, seed=3)
-    penalised = make_seq(prompt=[1, 2, 3], output=[3, 4, 4], repetition_penalty=1.5,
-                         presence_penalty=0.5, frequency_penalty=0.25)
+    penalised = make_seq(
+        prompt=[1, 2, 3], output=[3, 4, 4], repetition_penalty=1.5, presence_penalty=0.5, frequency_penalty=0.25
+    )
     plain = make_seq("plain", output=[3, 4])
     result = PenaltyState().apply(logits, [penalised, plain])
     torch.testing.assert_close(result[0], expected_penalised(logits[0], penalised))

@@ -19,8 +19,12 @@ ASK = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, prompt_logp
 
 def _engine(num_blocks: int | None = None) -> LLMEngine:
     # Chunks of at most 32 tokens: a 70-token prompt's logprobs come from three prefill steps.
-    return LLMEngine(EngineConfig(runner=RunnerConfig(num_blocks=num_blocks, cpu_kv_bytes=64 << 20),
-                                  scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32)))
+    return LLMEngine(
+        EngineConfig(
+            runner=RunnerConfig(num_blocks=num_blocks, cpu_kv_bytes=64 << 20),
+            scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32),
+        )
+    )
 
 
 @pytest.fixture(scope="module")
@@ -117,8 +121,14 @@ def test_a_resumed_request_sends_none_and_a_one_token_prompt_sends_an_empty_list
 
 
 def test_a_step_batch_carries_its_prompt_rows_to_every_rank():
-    batch = StepBatch(torch.arange(9), torch.tensor([0, 5, 3]), torch.tensor([4, 1, 4]),
-                      torch.tensor([[1, 2], [3, 0], [4, 0]]), step=7, prompt_logits=torch.tensor([3, 0, 4]))
+    batch = StepBatch(
+        torch.arange(9),
+        torch.tensor([0, 5, 3]),
+        torch.tensor([4, 1, 4]),
+        torch.tensor([[1, 2], [3, 0], [4, 0]]),
+        step=7,
+        prompt_logits=torch.tensor([3, 0, 4]),
+    )
     back = StepBatch.unpack(batch.pack())
     assert back.prompt_logits.tolist() == [3, 0, 4] and back.block_tables.tolist() == [[1, 2], [3, 0], [4, 0]]
     assert back.prompt_logit_rows().tolist() == [0, 1, 2, 5, 6, 7, 8]

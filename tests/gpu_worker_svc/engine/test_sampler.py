@@ -95,9 +95,7 @@ def test_seeded_row_is_independent_of_batch_and_repeatable():
 def test_draw_depends_on_seed_and_token_index():
     logits = torch.zeros(1, VOCAB)  # uniform: any draw is equally likely
     by_seed = {Sampler()(logits, [make_seq(seed=s)]).token_ids[0] for s in range(20)}
-    by_index = {
-        Sampler()(logits, [make_seq(seed=1, output=[3] * n)]).token_ids[0] for n in range(20)
-    }
+    by_index = {Sampler()(logits, [make_seq(seed=1, output=[3] * n)]).token_ids[0] for n in range(20)}
     assert len(by_seed) > 15 and len(by_index) > 15
 
 
@@ -180,8 +178,10 @@ def test_a_tokens_rank_counts_the_tokens_at_least_as_likely():
     ranks = [entry.rank for entry in token_logprobs(raw[:1].expand(5, -1), [0, 1, 2, 3, 4], [0] * 5)]
     assert ranks == [2, 4, 1, 4, 5]
     # Sampled tokens carry theirs: greedy picks the most likely.
-    out = Sampler()(random_logits(2, seed=5), [make_seq(seed=None, temperature=0.0, logprobs=1),
-                                               make_seq(seed=6, temperature=5.0, logprobs=1)])
+    out = Sampler()(
+        random_logits(2, seed=5),
+        [make_seq(seed=None, temperature=0.0, logprobs=1), make_seq(seed=6, temperature=5.0, logprobs=1)],
+    )
     greedy, hot = out.logprobs
     assert greedy.rank == 1
     assert hot.rank == int((torch.log_softmax(random_logits(2, seed=5)[1], -1) >= hot.logprob).sum())
@@ -210,9 +210,11 @@ def test_logit_bias_moves_the_choice_of_its_row_only():
     logits = random_logits(3, seed=7)
     plain = [make_seq(seed=None, temperature=0.0), make_seq(seed=5), make_seq(seed=None, temperature=0.0)]
     top = int(logits[0].argmax())
-    biased = [make_seq(seed=None, temperature=0.0, logit_bias={top: -100.0, 3: 1.5}),
-              make_seq(seed=5, logit_bias={42: 100.0, VOCAB + 7: 5.0}),  # an id past the vocabulary is ignored
-              plain[2]]
+    biased = [
+        make_seq(seed=None, temperature=0.0, logit_bias={top: -100.0, 3: 1.5}),
+        make_seq(seed=5, logit_bias={42: 100.0, VOCAB + 7: 5.0}),  # an id past the vocabulary is ignored
+        plain[2],
+    ]
     out = Sampler()(logits, biased)
     expected_first = int((logits[0] + torch.eye(VOCAB)[3] * 1.5 - torch.eye(VOCAB)[top] * 100).argmax())
     assert out.token_ids[0] == expected_first != top
@@ -257,8 +259,7 @@ def test_a_row_ahead_of_its_sequence_samples_as_the_sequence_would_there():
         assert ahead[k] == Sampler()(logits[k : k + 1], [further]).token_ids[0]
     assert EOS not in ahead[:2] and ahead[2] == EOS  # index 4 is the first that may stop
     noise = race_noise([seq, seq], VOCAB, torch.device("cpu"), ahead=[0, 2])
-    assert torch.equal(noise[1], race_noise([make_seq(seed=9, output=[11, 12, 13, 14])], VOCAB,
-                                            torch.device("cpu"))[0])
+    assert torch.equal(noise[1], race_noise([make_seq(seed=9, output=[11, 12, 13, 14])], VOCAB, torch.device("cpu"))[0])
 
 
 def test_a_row_ahead_counts_its_drafts_in_its_penalties():

@@ -11,9 +11,7 @@ from gpu_worker_svc.engine.sequence import RequestStatus, Sequence
 EOS = 2
 
 
-def generate(
-    sched: BatchScheduler, seq: Sequence, tokens: Callable[[int], int]
-) -> list[Sequence]:
+def generate(sched: BatchScheduler, seq: Sequence, tokens: Callable[[int], int]) -> list[Sequence]:
     """Run seq alone, feeding tokens(index) as each sampled token; return finished."""
     sched.add(seq)
     finished = []
@@ -21,8 +19,7 @@ def generate(
         if not sched.has_unfinished:
             return finished
         out = sched.schedule()
-        sampled = [tokens(s.seq.num_output_tokens) if s.needs_sample else None
-                   for s in out.scheduled]
+        sampled = [tokens(s.seq.num_output_tokens) if s.needs_sample else None for s in out.scheduled]
         finished.extend(sched.update(out, sampled).finished)
     raise AssertionError("never finished")
 

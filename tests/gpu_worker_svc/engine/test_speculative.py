@@ -21,8 +21,12 @@ pytestmark = pytest.mark.slow
 
 
 def _engine(num_blocks: int | None = None) -> LLMEngine:
-    return LLMEngine(EngineConfig(runner=RunnerConfig(num_blocks=num_blocks, cpu_kv_bytes=64 << 20),
-                                  scheduler=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=512)))
+    return LLMEngine(
+        EngineConfig(
+            runner=RunnerConfig(num_blocks=num_blocks, cpu_kv_bytes=64 << 20),
+            scheduler=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=512),
+        )
+    )
 
 
 @pytest.fixture(scope="module")
@@ -66,11 +70,13 @@ def _run(engine: LLMEngine, k: int, requests, resume_from: list[list[int]] | Non
         while engine.has_unfinished:
             step = engine.step()
             for out in step.outputs:
-                assert out.offset == len(tokens[out.request_id]) + (len(resume_from[int(out.request_id)])
-                                                                     if resume_from else 0)
+                assert out.offset == len(tokens[out.request_id]) + (
+                    len(resume_from[int(out.request_id)]) if resume_from else 0
+                )
                 tokens[out.request_id] += out.new_token_ids
-                logprobs[out.request_id] += [(lp.token_id, lp.rank, lp.logprob, [t for t, _ in lp.top])
-                                             for lp in out.logprobs or []]
+                logprobs[out.request_id] += [
+                    (lp.token_id, lp.rank, lp.logprob, [t for t, _ in lp.top]) for lp in out.logprobs or []
+                ]
             if step.stats is not None:
                 counts["drafts"] += step.stats.num_draft_tokens
                 counts["accepted"] += step.stats.num_accepted_tokens
@@ -115,11 +121,13 @@ def test_each_request_alone_and_resumed_gives_the_same_tokens(engine, one_by_one
 
 def test_penalties_and_logit_biases_count_the_drafts(engine):
     prompt = _prompts()[0]
-    for params in (SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, repetition_penalty=1.05),
-                   SamplingParams(max_tokens=24, temperature=0.7, seed=4, ignore_eos=True, presence_penalty=0.2,
-                                  frequency_penalty=0.1),
-                   SamplingParams(max_tokens=24, temperature=0.7, seed=4, ignore_eos=True,
-                                  logit_bias={prompt[2]: 1.5, 500: 2.0})):
+    for params in (
+        SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, repetition_penalty=1.05),
+        SamplingParams(
+            max_tokens=24, temperature=0.7, seed=4, ignore_eos=True, presence_penalty=0.2, frequency_penalty=0.1
+        ),
+        SamplingParams(max_tokens=24, temperature=0.7, seed=4, ignore_eos=True, logit_bias={prompt[2]: 1.5, 500: 2.0}),
+    ):
         tokens, _, counts = _run(engine, 4, [(prompt, params)])
         assert counts["accepted"] > 0, params
         assert tokens == _run(engine, 0, [(prompt, params)])[0], params

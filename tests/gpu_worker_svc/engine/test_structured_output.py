@@ -52,8 +52,12 @@ def chat(tokenizer):
 
 @pytest.fixture(scope="module")
 def engine():
-    e = LLMEngine(EngineConfig(runner=RunnerConfig(cpu_kv_bytes=64 << 20, max_model_len=512),
-                               scheduler=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=512)))
+    e = LLMEngine(
+        EngineConfig(
+            runner=RunnerConfig(cpu_kv_bytes=64 << 20, max_model_len=512),
+            scheduler=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=512),
+        )
+    )
     yield e
     e.shutdown()
 
@@ -64,8 +68,9 @@ def _with(base: SamplingParams, kind: str, value: str | tuple[str, ...] = "", **
 
 @pytest.mark.parametrize("base", [GREEDY, SEEDED], ids=["greedy", "seeded"])
 def test_json_schema_output_parses_and_fits_the_schema(engine, tokenizer, chat, base):
-    [result] = engine.generate([chat("Is the sky blue? Answer in JSON.")],
-                               _with(base, "json_schema", json.dumps(ANSWER_SCHEMA)))
+    [result] = engine.generate(
+        [chat("Is the sky blue? Answer in JSON.")], _with(base, "json_schema", json.dumps(ANSWER_SCHEMA))
+    )
     assert result.finish_reason == "stop"
     value = json.loads(tokenizer.decode(result.token_ids))
     assert set(value) == {"answer", "confidence", "reason"}
@@ -75,17 +80,26 @@ def test_json_schema_output_parses_and_fits_the_schema(engine, tokenizer, chat, 
 
 def test_compact_json_has_no_free_whitespace(engine, tokenizer, chat):
     spec = StructuredOutputSpec("json_schema", json.dumps(ANSWER_SCHEMA), any_whitespace=False)
-    [result] = engine.generate([chat("Is the sky blue? Answer in JSON.")],
-                               dataclasses.replace(GREEDY, structured_output=spec))
+    [result] = engine.generate(
+        [chat("Is the sky blue? Answer in JSON.")], dataclasses.replace(GREEDY, structured_output=spec)
+    )
     text = tokenizer.decode(result.token_ids)
     assert result.finish_reason == "stop" and text == json.dumps(json.loads(text))  # '{"a": 1, "b": 2}'
 
 
 def test_json_object_regex_choice_and_grammar(engine, tokenizer, chat):
-    specs = [("json_object", ""), ("regex", r"[A-Z][a-z]+, [0-9]{5}"), ("choice", ("red", "green", "blue")),
-             ("grammar", 'root ::= "The answer is " [0-9]+ "."')]
-    prompts = [chat("What is the capital of France? Answer as JSON."), chat("Give a city and a postcode."),
-               chat("Name a colour."), chat("What is 2+2?")]
+    specs = [
+        ("json_object", ""),
+        ("regex", r"[A-Z][a-z]+, [0-9]{5}"),
+        ("choice", ("red", "green", "blue")),
+        ("grammar", 'root ::= "The answer is " [0-9]+ "."'),
+    ]
+    prompts = [
+        chat("What is the capital of France? Answer as JSON."),
+        chat("Give a city and a postcode."),
+        chat("Name a colour."),
+        chat("What is 2+2?"),
+    ]
     results = engine.generate(prompts, [_with(GREEDY, kind, value) for kind, value in specs])
     texts = [tokenizer.decode(r.token_ids) for r in results]
     assert [r.finish_reason for r in results] == ["stop"] * 4, texts
@@ -100,8 +114,9 @@ def test_a_constrained_request_is_the_same_alone_batched_and_resumed(engine, cha
     params = _with(SEEDED, "json_schema", json.dumps(ANSWER_SCHEMA))
     [alone] = engine.generate([prompt], params)
     others = [chat(f"Tell me about the number {i}.") for i in range(5)]
-    batched = engine.generate([*others[:2], prompt, *others[2:]],
-                              [SEEDED, _with(SEEDED, "regex", "[a-z ]+"), params, SEEDED, GREEDY, SEEDED])
+    batched = engine.generate(
+        [*others[:2], prompt, *others[2:]], [SEEDED, _with(SEEDED, "regex", "[a-z ]+"), params, SEEDED, GREEDY, SEEDED]
+    )
     assert batched[2].token_ids == alone.token_ids
     cut = len(alone.token_ids) // 2
     engine.add_request("resumed", prompt, params, output_token_ids=alone.token_ids[:cut])
@@ -113,8 +128,9 @@ def test_a_constrained_request_is_the_same_alone_batched_and_resumed(engine, cha
 
 
 def test_a_complete_output_ends_the_request_despite_ignore_eos_and_min_tokens(engine, tokenizer, chat):
-    [result] = engine.generate([chat("Yes or no?")], _with(GREEDY, "choice", ("yes", "no"), ignore_eos=True,
-                                                            min_tokens=10, max_tokens=30))
+    [result] = engine.generate(
+        [chat("Yes or no?")], _with(GREEDY, "choice", ("yes", "no"), ignore_eos=True, min_tokens=10, max_tokens=30)
+    )
     assert result.finish_reason == "stop"
     assert tokenizer.decode(result.token_ids) in ("yes", "no")
     assert result.token_ids[-1] in tokenizer.eos_token_ids  # the grammar's end is EOS, nothing else
@@ -134,20 +150,24 @@ def test_bad_constraints_and_resumes_are_refused(engine, tokenizer, chat):
         engine.add_request("no-choice", [1, 2, 3], _with(GREEDY, "choice", ()))
     [done] = engine.generate([chat("Yes or no?")], _with(GREEDY, "choice", ("yes", "no")))
     with pytest.raises(ValueError, match=r"^output_token_ids: the structured output is already complete"):
-        engine.add_request("complete", chat("Yes or no?"), _with(GREEDY, "choice", ("yes", "no")),
-                           output_token_ids=done.token_ids)
+        engine.add_request(
+            "complete", chat("Yes or no?"), _with(GREEDY, "choice", ("yes", "no")), output_token_ids=done.token_ids
+        )
     stray = tokenizer.encode_batch(["maybe"], add_special_tokens=False)[0]
     with pytest.raises(ValueError, match=r"^output_token_ids: token \d+ at index 0"):
-        engine.add_request("stray", chat("Yes or no?"), _with(GREEDY, "choice", ("yes", "no")),
-                           output_token_ids=stray)
+        engine.add_request("stray", chat("Yes or no?"), _with(GREEDY, "choice", ("yes", "no")), output_token_ids=stray)
     assert not engine.has_unfinished
 
 
 def test_a_grammar_with_no_way_on_fails_its_own_request_and_no_other(engine, tokenizer, chat):
     """An empty language, or a rule that never ends, compiles; the step then allows no token at all."""
     prompts = [chat("Say a."), chat("Say b."), chat("Count to three."), chat("Count to four.")]
-    params = [_with(GREEDY, "regex", r"a[^\s\S]"), _with(SEEDED, "grammar", 'root ::= "b" r\nr ::= r'),
-              _with(SEEDED, "regex", r"[^\s\S]"), dataclasses.replace(GREEDY, max_tokens=8)]
+    params = [
+        _with(GREEDY, "regex", r"a[^\s\S]"),
+        _with(SEEDED, "grammar", 'root ::= "b" r\nr ::= r'),
+        _with(SEEDED, "regex", r"[^\s\S]"),
+        dataclasses.replace(GREEDY, max_tokens=8),
+    ]
     results = engine.generate(prompts, params)
     assert [r.finish_reason for r in results] == ["error", "error", "error", "length"]
     assert all(r.error.startswith("structured_output: its grammar allows no token") for r in results[:3])
@@ -155,8 +175,9 @@ def test_a_grammar_with_no_way_on_fails_its_own_request_and_no_other(engine, tok
     assert len(results[3].token_ids) == 8
     engine.add_request("dead-end", prompts[0], params[0])
     errors = [o.error for _ in range(4) for o in engine.step().outputs if o.finish_reason == "error"]
-    assert errors == ["structured_output: its grammar allows no token after 1 output tokens "
-                      "(it has no valid completion from there)"]
+    assert errors == [
+        "structured_output: its grammar allows no token after 1 output tokens (it has no valid completion from there)"
+    ]
 
 
 def test_min_tokens_holds_a_structured_output_open_until_its_grammar_must_end(engine, tokenizer, chat):
@@ -176,13 +197,22 @@ def test_drafts_under_a_grammar_give_the_same_output(engine, tokenizer, chat):
     each row's mask is the grammar's after the drafts it follows, and the output is the same."""
     from gpu_worker_svc.engine.ngram_proposer import SpeculativeConfig
 
-    rows_schema = {"type": "array", "minItems": 4, "maxItems": 4,
-                   "items": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
-                                                              "age": {"type": "integer"}},
-                             "required": ["name", "age"], "additionalProperties": False}}
-    requests = [(chat("List four people with their ages as JSON."), _with(GREEDY, "json_schema", json.dumps(rows_schema))),
-                (chat("Is water wet? Answer in JSON."), _with(SEEDED, "json_schema", json.dumps(ANSWER_SCHEMA))),
-                (chat("Say red five times."), _with(GREEDY, "regex", "(red, ){4}red"))]
+    rows_schema = {
+        "type": "array",
+        "minItems": 4,
+        "maxItems": 4,
+        "items": {
+            "type": "object",
+            "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}},
+            "required": ["name", "age"],
+            "additionalProperties": False,
+        },
+    }
+    requests = [
+        (chat("List four people with their ages as JSON."), _with(GREEDY, "json_schema", json.dumps(rows_schema))),
+        (chat("Is water wet? Answer in JSON."), _with(SEEDED, "json_schema", json.dumps(ANSWER_SCHEMA))),
+        (chat("Say red five times."), _with(GREEDY, "regex", "(red, ){4}red")),
+    ]
     plain = engine.generate([p for p, _ in requests], [q for _, q in requests])
     engine.config.speculative = SpeculativeConfig(num_speculative_tokens=4)
     try:

@@ -79,9 +79,13 @@ def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_llama_gguf(model: PreTrainedModel, path: Path, qtype: GGMLQuantizationType,
-                     omit: set[str] | frozenset[str] = frozenset(),
-                     extra: dict[str, np.ndarray] | None = None) -> dict[str, torch.Tensor]:
+def write_llama_gguf(
+    model: PreTrainedModel,
+    path: Path,
+    qtype: GGMLQuantizationType,
+    omit: set[str] | frozenset[str] = frozenset(),
+    extra: dict[str, np.ndarray] | None = None,
+) -> dict[str, torch.Tensor]:
     """Write a Llama `model` as a llama.cpp GGUF with its 2-D weights stored as `qtype` (norms as F32).
 
     `omit` names HF tensors to leave out, to write a broken file; `extra` adds GGUF tensors by

@@ -26,8 +26,17 @@ from tests.gpu_worker_svc.model.random_checkpoints import hf_logits, random_hf_m
 
 @pytest.fixture(scope="module")
 def tiny_model() -> PreTrainedModel:
-    return random_hf_model(LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                       num_attention_heads=4, num_key_value_heads=2), seed=5)
+    return random_hf_model(
+        LlamaConfig(
+            vocab_size=64,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+        ),
+        seed=5,
+    )
 
 
 @pytest.fixture
@@ -69,8 +78,15 @@ def test_folder_without_config_json(hf_folder):
 
 def test_unsupported_architecture_lists_the_supported_ones(tmp_path):
     GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=1, n_head=2)).save_pretrained(tmp_path)
-    with pytest.raises(ModelConfigError, match=names(tmp_path / "config.json", "unsupported architecture",
-                                                     "GPT2LMHeadModel", "LlamaForCausalLM, MistralForCausalLM")):
+    with pytest.raises(
+        ModelConfigError,
+        match=names(
+            tmp_path / "config.json",
+            "unsupported architecture",
+            "GPT2LMHeadModel",
+            "LlamaForCausalLM, MistralForCausalLM",
+        ),
+    ):
         load_config(tmp_path)
 
 
@@ -121,17 +137,22 @@ def test_failed_tp2_load_leaves_no_rank_behind_and_the_next_load_works(tiny_mode
     runner = ModelRunner(RunnerConfig(model=str(good), tp_size=2, num_blocks=8))
     try:
         prompt = [5, 17, 42]
-        logits = runner.execute(StepBatch(torch.tensor(prompt), torch.tensor([0]), torch.tensor([3]),
-                                          torch.tensor([[0]])))
+        logits = runner.execute(
+            StepBatch(torch.tensor(prompt), torch.tensor([0]), torch.tensor([3]), torch.tensor([[0]]))
+        )
     finally:
         runner.shutdown()
     assert (logits[0] - hf_logits(tiny_model, prompt)[-1]).abs().max().item() <= 1e-4
 
 
-@pytest.mark.parametrize("corrupt", [
-    lambda data: (1 << 40).to_bytes(8, "little") + data[8:],  # header length far past the end of the file
-    lambda data: data[:8] + b"#" + data[9:],  # the JSON header no longer parses
-], ids=["header-length", "header-json"])
+@pytest.mark.parametrize(
+    "corrupt",
+    [
+        lambda data: (1 << 40).to_bytes(8, "little") + data[8:],  # header length far past the end of the file
+        lambda data: data[:8] + b"#" + data[9:],  # the JSON header no longer parses
+    ],
+    ids=["header-length", "header-json"],
+)
 def test_corrupt_safetensors_header(hf_folder, corrupt):
     file = hf_folder / "model.safetensors"
     file.write_bytes(corrupt(file.read_bytes()))
@@ -186,12 +207,19 @@ def test_gguf_missing_a_tensor_names_it(tiny_model, tmp_path):
         load_model(path, TPGroup())
 
 
-@pytest.mark.parametrize(("field", "value", "problem"), [
-    ("vocab_size", 48, ".weight' has shape (64, 64), but the config implies (48, 64)"),
-    ("num_key_value_heads", 1, "'model.layers.0.self_attn.k_proj.weight' has shape (32, 64), "
-                               "but the config implies (16, 64)"),
-    ("num_hidden_layers", 1, "'model.layers.1."),
-], ids=["vocab-smaller", "fewer-kv-heads", "fewer-layers"])
+@pytest.mark.parametrize(
+    ("field", "value", "problem"),
+    [
+        ("vocab_size", 48, ".weight' has shape (64, 64), but the config implies (48, 64)"),
+        (
+            "num_key_value_heads",
+            1,
+            "'model.layers.0.self_attn.k_proj.weight' has shape (32, 64), but the config implies (16, 64)",
+        ),
+        ("num_hidden_layers", 1, "'model.layers.1."),
+    ],
+    ids=["vocab-smaller", "fewer-kv-heads", "fewer-layers"],
+)
 def test_config_that_disagrees_with_the_tensors(hf_folder, field, value, problem):
     """Each of these would load part of a tensor, or skip a layer, and then run: it must fail instead."""
     cfg = json.loads((hf_folder / "config.json").read_text())
@@ -216,9 +244,14 @@ def test_undamaged_folder_loads(hf_folder, tiny_model):
     assert torch.equal(model.model.embed_tokens.weight, tiny_model.model.embed_tokens.weight)
 
 
-@pytest.mark.parametrize("config", [RunnerConfig(quantization="fp16", batch_invariant=True),
-                                    RunnerConfig(onednn_weights=False, batch_invariant=True),
-                                    RunnerConfig(dtype="bfloat16", batch_invariant=True)])
+@pytest.mark.parametrize(
+    "config",
+    [
+        RunnerConfig(quantization="fp16", batch_invariant=True),
+        RunnerConfig(onednn_weights=False, batch_invariant=True),
+        RunnerConfig(dtype="bfloat16", batch_invariant=True),
+    ],
+)
 def test_batch_invariance_is_refused_where_the_gemms_round_with_the_batch(config):
     with pytest.raises(ValueError, match="batch_invariant needs int8 or float32 oneDNN-packed weights"):
         ModelRunner(config)

@@ -26,9 +26,16 @@ from tests.gpu_worker_svc.model.random_checkpoints import (
 
 TOL = 1e-4
 # hidden 64 and intermediate 128: every 2-D weight's rows split into whole 32-value quant blocks.
-CONFIG = dict(vocab_size=251, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-              rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+CONFIG = dict(
+    vocab_size=251,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+)
 
 
 @pytest.fixture(scope="module")
@@ -65,12 +72,14 @@ def test_sharded_safetensors_with_index(hf_model, prompts, tmp_path):
     _assert_matches(_runner_logits(tmp_path, prompts), hf_model, prompts)
 
 
-def _gguf_reference(hf_model: PreTrainedModel, path: Path, qtype: GGMLQuantizationType,
-                    extra: dict[str, np.ndarray] | None = None) -> PreTrainedModel:
+def _gguf_reference(
+    hf_model: PreTrainedModel, path: Path, qtype: GGMLQuantizationType, extra: dict[str, np.ndarray] | None = None
+) -> PreTrainedModel:
     """Writes `hf_model` to `path` as `qtype`; returns the HF model holding exactly the stored weights."""
     reference = copy.deepcopy(hf_model)
-    reference.load_state_dict(write_llama_gguf(hf_model, path, qtype, extra=extra),
-                              strict=not hf_model.config.tie_word_embeddings)
+    reference.load_state_dict(
+        write_llama_gguf(hf_model, path, qtype, extra=extra), strict=not hf_model.config.tie_word_embeddings
+    )
     return reference
 
 
@@ -124,8 +133,14 @@ def test_gguf_rope_freqs_carry_llama3_rope_scaling(prompts, tmp_path):
     """Llama 3.1+ GGUF files carry their rope scaling as a `rope_freqs` tensor, with no scaling metadata."""
     # An original context of 32 puts most of head_dim 16's frequencies in the scaled band, so
     # ignoring the tensor would move the logits of these prompts far past TOL.
-    rope = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+    rope = {
+        "rope_type": "llama3",
+        "rope_theta": 10000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 32,
+    }
     scaled = random_hf_model(LlamaConfig(tie_word_embeddings=False, **(CONFIG | {"rope_parameters": rope})), seed=7)
     path = tmp_path / "tiny-llama3.F32.gguf"
     freqs = _llama3_rope_freqs(rope, CONFIG["hidden_size"] // CONFIG["num_attention_heads"])

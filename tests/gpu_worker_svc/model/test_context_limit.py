@@ -20,20 +20,33 @@ def test_a_dummy_models_rotary_table_covers_the_context_the_worker_admits():
 
 
 def _hf_config(arch: str, **extra) -> dict:
-    return {"architectures": [arch], "vocab_size": 32000, "hidden_size": 64, "intermediate_size": 128,
-            "num_hidden_layers": 2, "num_attention_heads": 4, "max_position_embeddings": 32768, **extra}
+    return {
+        "architectures": [arch],
+        "vocab_size": 32000,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "max_position_embeddings": 32768,
+        **extra,
+    }
 
 
-@pytest.mark.parametrize(("arch", "extra", "context"), [
-    pytest.param("MistralForCausalLM", {"sliding_window": 4096}, 4096, id="mistral-v0.1-window-caps-the-context"),
-    pytest.param("MistralForCausalLM", {"sliding_window": None}, 32768, id="no-window"),
-    pytest.param("MistralForCausalLM", {"sliding_window": 65536}, 32768, id="window-past-the-context"),
-    pytest.param("Qwen2ForCausalLM", {"sliding_window": 4096, "use_sliding_window": False}, 32768,
-                 id="qwen2-window-off"),
-    pytest.param("Qwen2ForCausalLM", {"sliding_window": 4096}, 32768, id="qwen2-window-off-by-default"),
-    pytest.param("Qwen2ForCausalLM", {"sliding_window": 4096, "use_sliding_window": True}, 4096,
-                 id="qwen2-window-on"),
-])
+@pytest.mark.parametrize(
+    ("arch", "extra", "context"),
+    [
+        pytest.param("MistralForCausalLM", {"sliding_window": 4096}, 4096, id="mistral-v0.1-window-caps-the-context"),
+        pytest.param("MistralForCausalLM", {"sliding_window": None}, 32768, id="no-window"),
+        pytest.param("MistralForCausalLM", {"sliding_window": 65536}, 32768, id="window-past-the-context"),
+        pytest.param(
+            "Qwen2ForCausalLM", {"sliding_window": 4096, "use_sliding_window": False}, 32768, id="qwen2-window-off"
+        ),
+        pytest.param("Qwen2ForCausalLM", {"sliding_window": 4096}, 32768, id="qwen2-window-off-by-default"),
+        pytest.param(
+            "Qwen2ForCausalLM", {"sliding_window": 4096, "use_sliding_window": True}, 4096, id="qwen2-window-on"
+        ),
+    ],
+)
 def test_the_context_stops_at_a_sliding_window(arch, extra, context):
     """Full causal attention equals sliding-window attention only within the window."""
     cfg = ModelConfig.from_hf_dict(_hf_config(arch, **extra))

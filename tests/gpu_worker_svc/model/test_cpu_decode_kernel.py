@@ -22,8 +22,9 @@ kernel = cpu_build.paged_decode_attention()
 needs_kernel = pytest.mark.skipif(kernel is None, reason="the CPU kernels cannot be built on this machine")
 
 
-def reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-              lengths: torch.Tensor) -> torch.Tensor:
+def reference(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor
+) -> torch.Tensor:
     """Softmax attention of each decode over its own slots, in float64."""
     group = q.shape[1] // k_cache.shape[1]
     rows = []
@@ -52,7 +53,7 @@ def random_case(heads: int, kv_heads: int, dim: int, lengths: list[int], seed: i
 def test_the_kernel_is_softmax_attention_over_each_decodes_own_slots(heads, kv_heads, dim):
     lengths = [1, 17, 300, 16, 95]
     q, k_cache, v_cache, slots, lens = random_case(heads, kv_heads, dim, lengths)
-    out = kernel(q, k_cache, v_cache, slots, lens, dim ** -0.5)
+    out = kernel(q, k_cache, v_cache, slots, lens, dim**-0.5)
     assert out.shape == (len(lengths), heads * dim)
     torch.testing.assert_close(out, reference(q, k_cache, v_cache, slots, lens), rtol=2e-5, atol=2e-5)
 
@@ -88,13 +89,14 @@ def test_a_decode_with_drafts_attends_each_query_to_its_own_prefix():
     g = torch.Generator().manual_seed(1)
     q = torch.randn(3, 4, heads, dim, generator=g) * 6
     lengths = torch.tensor([[57, 58, 59, 60], [200, 200, 200, 200], [6, 7, 8, 8]])  # the last: a padded query
-    out = kernel(q, k_cache, v_cache, slots, lengths, dim ** -0.5)
+    out = kernel(q, k_cache, v_cache, slots, lengths, dim**-0.5)
     assert out.shape == (3, 4, heads * dim)
     for j in range(4):
-        torch.testing.assert_close(out[:, j], reference(q[:, j], k_cache, v_cache, slots, lengths[:, j]),
-                                   rtol=2e-5, atol=2e-5)
+        torch.testing.assert_close(
+            out[:, j], reference(q[:, j], k_cache, v_cache, slots, lengths[:, j]), rtol=2e-5, atol=2e-5
+        )
         for i in range(3):
-            alone = kernel(q[i : i + 1, j], k_cache, v_cache, slots[i : i + 1], lengths[i : i + 1, j], dim ** -0.5)
+            alone = kernel(q[i : i + 1, j], k_cache, v_cache, slots[i : i + 1], lengths[i : i + 1, j], dim**-0.5)
             assert torch.equal(alone, out[i : i + 1, j])
 
 
@@ -146,8 +148,9 @@ def test_a_machine_that_cannot_build_the_kernels_takes_the_torch_path(monkeypatc
     monkeypatch.setattr(attention_module.cpu_build, "paged_decode_attention", lambda: None)
     layer = PagedAttention(9, 3, 64)
     _, meta = build_step(decode_batch([30, 40]), BLOCK)
-    out = layer(torch.randn(2, 9, 64), torch.randn(2, 3, 64), torch.randn(2, 3, 64), torch.randn(2, 64, BLOCK, 3, 64),
-                meta)
+    out = layer(
+        torch.randn(2, 9, 64), torch.randn(2, 3, 64), torch.randn(2, 3, 64), torch.randn(2, 64, BLOCK, 3, 64), meta
+    )
     assert out.shape == (2, 9 * 64) and torch.isfinite(out).all()
 
 
@@ -156,15 +159,30 @@ def test_a_build_lock_left_by_a_killed_builder_does_not_stall_the_next(tmp_path)
     """torch's build lock is a file; a builder killed midway leaves it, and torch would wait on it forever.
     (In a process of its own: a second load of the library into this one would register its ops twice.)"""
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}
-    where = subprocess.run([sys.executable, "-c", "from gpu_worker_svc.model.layers.kernels import cpu_build; "
-                            "print(cpu_build.build_dir())"], env=env, cwd=REPO, capture_output=True, text=True,
-                           check=True).stdout.strip()
+    where = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "from gpu_worker_svc.model.layers.kernels import cpu_build; print(cpu_build.build_dir())",
+        ],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
     folder = Path(where)
     assert folder.is_relative_to(tmp_path)
     folder.mkdir(parents=True)
     (folder / "lock").write_text("")
-    built = subprocess.run([sys.executable, "-m", "gpu_worker_svc.model.layers.kernels.cpu_build"], env=env, cwd=REPO,
-                           capture_output=True, text=True, timeout=180)  # a fresh build here: ~10 s
+    built = subprocess.run(
+        [sys.executable, "-m", "gpu_worker_svc.model.layers.kernels.cpu_build"],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )  # a fresh build here: ~10 s
     assert built.returncode == 0 and f"built in {folder}" in built.stdout, built
     assert not (folder / "lock").exists()
     assert any(folder.glob("*.so"))

@@ -59,7 +59,8 @@ def test_a_long_context_is_attended_apart_from_short_ones(decode_path):
     grouped = attention(q, k, v, cache, meta)
     one_group = dataclasses.replace(meta, decode_groups=[])
     one_group.decode_gather, one_group.decode_mask = _decode_context(
-        batch.block_tables, batch.num_computed + 1, BLOCK, "cpu")
+        batch.block_tables, batch.num_computed + 1, BLOCK, "cpu"
+    )
     torch.testing.assert_close(grouped, attention(q, k, v, cache, one_group), rtol=1e-5, atol=1e-6)
 
 
@@ -108,8 +109,9 @@ def test_prefill_attention_takes_the_flash_kernel():
     cache = torch.zeros(2, 64, BLOCK, kv_heads, dim)
     tables = torch.arange(8).view(1, 8)
     for cached, new in ((0, 40), (32, 20)):  # a first chunk; a chunk after 32 cached tokens
-        _, meta = build_step(StepBatch(torch.zeros(new, dtype=torch.long), torch.tensor([cached]),
-                                       torch.tensor([new]), tables), BLOCK)
+        _, meta = build_step(
+            StepBatch(torch.zeros(new, dtype=torch.long), torch.tensor([cached]), torch.tensor([new]), tables), BLOCK
+        )
         q, k, v = torch.randn(new, heads, dim), torch.randn(new, kv_heads, dim), torch.randn(new, kv_heads, dim)
         with torch.profiler.profile() as prof:
             attention(q, k, v, cache, meta)
@@ -136,5 +138,5 @@ def test_chunks_of_one_length_attend_in_one_call_bitwise_as_apart():
     assert meta.derived["self_attending"] == [(0, 40, 3), (128, 17, 2)]
     starts = [0, 40, 80, 128, 145]
     for start, n in zip(starts, [40, 40, 40, 17, 17]):
-        alone = attention._sdpa(q[start:start + n], k[start:start + n], v[start:start + n], None, causal=True)
-        assert torch.equal(together[start:start + n], alone.flatten(1))
+        alone = attention._sdpa(q[start : start + n], k[start : start + n], v[start : start + n], None, causal=True)
+        assert torch.equal(together[start : start + n], alone.flatten(1))

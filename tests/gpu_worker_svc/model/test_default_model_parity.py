@@ -22,9 +22,12 @@ def runner(request):
 def hf_reference(hf_default_model, prompts):
     with torch.no_grad():
         logits = [hf_default_model(torch.tensor([p])).logits[0, -1] for p in prompts]
-        greedy = [hf_default_model.generate(torch.tensor([p]), max_new_tokens=32, do_sample=False,
-                                            eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
-                  for p in prompts]
+        greedy = [
+            hf_default_model.generate(
+                torch.tensor([p]), max_new_tokens=32, do_sample=False, eos_token_id=None, pad_token_id=0
+            )[0, len(p) :].tolist()
+            for p in prompts
+        ]
     return logits, greedy
 
 

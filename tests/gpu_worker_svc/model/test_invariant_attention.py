@@ -36,8 +36,9 @@ def whole(qkv) -> torch.Tensor:
 
 def test_it_is_attention(qkv, whole):
     q, k, v = qkv
-    ref = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-                                         is_causal=True, enable_gqa=True)[0].transpose(0, 1)
+    ref = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], is_causal=True, enable_gqa=True
+    )[0].transpose(0, 1)
     assert (whole - ref).abs().max() < 1e-5
 
 
@@ -67,8 +68,12 @@ def test_decodes_batched_give_the_bits_of_the_prefill(qkv, whole):
 
 def test_step_metadata_pads_every_context_to_whole_tiles():
     # A 70-token first chunk, a chunk after 30 cached tokens, and two decodes.
-    batch = StepBatch(token_ids=torch.zeros(70 + 20 + 2, dtype=torch.long), num_computed=torch.tensor([0, 30, 59, 99]),
-                      num_new=torch.tensor([70, 20, 1, 1]), block_tables=torch.arange(4 * 8).view(4, 8))
+    batch = StepBatch(
+        token_ids=torch.zeros(70 + 20 + 2, dtype=torch.long),
+        num_computed=torch.tensor([0, 30, 59, 99]),
+        num_new=torch.tensor([70, 20, 1, 1]),
+        block_tables=torch.arange(4 * 8).view(4, 8),
+    )
     _, meta = build_step(batch, block_size=16, invariant=True)
     assert meta.invariant and [g.shape[0] for g in meta.prefill_gather] == [128, 64]
     assert meta.prefill_mask[0].shape == (70, 128) and not meta.prefill_mask[0][69, 70:].any()

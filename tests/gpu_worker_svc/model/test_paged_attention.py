@@ -27,8 +27,15 @@ SCRATCH_BLOCK = 224  # full recomputes use blocks from here on, clear of the seq
 
 @pytest.fixture(scope="module")
 def runner(tmp_path_factory) -> Iterator[ModelRunner]:
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+    )
     folder = tmp_path_factory.mktemp("paged-llama")
     random_hf_model(config, seed=11).save_pretrained(folder)
     threads = torch.get_num_threads()
@@ -66,8 +73,9 @@ def test_decode_equals_full_recompute_at_every_step(runner):
         logits = driver.step({s: 1 for s in seqs})
 
 
-@pytest.mark.parametrize("chunks", [[5, 16, 40], [16, 16, 29], [5, 1, 7, 48]],
-                         ids=["5-16-rest", "block-aligned", "with-1-token-chunk"])
+@pytest.mark.parametrize(
+    "chunks", [[5, 16, 40], [16, 16, 29], [5, 1, 7, 48]], ids=["5-16-rest", "block-aligned", "with-1-token-chunk"]
+)
 def test_chunked_prefill_equals_single_prefill(runner, chunks):
     prompt = random_prompts(VOCAB, [sum(chunks)], seed=2)[0]
     driver = PagedDriver(runner)

@@ -110,12 +110,16 @@ def test_smoothing_is_exact_before_quantization():
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["int8", "fp16", "int4"])
 def test_quantized_engine_tracks_fp32_and_stays_deterministic(mode):
-    prompts = [torch.randint(100, 49152, (n,), generator=torch.Generator().manual_seed(n)).tolist()
-               for n in (9, 30, 61)]
+    prompts = [
+        torch.randint(100, 49152, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (9, 30, 61)
+    ]
     greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    engines = {q: LLMEngine(EngineConfig(runner=RunnerConfig(quantization=q, num_blocks=64),
-                                         scheduler=SchedulerConfig(max_num_seqs=8)))
-               for q in (None, mode)}
+    engines = {
+        q: LLMEngine(
+            EngineConfig(runner=RunnerConfig(quantization=q, num_blocks=64), scheduler=SchedulerConfig(max_num_seqs=8))
+        )
+        for q in (None, mode)
+    }
     try:
         logits = {}
         for q, e in engines.items():
@@ -142,14 +146,16 @@ def test_unknown_quantization_is_refused():
 @pytest.mark.parametrize("rows", [1, 3, 16, 300])
 def test_onednn_packed_matmul_equals_the_fp32_linear(rows):
     w, x = torch.randn(96, 80), torch.randn(rows, 80)
-    torch.testing.assert_close(OneDNNWeight(w).matmul(x.view(rows, 1, 80)), F.linear(x, w).view(rows, 1, 96),
-                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        OneDNNWeight(w).matmul(x.view(rows, 1, 80)), F.linear(x, w).view(rows, 1, 96), rtol=1e-5, atol=1e-5
+    )
 
 
 @pytest.mark.slow
 def test_float32_engine_packs_for_onednn_by_default_with_unchanged_tokens():
-    prompts = [torch.randint(100, 49152, (n,), generator=torch.Generator().manual_seed(n)).tolist()
-               for n in (9, 30, 61)]
+    prompts = [
+        torch.randint(100, 49152, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (9, 30, 61)
+    ]
     greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     tokens = {}
     for packed in (True, False):
@@ -185,8 +191,17 @@ def test_packing_drops_every_original_weight_but_the_embedding(tied):
     from gpu_worker_svc.model.llama import LlamaForCausalLM
     from gpu_worker_svc.model.parallel import TPGroup
 
-    cfg = ModelConfig(architecture="LlamaForCausalLM", vocab_size=64, hidden_size=32, intermediate_size=64,
-                      num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, tie_word_embeddings=tied)
+    cfg = ModelConfig(
+        architecture="LlamaForCausalLM",
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        tie_word_embeddings=tied,
+    )
     model = LlamaForCausalLM(cfg, TPGroup(), torch.float32, 16)
     assert pack_fp32_for_onednn(model) == 2 * 4 + 1  # qkv, o, gate_up, down per layer, and the head
     embedding = model.model.embed_tokens.weight

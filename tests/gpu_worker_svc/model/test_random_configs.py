@@ -29,21 +29,45 @@ TOL = 1e-4
 PROMPT_LENGTHS = [1, 9, 40, 80]
 DECODE_STEPS = 4
 _SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, max_position_embeddings=256)
-LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
-               "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 10000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 32,
+}
 
 CASES: dict[str, PretrainedConfig] = {
     "llama-gqa4x2-llama3rope-vocab251": LlamaConfig(
-        vocab_size=251, num_attention_heads=4, num_key_value_heads=2, rope_parameters=LLAMA3_ROPE,
-        tie_word_embeddings=False, **_SHAPE),
+        vocab_size=251,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rope_parameters=LLAMA3_ROPE,
+        tie_word_embeddings=False,
+        **_SHAPE,
+    ),
     "llama-mha8-tied-bias": LlamaConfig(
-        vocab_size=256, num_attention_heads=8, num_key_value_heads=8, attention_bias=True,
-        tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 500000.0}, **_SHAPE),
+        vocab_size=256,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        attention_bias=True,
+        tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+        **_SHAPE,
+    ),
     "qwen2-gqa4x2-qkvbias-vocab250": Qwen2Config(
-        vocab_size=250, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False, **_SHAPE),
+        vocab_size=250, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False, **_SHAPE
+    ),
     "mistral-gqa8x2-headdim32-tied": MistralConfig(
-        vocab_size=257, num_attention_heads=8, num_key_value_heads=2, head_dim=32, sliding_window=None,
-        tie_word_embeddings=True, **_SHAPE),
+        vocab_size=257,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=32,
+        sliding_window=None,
+        tie_word_embeddings=True,
+        **_SHAPE,
+    ),
 }
 
 

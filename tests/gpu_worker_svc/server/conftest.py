@@ -24,10 +24,23 @@ def scheduler() -> Iterator[SchedulerStandIn]:
 def worker(scheduler, tmp_path_factory) -> Iterator[tuple[WorkerProcess, object]]:
     """(process, the WorkerInfo it registered)."""
     port = free_port()
-    proc = WorkerProcess(["--port", str(port), "--worker-id", "worker-test", "--scheduler", scheduler.address,
-                          "--kv-cache-bytes", str(KV_CACHE_BYTES), "--max-num-seqs", "8",
-                          "--max-num-batched-tokens", "256"],
-                         tmp_path_factory.mktemp("worker") / "worker.log")
+    proc = WorkerProcess(
+        [
+            "--port",
+            str(port),
+            "--worker-id",
+            "worker-test",
+            "--scheduler",
+            scheduler.address,
+            "--kv-cache-bytes",
+            str(KV_CACHE_BYTES),
+            "--max-num-seqs",
+            "8",
+            "--max-num-batched-tokens",
+            "256",
+        ],
+        tmp_path_factory.mktemp("worker") / "worker.log",
+    )
     try:
         yield proc, proc.wait_registered(scheduler)
     finally:

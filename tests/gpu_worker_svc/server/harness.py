@@ -114,8 +114,9 @@ class SessionClient:
 
 def new_request(request_id: str, prompt: list[int], max_tokens: int, **params) -> worker_pb2.NewRequest:
     params.setdefault("temperature", 0.0)
-    return worker_pb2.NewRequest(request_id=request_id, prompt_token_ids=prompt,
-                                 params={"max_tokens": max_tokens, "ignore_eos": True, **params})
+    return worker_pb2.NewRequest(
+        request_id=request_id, prompt_token_ids=prompt, params={"max_tokens": max_tokens, "ignore_eos": True, **params}
+    )
 
 
 def tokens_by_request(steps: list[worker_pb2.StepOutput]) -> dict[str, list[int]]:
@@ -137,8 +138,13 @@ class WorkerProcess:
         self.log_path = log_path
         env = {**os.environ, "SHARDLINE_TRACING": "0", "PYTHONUNBUFFERED": "1"}
         self._log = log_path.open("wb")
-        self.proc = subprocess.Popen([sys.executable, "-m", "gpu_worker_svc.server.main", *args], cwd=REPO,
-                                     env=env, stdout=self._log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "gpu_worker_svc.server.main", *args],
+            cwd=REPO,
+            env=env,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+        )
 
     def wait_registered(self, scheduler: SchedulerStandIn, timeout_s: float = 90.0) -> worker_pb2.WorkerInfo:
         deadline = time.monotonic() + timeout_s

@@ -14,9 +14,17 @@ CONFIG = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64)
 
 
 def _adds(*prompt_lengths: int, output_len: int = 0) -> _Commands:
-    return _Commands(1, worker_pb2.WorkerCommand(add=[
-        worker_pb2.NewRequest(request_id=f"r{i}-{n}", prompt_token_ids=[5] * n, output_token_ids=[6] * output_len)
-        for i, n in enumerate(prompt_lengths)]))
+    return _Commands(
+        1,
+        worker_pb2.WorkerCommand(
+            add=[
+                worker_pb2.NewRequest(
+                    request_id=f"r{i}-{n}", prompt_token_ids=[5] * n, output_token_ids=[6] * output_len
+                )
+                for i, n in enumerate(prompt_lengths)
+            ]
+        ),
+    )
 
 
 def _burst(first: list[object], later: _Commands | None = None) -> tuple[list[object], float]:
@@ -38,11 +46,14 @@ def test_prefill_lengths_count_a_resumed_requests_earlier_output():
     assert prefill_lengths([_adds(3, 4), aborts, _adds(5, output_len=2)]) == [3, 4, 7]
 
 
-@pytest.mark.parametrize("burst", [
-    pytest.param(_adds(40, 24), id="token-budget"),
-    pytest.param(_adds(30, output_len=34), id="resumed-output-counts"),
-    pytest.param(_adds(2, 2, 2, 2), id="sequence-slots"),
-])
+@pytest.mark.parametrize(
+    "burst",
+    [
+        pytest.param(_adds(40, 24), id="token-budget"),
+        pytest.param(_adds(30, output_len=34), id="resumed-output-counts"),
+        pytest.param(_adds(2, 2, 2, 2), id="sequence-slots"),
+    ],
+)
 def test_a_burst_that_fills_a_step_starts_it_at_once(burst):
     items, waited = _burst([burst])
     assert items == [burst]

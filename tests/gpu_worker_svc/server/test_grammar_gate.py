@@ -69,8 +69,13 @@ def test_held_requests_come_out_with_their_grammar_though_the_cache_let_it_go():
     engine.backend.gate.set()
     released = _released(gate, wakes, 4)
     assert len(engine.backend.cache) == 1  # a, b and c have left the backend's cache
-    assert released == [("r0", ("grammar", "a+")), ("r1", ("grammar", "b+")), ("r2", ("grammar", "c+")),
-                        ("r3", "structured_output: the regex does not compile"), ("r4", ("grammar", "a+"))]
+    assert released == [
+        ("r0", ("grammar", "a+")),
+        ("r1", ("grammar", "b+")),
+        ("r2", ("grammar", "c+")),
+        ("r3", "structured_output: the regex does not compile"),
+        ("r4", ("grammar", "a+")),
+    ]
     assert sorted(engine.backend.compiled) == ["(bad", "a+", "b+", "c+"] and len(gate) == 0
     [cached] = engine.backend.cache  # whichever compile finished last
     assert not gate.holds(_request("r5", cached.value))  # cached: straight to the engine

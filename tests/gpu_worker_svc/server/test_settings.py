@@ -8,8 +8,20 @@ from gpu_worker_svc.server.main import engine_config, parse_args
 def test_flags_override_the_environment_and_unset_flags_leave_it(monkeypatch):
     monkeypatch.setenv("SHARDLINE_PORT", "50070")
     monkeypatch.setenv("SHARDLINE_TP_SIZE", "2")
-    s = parse_args(["--tp", "3", "--scheduler", "sched:1", "--no-tracing", "--no-prefix-caching",
-                    "--device", "cpu", "--max-num-seqs", "4"])
+    s = parse_args(
+        [
+            "--tp",
+            "3",
+            "--scheduler",
+            "sched:1",
+            "--no-tracing",
+            "--no-prefix-caching",
+            "--device",
+            "cpu",
+            "--max-num-seqs",
+            "4",
+        ]
+    )
     assert (s.port, s.tp_size, s.scheduler_address, s.max_num_seqs) == (50070, 3, "sched:1", 4)
     assert not s.tracing and not s.enable_prefix_caching
     assert s.onednn_weights and not parse_args(["--no-onednn-weights"]).onednn_weights

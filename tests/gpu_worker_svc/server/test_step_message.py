@@ -12,4 +12,7 @@ def test_usage_rides_on_the_first_and_the_last_delta():
     assert not request_delta(RequestOutput("r", [6], 1, None, None, 7, 3)).HasField("usage")
     last = request_delta(RequestOutput("r", [7], 2, None, "length", 7, 3))
     assert (last.usage.completion_tokens, last.usage.total_tokens, last.finish_reason) == (
-        3, 10, sampling_pb2.FINISH_REASON_LENGTH)
+        3,
+        10,
+        sampling_pb2.FINISH_REASON_LENGTH,
+    )

@@ -11,16 +11,37 @@ from gpu_worker_svc.server.utilization import DevicePeak, StepCostModel
 from tracing import attributes as attr
 
 TRACE_ID, PARENT_ID = "0af7651916cd43dd8448eb211c80319c", "b7ad6b7169203331"
-CONFIG = ModelConfig(architecture="LlamaForCausalLM", vocab_size=100, hidden_size=8, intermediate_size=16,
-                     num_layers=2, num_heads=2, num_kv_heads=1, head_dim=4, tie_word_embeddings=True)
+CONFIG = ModelConfig(
+    architecture="LlamaForCausalLM",
+    vocab_size=100,
+    hidden_size=8,
+    intermediate_size=16,
+    num_layers=2,
+    num_heads=2,
+    num_kv_heads=1,
+    head_dim=4,
+    tie_word_embeddings=True,
+)
 MS = 1_000_000
 
 
 def _stats(step: int, batch: int, tokens: int, kv_used: int, running: int) -> StepStats:
-    return StepStats(step=step, batch_size=batch, num_tokens=tokens, num_prefill_tokens=0, num_decode_tokens=0,
-                     prefix_cache_hit_tokens=4 if step == 0 else 0, kv_blocks_used=kv_used, kv_blocks_total=10,
-                     num_waiting=0, num_running=running, num_preempted=0, step_time_s=0.01,
-                     attention_pairs=tokens * 4, kv_tokens_read=tokens * 2)
+    return StepStats(
+        step=step,
+        batch_size=batch,
+        num_tokens=tokens,
+        num_prefill_tokens=0,
+        num_decode_tokens=0,
+        prefix_cache_hit_tokens=4 if step == 0 else 0,
+        kv_blocks_used=kv_used,
+        kv_blocks_total=10,
+        num_waiting=0,
+        num_running=running,
+        num_preempted=0,
+        step_time_s=0.01,
+        attention_pairs=tokens * 4,
+        kv_tokens_read=tokens * 2,
+    )
 
 
 def _token(rid: str, offset: int, finish: str | None = None) -> RequestOutput:
@@ -60,8 +81,12 @@ def test_one_engine_step_span_per_step_with_the_counters(recorded):
     steps = sorted((s for s in recorded if s.name == "engine_step"), key=lambda s: s.start_time)
     assert [s.attributes[attr.STEP] for s in steps] == [0, 1, 2, 3]
     first = steps[0].attributes
-    assert (first[attr.BATCH_SIZE], first[attr.NUM_TOKENS], first[attr.PREFIX_CACHE_HITS],
-            first[attr.KV_BLOCKS_USED]) == (3, 30, 4, 5)
+    assert (
+        first[attr.BATCH_SIZE],
+        first[attr.NUM_TOKENS],
+        first[attr.PREFIX_CACHE_HITS],
+        first[attr.KV_BLOCKS_USED],
+    ) == (3, 30, 4, 5)
     assert first[attr.TOKENS_PER_S] == pytest.approx(1 / 0.01)  # one token sampled in 10 ms
     assert first[attr.MFU] > 0 and first[attr.MBU] > 0
     assert (steps[0].start_time, steps[0].end_time) == (100 * MS, 109 * MS)

@@ -6,8 +6,17 @@ from gpu_worker_svc.model.config import ModelConfig
 from gpu_worker_svc.server.utilization import H200, DevicePeak, StepCostModel, device_peak
 
 # Small enough to count by hand: h=8, 2 heads of 4 (q width 8), 1 KV head (kv width 4), tied embeddings.
-TINY = ModelConfig(architecture="LlamaForCausalLM", vocab_size=100, hidden_size=8, intermediate_size=16,
-                   num_layers=2, num_heads=2, num_kv_heads=1, head_dim=4, tie_word_embeddings=True)
+TINY = ModelConfig(
+    architecture="LlamaForCausalLM",
+    vocab_size=100,
+    hidden_size=8,
+    intermediate_size=16,
+    num_layers=2,
+    num_heads=2,
+    num_kv_heads=1,
+    head_dim=4,
+    tie_word_embeddings=True,
+)
 
 
 def test_costs_count_layers_per_token_head_per_row_and_attention_per_pair():
@@ -34,8 +43,17 @@ def test_an_untied_head_adds_weight_bytes_but_no_per_token_flops():
 
 
 def test_decode_of_the_default_model_on_h200_is_bandwidth_bound():
-    smollm = ModelConfig(architecture="LlamaForCausalLM", vocab_size=49152, hidden_size=576, intermediate_size=1536,
-                         num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64, tie_word_embeddings=True)
+    smollm = ModelConfig(
+        architecture="LlamaForCausalLM",
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_layers=30,
+        num_heads=9,
+        num_kv_heads=3,
+        head_dim=64,
+        tie_word_embeddings=True,
+    )
     cost = StepCostModel.for_model(smollm, 2, H200, 1)
     # 32 sequences decoding one token each at 512 tokens of context, in 2 ms.
     mfu, mbu = cost.utilization(32, 32, 32 * 512, 32 * 512, 0.002)

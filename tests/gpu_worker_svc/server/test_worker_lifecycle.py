@@ -23,9 +23,18 @@ from tests.gpu_worker_svc.server.harness import (
 
 pytestmark = pytest.mark.slow
 
-TINY = dict(architectures=["LlamaForCausalLM"], vocab_size=128, hidden_size=64, intermediate_size=128,
-            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-            tie_word_embeddings=True, eos_token_id=2)
+TINY = dict(
+    architectures=["LlamaForCausalLM"],
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    tie_word_embeddings=True,
+    eos_token_id=2,
+)
 
 
 @pytest.fixture(scope="module")
@@ -40,25 +49,47 @@ def tiny_model(tmp_path_factory):
     shapes = {"model.embed_tokens.weight": (TINY["vocab_size"], h), "model.norm.weight": (h,)}
     for layer in range(TINY["num_hidden_layers"]):
         p = f"model.layers.{layer}."
-        shapes |= {p + "self_attn.q_proj.weight": (h, h), p + "self_attn.k_proj.weight": (kv, h),
-                   p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, h),
-                   p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
-                   p + "mlp.down_proj.weight": (h, i), p + "input_layernorm.weight": (h,),
-                   p + "post_attention_layernorm.weight": (h,)}
-    save_file({name: torch.randn(shape, generator=g) * 0.1 for name, shape in shapes.items()},
-              str(folder / "model.safetensors"))
+        shapes |= {
+            p + "self_attn.q_proj.weight": (h, h),
+            p + "self_attn.k_proj.weight": (kv, h),
+            p + "self_attn.v_proj.weight": (kv, h),
+            p + "self_attn.o_proj.weight": (h, h),
+            p + "mlp.gate_proj.weight": (i, h),
+            p + "mlp.up_proj.weight": (i, h),
+            p + "mlp.down_proj.weight": (h, i),
+            p + "input_layernorm.weight": (h,),
+            p + "post_attention_layernorm.weight": (h,),
+        }
+    save_file(
+        {name: torch.randn(shape, generator=g) * 0.1 for name, shape in shapes.items()},
+        str(folder / "model.safetensors"),
+    )
     return folder
 
 
 @pytest.fixture
 def tp_worker(tiny_model, tmp_path):
     scheduler = SchedulerStandIn()
-    proc = WorkerProcess(["--port", str(free_port()), "--scheduler", scheduler.address, "--model", str(tiny_model),
-                          "--tp", "2", "--kv-cache-bytes", str(1 << 20)], tmp_path / "worker.log")
+    proc = WorkerProcess(
+        [
+            "--port",
+            str(free_port()),
+            "--scheduler",
+            scheduler.address,
+            "--model",
+            str(tiny_model),
+            "--tp",
+            "2",
+            "--kv-cache-bytes",
+            str(1 << 20),
+        ],
+        tmp_path / "worker.log",
+    )
     try:
         info = proc.wait_registered(scheduler)
-        ranks = [p for p in psutil.Process(proc.proc.pid).children(recursive=True)
-                 if "spawn_main" in " ".join(p.cmdline())]
+        ranks = [
+            p for p in psutil.Process(proc.proc.pid).children(recursive=True) if "spawn_main" in " ".join(p.cmdline())
+        ]
         assert len(ranks) == 1, "TP=2 runs one rank process beside rank 0"
         yield proc, info, ranks[0]
     finally:
@@ -114,12 +145,18 @@ def test_killed_rank_makes_the_worker_exit_nonzero(tp_worker):
 def test_sigterm_during_the_model_load_exits_at_once_with_its_ranks(tmp_path):
     # The default model at TP=3 takes its ranks many seconds to load on this machine: stop it half-way.
     scheduler = SchedulerStandIn()
-    proc = WorkerProcess(["--port", str(free_port()), "--scheduler", scheduler.address, "--tp", "3"],
-                         tmp_path / "worker.log")
+    proc = WorkerProcess(
+        ["--port", str(free_port()), "--scheduler", scheduler.address, "--tp", "3"], tmp_path / "worker.log"
+    )
     try:
         deadline = time.monotonic() + 60
-        while not (ranks := [p for p in psutil.Process(proc.proc.pid).children(recursive=True)
-                             if "spawn_main" in " ".join(p.cmdline())]):
+        while not (
+            ranks := [
+                p
+                for p in psutil.Process(proc.proc.pid).children(recursive=True)
+                if "spawn_main" in " ".join(p.cmdline())
+            ]
+        ):
             assert time.monotonic() < deadline and proc.proc.poll() is None, proc.log()
             time.sleep(0.05)
         assert "loading the default model" in proc.log()

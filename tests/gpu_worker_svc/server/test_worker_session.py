@@ -26,8 +26,10 @@ def session_run(worker):
     _, info = worker
     session = SessionClient(info.address)
     try:
-        session.send(add=[new_request(rid, p, MAX_TOKENS) for rid, p in GREEDY_PROMPTS.items()]
-                     + [new_request("s0", [5, 4, 3, 2, 1], MAX_TOKENS, **SAMPLED)])
+        session.send(
+            add=[new_request(rid, p, MAX_TOKENS) for rid, p in GREEDY_PROMPTS.items()]
+            + [new_request("s0", [5, 4, 3, 2, 1], MAX_TOKENS, **SAMPLED)]
+        )
         return session.until_finished({*GREEDY_PROMPTS, "s0"})
     finally:
         session.close()
@@ -72,8 +74,9 @@ def test_one_message_per_step_carrying_every_running_request(session_run):
     assert offsets == {rid: list(range(MAX_TOKENS)) for rid in [*GREEDY_PROMPTS, "s0"]}
     finals = final_deltas(session_run)
     assert {d.finish_reason for d in finals.values()} == {sampling_pb2.FINISH_REASON_LENGTH}
-    assert finals["g1"].usage == sampling_pb2.Usage(prompt_tokens=40, completion_tokens=MAX_TOKENS,
-                                                    total_tokens=40 + MAX_TOKENS)
+    assert finals["g1"].usage == sampling_pb2.Usage(
+        prompt_tokens=40, completion_tokens=MAX_TOKENS, total_tokens=40 + MAX_TOKENS
+    )
     last = session_run[-1].stats
     assert (last.kv_blocks_used, last.num_running, last.kv_blocks_total) == (0, 0, KV_CACHE_BYTES // 737_280)
 
@@ -87,8 +90,10 @@ def test_resume_continues_identically(worker, session_run):
     full = tokens_by_request(session_run)
     session = SessionClient(worker[1].address)
     try:
-        resumed = [new_request("g1", GREEDY_PROMPTS["g1"], MAX_TOKENS), new_request("s0", [5, 4, 3, 2, 1],
-                                                                                  MAX_TOKENS, **SAMPLED)]
+        resumed = [
+            new_request("g1", GREEDY_PROMPTS["g1"], MAX_TOKENS),
+            new_request("s0", [5, 4, 3, 2, 1], MAX_TOKENS, **SAMPLED),
+        ]
         resumed[0].output_token_ids[:] = full["g1"][:3]
         resumed[1].output_token_ids[:] = full["s0"][:2]
         session.send(add=resumed)
@@ -154,23 +159,32 @@ def test_new_session_replaces_the_previous_one(worker):
 def test_bad_params_finish_with_an_error_delta(worker):
     session = SessionClient(worker[1].address)
     try:
-        session.send(add=[new_request("bad-top-p", [1, 2, 3], 4, top_p=2.0),
-                          new_request("bad-prompt", [], 4),
-                          new_request("bad-token", [1, 10**6], 4),
-                          new_request("bad-logprobs", [1, 2], 4, top_logprobs=2),
-                          new_request("fine", [1, 2, 3], 2, logprobs=True, top_logprobs=2)])
+        session.send(
+            add=[
+                new_request("bad-top-p", [1, 2, 3], 4, top_p=2.0),
+                new_request("bad-prompt", [], 4),
+                new_request("bad-token", [1, 10**6], 4),
+                new_request("bad-logprobs", [1, 2], 4, top_logprobs=2),
+                new_request("fine", [1, 2, 3], 2, logprobs=True, top_logprobs=2),
+            ]
+        )
         steps = session.until_finished({"bad-top-p", "bad-prompt", "bad-token", "bad-logprobs", "fine"})
     finally:
         session.close()
     finals = final_deltas(steps)
-    for rid, field in [("bad-top-p", "top_p"), ("bad-prompt", "prompt_token_ids"),
-                       ("bad-token", "prompt_token_ids"), ("bad-logprobs", "top_logprobs")]:
+    for rid, field in [
+        ("bad-top-p", "top_p"),
+        ("bad-prompt", "prompt_token_ids"),
+        ("bad-token", "prompt_token_ids"),
+        ("bad-logprobs", "top_logprobs"),
+    ]:
         assert finals[rid].finish_reason == sampling_pb2.FINISH_REASON_ERROR
         assert field in finals[rid].error and not finals[rid].token_ids
     assert finals["fine"].finish_reason == sampling_pb2.FINISH_REASON_LENGTH
     fine = [d for s in steps for d in s.deltas if d.request_id == "fine"]
-    assert all(len(d.logprobs) == 1 and len(d.logprobs[0].top) == 2 and d.logprobs[0].token_id == d.token_ids[0]
-               for d in fine)
+    assert all(
+        len(d.logprobs) == 1 and len(d.logprobs[0].top) == 2 and d.logprobs[0].token_id == d.token_ids[0] for d in fine
+    )
 
 
 def test_a_burst_reaching_an_idle_worker_shares_its_first_step(worker):
@@ -183,8 +197,7 @@ def test_a_burst_reaching_an_idle_worker_shares_its_first_step(worker):
             session.send(add=[new_request(f"burst{i}", [10 + i] * 20, 2)])
             time.sleep(0.002)
         first = session.next()
-        session.until_finished({"burst0", "burst1", "burst2"} - {d.request_id for d in first.deltas
-                                                                 if d.finish_reason})
+        session.until_finished({"burst0", "burst1", "burst2"} - {d.request_id for d in first.deltas if d.finish_reason})
     finally:
         session.close()
     assert first.stats.batch_size == 3 and first.stats.num_prefill_tokens == 60
@@ -201,8 +214,13 @@ def test_structured_output_requests_wait_for_the_grammar_engine_while_others_ste
         session.send(add=[new_request("free", list(range(1, 40)), 400)])
         while not any(d.token_ids for d in session.next().deltas):
             pass
-        session.send(add=[new_request("picked", [1, 2, 3], 8, **choice), new_request("gone", [4, 5], 8, **choice),
-                          new_request("bad", [6], 8, structured_output={"regex": "(ab"})])
+        session.send(
+            add=[
+                new_request("picked", [1, 2, 3], 8, **choice),
+                new_request("gone", [4, 5], 8, **choice),
+                new_request("bad", [6], 8, structured_output={"regex": "(ab"}),
+            ]
+        )
         session.send(abort=["gone"])
         steps = session.until_finished({"picked", "gone", "bad"})
         session.send(abort=["free"])

@@ -69,9 +69,16 @@ def spm_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
     corpus = folder / "corpus.txt"
     corpus.write_text("\n".join(CORPUS[:6]) * 40, encoding="utf-8")
     spm.SentencePieceTrainer.train(
-        input=str(corpus), model_prefix=str(folder / "m"), vocab_size=400, model_type="bpe",
-        byte_fallback=True, character_coverage=0.98, split_digits=True, remove_extra_whitespaces=False,
-        normalization_rule_name="identity", minloglevel=2,
+        input=str(corpus),
+        model_prefix=str(folder / "m"),
+        vocab_size=400,
+        model_type="bpe",
+        byte_fallback=True,
+        character_coverage=0.98,
+        split_digits=True,
+        remove_extra_whitespaces=False,
+        normalization_rule_name="identity",
+        minloglevel=2,
     )
     sp = spm.SentencePieceProcessor(model_file=str(folder / "m.model"))
     pieces = [sp.id_to_piece(i) for i in range(sp.get_piece_size())]

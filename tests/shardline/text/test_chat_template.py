@@ -119,12 +119,24 @@ def test_tool_call_format_is_read_off_the_template(template):
     folder = Path(__file__).parent
     hermes = ChatTemplate((folder / "hermes_tool_template.jinja").read_text(), "<s>", "</s>")
     llama3 = ChatTemplate((folder / "llama3_tool_template.jinja").read_text(), "<|begin_of_text|>", "<|eot_id|>")
-    assert (hermes.tool_call_format, llama3.tool_call_format, template.tool_call_format) == ("hermes", "llama3_json", "")
+    assert (hermes.tool_call_format, llama3.tool_call_format, template.tool_call_format) == (
+        "hermes",
+        "llama3_json",
+        "",
+    )
     tools = [{"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}]
-    messages = [{"role": "user", "content": "Time?"},
-                {"role": "assistant", "content": "", "tool_calls": [
-                    {"id": "c1", "type": "function", "function": {"name": "get_time", "arguments": {"tz": "UTC"}}}]},
-                {"role": "tool", "content": "12:00", "tool_call_id": "c1"}, {"role": "user", "content": "And now?"}]
+    messages = [
+        {"role": "user", "content": "Time?"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "get_time", "arguments": {"tz": "UTC"}}}
+            ],
+        },
+        {"role": "tool", "content": "12:00", "tool_call_id": "c1"},
+        {"role": "user", "content": "And now?"},
+    ]
     prompt = llama3.render(messages, tools=tools)
     assert '{"name": "get_time", "parameters": {"tz": "UTC"}}<|eot_id|>' in prompt and '"name": "get_time"' in prompt
 
@@ -134,13 +146,15 @@ def test_continue_final_message_matches_transformers(template, hf_tokenizer, con
     """Trailing blanks kept, text the template also writes after it ("end" of "<|im_end|>"), empty
     content, text said earlier in the conversation: cut where transformers cuts."""
     messages = [*CONVERSATIONS["multi_turn"], {"role": "assistant", "content": content}]
-    expected = hf_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False,
-                                                continue_final_message=True)
+    expected = hf_tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=False, continue_final_message=True
+    )
     assert template.render(messages, add_generation_prompt=False, continue_final_message=True) == expected
     assert expected.endswith("<|im_start|>assistant\n" + content)
     with pytest.raises(ChatTemplateError, match="continue_final_message"):
         ChatTemplate("{% for m in messages %}{{ m.role }}{% endfor %}", None, None).render(
-            messages, add_generation_prompt=False, continue_final_message=True)
+            messages, add_generation_prompt=False, continue_final_message=True
+        )
 
 
 def test_template_failures_on_odd_variables_are_chat_template_errors():
@@ -148,8 +162,13 @@ def test_template_failures_on_odd_variables_are_chat_template_errors():
     with pytest.raises(ChatTemplateError, match="TypeError"):
         ChatTemplate(source, None, None).render([{"role": "user", "content": "x"}], variables={"date_string": 5})
     with pytest.raises(ChatTemplateError, match="TypeError"):
-        ChatTemplate(source, None, None).render([{"role": "user", "content": "x"}],
-                                                variables={"date_string": "now", "documents": [{"title": 1}]})
+        ChatTemplate(source, None, None).render(
+            [{"role": "user", "content": "x"}], variables={"date_string": "now", "documents": [{"title": 1}]}
+        )
     # A variable named like render's own parameters ("self") breaks nothing.
-    assert ChatTemplate("{{ greeting }}", None, None).render([{"role": "user", "content": "x"}],
-                                                             variables={"self": 1, "greeting": "hi"}) == "hi"
+    assert (
+        ChatTemplate("{{ greeting }}", None, None).render(
+            [{"role": "user", "content": "x"}], variables={"self": 1, "greeting": "hi"}
+        )
+        == "hi"
+    )

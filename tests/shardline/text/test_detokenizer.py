@@ -154,8 +154,12 @@ def test_batch_equals_single_calls_with_two_decode_calls_at_most(any_tokenizer, 
             s["pending"] = s["pending"] + all_ids[i][s["pos"] : s["pos"] + size]
             s["pos"] += size
             items.append(DetokenizeItem(s["prefix"], s["pending"], s["skip"], s["pos"] >= len(all_ids[i])))
-        expected = [detokenize_incremental(any_tokenizer, it.prefix_token_ids, it.new_token_ids,
-                                           it.skip_special_tokens, it.final) for it in items]
+        expected = [
+            detokenize_incremental(
+                any_tokenizer, it.prefix_token_ids, it.new_token_ids, it.skip_special_tokens, it.final
+            )
+            for it in items
+        ]
         decode_calls.clear()
         with monkeypatch.context() as patch:
             patch.setattr(Tokenizer, "decode_batch", counting_decode_batch)
@@ -196,5 +200,10 @@ def test_next_prefix_window(tokenizer):
     # 2 is <|im_end|>, special; 100 and up are ordinary tokens.
     assert next_prefix(tokenizer, [100, 101], [102, 2, 103], skip_special_tokens=True) == [100, 101, 102, 103]
     assert next_prefix(tokenizer, [100, 101, 102, 103], [2, 104, 105, 106], skip_special_tokens=False) == [
-        102, 103, 2, 104, 105, 106
+        102,
+        103,
+        2,
+        104,
+        105,
+        106,
     ]

@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from shardline.text.tokenizer import Tokenizer, TokenizerError
 
 

@@ -61,7 +61,11 @@ def request_walk(request_id: str = "req-1") -> list[StoredSpan]:
     f = SpanFactory()
     rid = {attr.REQUEST_ID: request_id}
     root = f.span(
-        "generate", "gateway", "gateway-0", 0, 100,
+        "generate",
+        "gateway",
+        "gateway-0",
+        0,
+        100,
         **rid,
         **{
             attr.GEN_AI_REQUEST_MODEL: "smollm2-135m",
@@ -77,10 +81,28 @@ def request_walk(request_id: str = "req-1") -> list[StoredSpan]:
         root,
         f.span("tokenize", "tokenizer", "tokenizer-0", 1, 3, parent=root, **rid, **{attr.NUM_TOKENS: 12}),
         f.span("queue", "scheduler", "scheduler-0", 4, 10, parent=root, **rid, **{attr.QUEUE_DEPTH: 3}),
-        f.span("prefill", "gpu_worker", "worker-0", 10, 20, rank=0, parent=root, **rid,
-               **{attr.NUM_TOKENS: 12, attr.PREFIX_CACHE_HITS: 0}),
-        f.span("decode", "gpu_worker", "worker-0", 20, 20 + STEPS * STEP_MS, rank=0, parent=root, **rid,
-               **{attr.GEN_AI_USAGE_OUTPUT_TOKENS: 4}),
+        f.span(
+            "prefill",
+            "gpu_worker",
+            "worker-0",
+            10,
+            20,
+            rank=0,
+            parent=root,
+            **rid,
+            **{attr.NUM_TOKENS: 12, attr.PREFIX_CACHE_HITS: 0},
+        ),
+        f.span(
+            "decode",
+            "gpu_worker",
+            "worker-0",
+            20,
+            20 + STEPS * STEP_MS,
+            rank=0,
+            parent=root,
+            **rid,
+            **{attr.GEN_AI_USAGE_OUTPUT_TOKENS: 4},
+        ),
         f.span("detokenize", "tokenizer", "tokenizer-0", 91, 93, parent=root, **rid),
         # Two asyncio tasks on the scheduler loop whose spans partly overlap.
         f.span("dispatch", "scheduler", "scheduler-0", 9, 12, **{attr.THREAD_NAME: "loop"}),
@@ -92,21 +114,40 @@ def request_walk(request_id: str = "req-1") -> list[StoredSpan]:
         for rank in WORKER_RANKS:
             counters: dict = {attr.MFU: 0.3 + 0.01 * rank, attr.MBU: 0.6}
             if rank == 0:
-                counters |= {attr.BATCH_SIZE: 1 + step, attr.KV_BLOCKS_USED: 10 + step, attr.TOKENS_PER_S: 100.0 * (step + 1)}
-            spans.append(f.span("decode_step", "gpu_worker", "worker-0", start, end, rank=rank, trace_id=f"{step + 1:032x}",
-                                **{attr.STEP: step}, **counters))
+                counters |= {
+                    attr.BATCH_SIZE: 1 + step,
+                    attr.KV_BLOCKS_USED: 10 + step,
+                    attr.TOKENS_PER_S: 100.0 * (step + 1),
+                }
+            spans.append(
+                f.span(
+                    "decode_step",
+                    "gpu_worker",
+                    "worker-0",
+                    start,
+                    end,
+                    rank=rank,
+                    trace_id=f"{step + 1:032x}",
+                    **{attr.STEP: step},
+                    **counters,
+                )
+            )
             # The forward pass nests in its step and ends with it.
-            spans.append(f.span("forward", "gpu_worker", "worker-0", start + 1, end, rank=rank, trace_id=f"{step + 1:032x}"))
+            spans.append(
+                f.span("forward", "gpu_worker", "worker-0", start + 1, end, rank=rank, trace_id=f"{step + 1:032x}")
+            )
     return spans
 
 
 def otlp_export(instance: str, spans: list[tuple[int, int, str, float, str | None]]) -> ResourceSpans:
     """One service's export: (trace number, span number, name, start s, request id) per span."""
     batch = ResourceSpans()
-    batch.resource.attributes.extend([
-        KeyValue(key=attr.SERVICE_NAME, value=AnyValue(string_value=instance.split("-")[0])),
-        KeyValue(key=attr.SERVICE_INSTANCE_ID, value=AnyValue(string_value=instance)),
-    ])
+    batch.resource.attributes.extend(
+        [
+            KeyValue(key=attr.SERVICE_NAME, value=AnyValue(string_value=instance.split("-")[0])),
+            KeyValue(key=attr.SERVICE_INSTANCE_ID, value=AnyValue(string_value=instance)),
+        ]
+    )
     scope = batch.scope_spans.add()
     scope.scope.name = "shardline.test"
     for trace_no, span_no, name, start_s, request_id in spans:

@@ -49,9 +49,18 @@ class HeadlessChromium:
         width, height = self._window
         # Port 0: Chromium picks a free one and writes it to DevToolsActivePort in the profile.
         self._proc = subprocess.Popen(
-            [self._binary, *FLAGS, "--remote-debugging-port=0", f"--user-data-dir={self._profile.name}",
-             f"--window-size={width},{height}", "about:blank"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+            [
+                self._binary,
+                *FLAGS,
+                "--remote-debugging-port=0",
+                f"--user-data-dir={self._profile.name}",
+                f"--window-size={width},{height}",
+                "about:blank",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         self._http = aiohttp.ClientSession()
         port_file = Path(self._profile.name) / "DevToolsActivePort"
         deadline = time.monotonic() + self._start_timeout_s

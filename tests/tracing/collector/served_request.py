@@ -26,16 +26,34 @@ def served_request(
         return f.span(name, service, instance, at_ms + start, at_ms + end, rank=rank, trace_id=trace_id, **attributes)
 
     return [
-        span("gateway.request", "gateway", "gateway-0", 0, 100, **rid, **{
-            attr.GEN_AI_REQUEST_MODEL: MODEL, attr.GEN_AI_USAGE_INPUT_TOKENS: 12,
-            attr.GEN_AI_USAGE_OUTPUT_TOKENS: output_tokens, attr.GEN_AI_RESPONSE_FINISH_REASONS: [finish]}),
+        span(
+            "gateway.request",
+            "gateway",
+            "gateway-0",
+            0,
+            100,
+            **rid,
+            **{
+                attr.GEN_AI_REQUEST_MODEL: MODEL,
+                attr.GEN_AI_USAGE_INPUT_TOKENS: 12,
+                attr.GEN_AI_USAGE_OUTPUT_TOKENS: output_tokens,
+                attr.GEN_AI_RESPONSE_FINISH_REASONS: [finish],
+            },
+        ),
         span("tokenize", "gateway", "gateway-0", 1, 3, **rid, **{attr.NUM_TOKENS: 12}),
         span("shardline.v1.Tokenizer/Tokenize", "tokenizer", "tokenizer-0", 1.5, 2.5),
         span("shardline.v1.Scheduler/Submit", "scheduler", "scheduler", 3.5, 4.5),
         span("queue", "scheduler", "scheduler", 4, 10, **rid, **{attr.QUEUE_DEPTH: 2}),
         span("dispatch", "scheduler", "scheduler", 10, 11, **rid),
-        span("prefill", "gpu_worker", "worker-0", 12, 20, **rid,
-             **{attr.GEN_AI_REQUEST_MODEL: MODEL, attr.GEN_AI_USAGE_INPUT_TOKENS: 12}),
+        span(
+            "prefill",
+            "gpu_worker",
+            "worker-0",
+            12,
+            20,
+            **rid,
+            **{attr.GEN_AI_REQUEST_MODEL: MODEL, attr.GEN_AI_USAGE_INPUT_TOKENS: 12},
+        ),
         span("decode", "gpu_worker", "worker-0", 20, 90, **rid),
         span("detokenize", "gateway", "gateway-0", 22, 92, **rid),
     ]
@@ -47,10 +65,25 @@ def engine_steps(f: SpanFactory, start_ms: float, end_ms: float, step_ms: float 
     step = 0
     while start_ms + (step + 1) * step_ms <= end_ms:
         begin = start_ms + step * step_ms
-        spans.append(f.span("engine_step", "gpu_worker", "worker-0", begin, begin + step_ms, rank=0,
-                            trace_id=f"{0xE000 + step:032x}", **{
-                                attr.STEP: step, attr.BATCH_SIZE: 2, attr.KV_BLOCKS_USED: 10 + step,
-                                attr.TOKENS_PER_S: 200.0, attr.MFU: 0.01, attr.MBU: 0.2}))
+        spans.append(
+            f.span(
+                "engine_step",
+                "gpu_worker",
+                "worker-0",
+                begin,
+                begin + step_ms,
+                rank=0,
+                trace_id=f"{0xE000 + step:032x}",
+                **{
+                    attr.STEP: step,
+                    attr.BATCH_SIZE: 2,
+                    attr.KV_BLOCKS_USED: 10 + step,
+                    attr.TOKENS_PER_S: 200.0,
+                    attr.MFU: 0.01,
+                    attr.MBU: 0.2,
+                },
+            )
+        )
         step += 1
     return spans
 
@@ -82,9 +115,13 @@ def to_otlp(spans: list[StoredSpan]) -> list[ResourceSpans]:
             batch.resource.attributes.extend(KeyValue(key=k, value=_any(v)) for k, v in stored.resource.items())
             batch.scope_spans.add().scope.name = "shardline.test"
         span = batch.scope_spans[0].spans.add(
-            trace_id=bytes.fromhex(stored.trace_id), span_id=bytes.fromhex(stored.span_id),
-            parent_span_id=bytes.fromhex(stored.parent_span_id), name=stored.name,
-            start_time_unix_nano=stored.start_ns, end_time_unix_nano=stored.end_ns)
+            trace_id=bytes.fromhex(stored.trace_id),
+            span_id=bytes.fromhex(stored.span_id),
+            parent_span_id=bytes.fromhex(stored.parent_span_id),
+            name=stored.name,
+            start_time_unix_nano=stored.start_ns,
+            end_time_unix_nano=stored.end_ns,
+        )
         span.attributes.extend(KeyValue(key=k, value=_any(v)) for k, v in stored.attributes.items())
         if stored.error:
             span.status.code = Status.STATUS_CODE_ERROR

@@ -80,8 +80,15 @@ def test_each_choice_of_an_n_request_is_a_row_and_their_container_is_none() -> N
         spans = served_request(f, f"cmpl-x-{i}", TRACE, output_tokens=6 + i, finish="length")
         spans[0] = f.span("gateway.choice", "gateway", "gateway-0", 0, 100, trace_id=TRACE, **spans[0].attributes)
         choices += spans
-    container = f.span("gateway.request", "gateway", "gateway-0", 0, 101, trace_id=TRACE, **{
-        attr.REQUEST_ID: "cmpl-x", attr.CHOICES: ["cmpl-x-0", "cmpl-x-1"]})
+    container = f.span(
+        "gateway.request",
+        "gateway",
+        "gateway-0",
+        0,
+        101,
+        trace_id=TRACE,
+        **{attr.REQUEST_ID: "cmpl-x", attr.CHOICES: ["cmpl-x-0", "cmpl-x-1"]},
+    )
     spans = [container, *choices]
     rows = [summarize(rid, spans) for rid in ("cmpl-x-0", "cmpl-x-1")]
     assert [(r.status, r.output_tokens, r.e2e_ms) for r in rows] == [("length", 6, 100.0), ("length", 7, 100.0)]

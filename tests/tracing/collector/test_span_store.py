@@ -25,10 +25,14 @@ async def test_queries_by_request_trace_recency_and_window(redis_url: str) -> No
     try:
         # Exports arrive out of order: r1's later span first.
         await spans.add([otlp_export("scheduler-0", [(1, 2, "queue", now + 2, "r1")])])
-        await spans.add([
-            otlp_export("gateway-0", [(1, 1, "generate", now + 1, "r1"), (2, 3, "generate", now + 3, "r2")]),
-            otlp_export("tokenizer-0", [(1, 4, "Tokenizer/Encode", now + 1.1, None), (3, 5, "generate", now + 5, "r3")]),
-        ])
+        await spans.add(
+            [
+                otlp_export("gateway-0", [(1, 1, "generate", now + 1, "r1"), (2, 3, "generate", now + 3, "r2")]),
+                otlp_export(
+                    "tokenizer-0", [(1, 4, "Tokenizer/Encode", now + 1.1, None), (3, 5, "generate", now + 5, "r3")]
+                ),
+            ]
+        )
         r1 = await spans.by_request("r1")
         trace_2 = await spans.by_trace(f"{2:032x}")
         recent = await spans.recent_requests(2)
@@ -38,7 +42,9 @@ async def test_queries_by_request_trace_recency_and_window(redis_url: str) -> No
         await spans.close()
     # The request's trace includes its spans without a request id.
     assert [(s.name, s.instance_id) for s in r1] == [
-        ("generate", "gateway-0"), ("Tokenizer/Encode", "tokenizer-0"), ("queue", "scheduler-0"),
+        ("generate", "gateway-0"),
+        ("Tokenizer/Encode", "tokenizer-0"),
+        ("queue", "scheduler-0"),
     ]
     assert r1[0].start_ns == (now + 1) * S and r1[0].end_ns == r1[0].start_ns + S // 2
     assert r1[1].resource[attr.SERVICE_NAME] == "tokenizer" and r1[1].attributes == {attr.NUM_TOKENS: 4}
@@ -55,8 +61,13 @@ async def test_many_requests_at_once_match_one_at_a_time(redis_url: str) -> None
     spans = store(redis_url, max_spans=10_000)
     try:
         # 150 requests; q2 shares q1's trace, q5 q4's, and so on.
-        await spans.add([otlp_export("gateway-0", [(i - i % 3 // 2, i + 1, "generate", now + i / 100, f"q{i}")
-                                                   for i in range(1, 151)])])
+        await spans.add(
+            [
+                otlp_export(
+                    "gateway-0", [(i - i % 3 // 2, i + 1, "generate", now + i / 100, f"q{i}") for i in range(1, 151)]
+                )
+            ]
+        )
         ids = [f"q{i}" for i in range(1, 151)] + ["absent"]
         together = await spans.by_requests(ids)
         alone = [await spans.by_request(request_id) for request_id in ids]

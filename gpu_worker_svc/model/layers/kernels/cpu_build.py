@@ -59,9 +59,15 @@ def load() -> None:
     with open(folder / "build.flock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         (folder / "lock").unlink(missing_ok=True)
-        cpp_extension.load(name=_NAME, sources=[str(s) for s in SOURCES], extra_cflags=_FLAGS,
-                           extra_ldflags=["-fopenmp"], build_directory=str(folder), is_python_module=False,
-                           verbose=False)
+        cpp_extension.load(
+            name=_NAME,
+            sources=[str(s) for s in SOURCES],
+            extra_cflags=_FLAGS,
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(folder),
+            is_python_module=False,
+            verbose=False,
+        )
 
 
 @functools.cache
@@ -70,8 +76,11 @@ def paged_decode_attention() -> Callable | None:
     try:
         load()
     except Exception as exc:  # noqa: BLE001 - any failure to build means the torch path, not a dead worker
-        logger.warning("Shardline's CPU kernels could not be built here (%s): decode attention takes the torch "
-                       "path, which is slower on CPU", str(exc).strip().splitlines()[-1] if str(exc).strip() else exc)
+        logger.warning(
+            "Shardline's CPU kernels could not be built here (%s): decode attention takes the torch "
+            "path, which is slower on CPU",
+            str(exc).strip().splitlines()[-1] if str(exc).strip() else exc,
+        )
         return None
     logger.info("Shardline's CPU kernels loaded from %s", build_dir())
     return torch.ops.shardline_cpu.paged_decode_attention.default
