@@ -16,7 +16,7 @@ from typing import TypeVar
 from opentelemetry import trace
 
 from gateway.openai_request import OpenAIRequest
-from gateway.request_runner import GenerationSpec, LiveRequest, RequestRunner
+from gateway.request_runner import GenerationSpec, RequestRunner, SubmittedRequest
 from gateway.request_stream import StreamChunk, usage_of
 from shardline.proto import sampling_pb2
 from tracing import attributes as attr
@@ -31,7 +31,7 @@ class Choice:
 
     index: int  # choices[].index: prompt index * n + sample
     sample: int  # which of its prompt's n completions it is
-    live: LiveRequest
+    live: SubmittedRequest
     span: trace.Span | None  # a child of the HTTP span; None when that span is the choice's own
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gateway.backends import RPC_TIMEOUT_S, upstream
-from gateway.request_runner import LiveRequest, RequestRunner
+from gateway.request_runner import RequestRunner, SubmittedRequest
 from shardline.proto import sampling_pb2, tokenizer_pb2
 
 
@@ -26,7 +26,9 @@ class EchoedPrompt:
     only: bool = False  # max_tokens 0: the echo is the whole choice, and the token sampled is left out
 
 
-async def echoed_prompts(runner: RequestRunner, lives: list[LiveRequest], only: bool = False) -> list[EchoedPrompt]:
+async def echoed_prompts(
+    runner: RequestRunner, lives: list[SubmittedRequest], only: bool = False
+) -> list[EchoedPrompt]:
     """Each request's echo, with one Detokenize call for all of them."""
     items = []
     for live in lives:

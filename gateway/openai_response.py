@@ -6,7 +6,7 @@ import time
 from typing import Any
 
 from gateway.openai_echo import EchoedPrompt, vllm_prompt_logprobs
-from gateway.request_runner import Completion
+from gateway.request_runner import CollectedOutput
 from gateway.request_stream import StreamChunk
 from gateway.tool_calls import ToolCallOutput
 from gateway.tool_params import ToolRequest
@@ -82,11 +82,11 @@ class ResponseFormatter:
         # Chat with tools: the output read as text and calls (one reader per choice, as it keeps state).
         self._tools = ToolCallOutput(tools) if tools is not None else None
 
-    def whole(self, completion: Completion) -> dict[str, Any]:
+    def whole(self, completion: CollectedOutput) -> dict[str, Any]:
         """The non-streamed response of a single-choice request."""
         return self.whole_of([self], [completion], completion.usage)
 
-    def choice(self, completion: Completion) -> dict[str, Any]:
+    def choice(self, completion: CollectedOutput) -> dict[str, Any]:
         """This choice in a non-streamed response."""
         prefix, echoed = self._echo(completion.prompt_logprobs, completion.logprobs, completion.token_texts)
         logprobs = _joined(echoed, self._logprobs(completion.logprobs, completion.token_texts, completion.token_bytes))
@@ -111,7 +111,7 @@ class ResponseFormatter:
 
     @staticmethod
     def whole_of(
-        formatters: list[ResponseFormatter], completions: list[Completion], usage: sampling_pb2.Usage | None
+        formatters: list[ResponseFormatter], completions: list[CollectedOutput], usage: sampling_pb2.Usage | None
     ) -> dict[str, Any]:
         """The non-streamed response with every choice, in index order."""
         choices = [f.choice(c) for f, c in zip(formatters, completions)]

@@ -98,7 +98,7 @@ class PreparedRequest:
 
 
 @dataclass(slots=True)
-class Completion:
+class CollectedOutput:
     """A whole generation, gathered from its chunks."""
 
     text: str = ""
@@ -125,7 +125,7 @@ class Completion:
         return failure_of(self.finish_reason, self.error)
 
 
-class LiveRequest:
+class SubmittedRequest:
     """A submitted request: its chunks, and the bookkeeping when its consumer is done."""
 
     def __init__(
@@ -171,9 +171,9 @@ class LiveRequest:
     def _timed_out(self) -> str:
         return f"request timed out after {self._deadline_s - self._spec.arrival_s:g} s"
 
-    async def collect(self) -> Completion:
+    async def collect(self) -> CollectedOutput:
         """The whole output, once the request finishes."""
-        completion = Completion()
+        completion = CollectedOutput()
         async for chunk in self.chunks():
             completion.add(chunk)
         return completion
@@ -222,7 +222,7 @@ class RequestRunner:
         self.admission = Admission(settings.max_admitting, settings.queue_full_hold_s)
         self.prompt_bound = PromptBound(backends)
 
-    async def start(self, spec: GenerationSpec, span: trace.Span) -> LiveRequest:
+    async def start(self, spec: GenerationSpec, span: trace.Span) -> SubmittedRequest:
         """Submit `spec`; call inside `span` (current), so the Submit rpc carries the request's trace."""
         with self.admission.admit():
             return await self.submit(await self.prepare(spec, span))
@@ -262,7 +262,7 @@ class RequestRunner:
             span.set_attribute(attr.GEN_AI_REQUEST_MAX_TOKENS, params.max_tokens)
         return PreparedRequest(spec, span, info, params, prompt_ids)
 
-    async def submit(self, prepared: PreparedRequest) -> LiveRequest:
+    async def submit(self, prepared: PreparedRequest) -> SubmittedRequest:
         """Submit a prepared request; call inside its span (current), so the Submit rpc carries its trace."""
         spec, info, params, prompt_ids = prepared.spec, prepared.info, prepared.params, prepared.prompt_ids
         self.admission.check_queue()  # found full while this one was tokenized: spare the scheduler the Submit
@@ -301,7 +301,7 @@ class RequestRunner:
             # A Submit interrupted by a client that left may still have landed: cancel it to be sure.
             self.hub.release(spec.request_id, cancel=isinstance(exc, asyncio.CancelledError))
             raise
-        return LiveRequest(self, spec, info.model, stream, prepared.span, spec.arrival_s + timeout_s, prompt_ids)
+        return SubmittedRequest(self, spec, info.model, stream, prepared.span, spec.arrival_s + timeout_s, prompt_ids)
 
     async def served_models(self, timeout_s: float = RPC_TIMEOUT_S) -> list[generation_pb2.ModelInfo]:
         """This gateway's model, when at least one live worker serves it (the tokenizer fixes the model)."""

@@ -20,7 +20,7 @@ import random
 from dataclasses import dataclass, field
 
 from gpu_worker_svc.engine.block_pool import BlockPool
-from gpu_worker_svc.engine.sequence import RequestStatus, Sequence
+from gpu_worker_svc.engine.sequence import Sequence, SequenceStatus
 
 logger = logging.getLogger(__name__)
 
@@ -138,7 +138,7 @@ class BatchScheduler:
             # Fixed here so that every later sample, and a recompute after
             # preemption, draws from the same per-(seed, index) stream.
             seq.params.seed = self._rng.getrandbits(63)
-        seq.status = RequestStatus.WAITING
+        seq.status = SequenceStatus.WAITING
         seq.num_computed_tokens = 0
         self._requests[seq.request_id] = seq
         self._enqueue(seq)
@@ -148,12 +148,12 @@ class BatchScheduler:
         seq = self._requests.pop(request_id, None)
         if seq is None:
             return None
-        if seq.status == RequestStatus.RUNNING:
+        if seq.status == SequenceStatus.RUNNING:
             self._running.remove(seq)
         else:
             self._waiting.remove(seq)
         self._release_blocks(seq)
-        seq.finish(RequestStatus.FINISHED_ABORTED)
+        seq.finish(SequenceStatus.FINISHED_ABORTED)
         return seq
 
     def schedule(self) -> SchedulerOutput:
@@ -164,7 +164,7 @@ class BatchScheduler:
         for seq in list(self._running):
             if budget == 0:
                 break
-            if seq.status != RequestStatus.RUNNING:
+            if seq.status != SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             while not self._allocate_slots(seq, num_new):
@@ -176,7 +176,7 @@ class BatchScheduler:
                     budget += undone.num_new_tokens
                 if victim is seq:
                     break
-            if seq.status != RequestStatus.RUNNING:
+            if seq.status != SequenceStatus.RUNNING:
                 continue
             scheduled[seq.request_id] = self._scheduled(seq, num_new)
             budget -= num_new
@@ -230,7 +230,7 @@ class BatchScheduler:
         finished: list[Sequence] = []
         for item, tokens in zip(output.scheduled, news, strict=True):
             seq = item.seq
-            if seq.status != RequestStatus.RUNNING:
+            if seq.status != SequenceStatus.RUNNING:
                 continue  # aborted between schedule() and update()
             emitted: list[int] = []
             status = None
@@ -296,7 +296,7 @@ class BatchScheduler:
         seq.num_cached_tokens = num_cached
         if seq.num_cached_prompt_tokens is None:
             seq.num_cached_prompt_tokens = min(num_cached, seq.num_prompt_tokens)
-        seq.status = RequestStatus.RUNNING
+        seq.status = SequenceStatus.RUNNING
         pool.record_prefix_lookup(seq.num_tokens, num_cached)
         return self._scheduled(seq, num_new)
 
@@ -321,7 +321,7 @@ class BatchScheduler:
         self._release_blocks(seq)
         seq.num_computed_tokens = 0
         seq.num_cached_tokens = 0
-        seq.status = RequestStatus.PREEMPTED
+        seq.status = SequenceStatus.PREEMPTED
         seq.draft_token_ids = []
         self._enqueue(seq)
 

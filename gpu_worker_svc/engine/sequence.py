@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from gpu_worker_svc.engine.outputs import TokenLogprobs
 
 
-class RequestStatus(IntEnum):
+class SequenceStatus(IntEnum):
     """Ordered so that every finished state compares >= FINISHED_STOPPED."""
 
     WAITING = 0
@@ -29,15 +29,15 @@ class RequestStatus(IntEnum):
 
     @property
     def is_finished(self) -> bool:
-        return self >= RequestStatus.FINISHED_STOPPED
+        return self >= SequenceStatus.FINISHED_STOPPED
 
 
 # OpenAI-style finish_reason of each finished status.
-FINISH_REASONS: dict[RequestStatus, str] = {
-    RequestStatus.FINISHED_STOPPED: "stop",
-    RequestStatus.FINISHED_LENGTH: "length",
-    RequestStatus.FINISHED_ABORTED: "abort",
-    RequestStatus.FINISHED_ERROR: "error",
+FINISH_REASONS: dict[SequenceStatus, str] = {
+    SequenceStatus.FINISHED_STOPPED: "stop",
+    SequenceStatus.FINISHED_LENGTH: "length",
+    SequenceStatus.FINISHED_ABORTED: "abort",
+    SequenceStatus.FINISHED_ERROR: "error",
 }
 
 
@@ -61,7 +61,7 @@ class Sequence:
     # count toward max_tokens and penalties, and sampling continues at index
     # len(output_token_ids).
     output_token_ids: list[int] = field(default_factory=list)
-    status: RequestStatus = RequestStatus.WAITING  # lifecycle state
+    status: SequenceStatus = SequenceStatus.WAITING  # lifecycle state
     num_computed_tokens: int = 0  # leading tokens whose KV is in the cache
     block_ids: list[int] = field(default_factory=list)  # KV block table, in order
     num_cached_tokens: int = 0  # prefix-cache hit tokens at the last admission
@@ -128,24 +128,24 @@ class Sequence:
                 f"{DEAD_END} after {self.num_output_tokens - 1} output tokens (it has no valid completion from there)"
             )
 
-    def stop_status(self) -> RequestStatus | None:
+    def stop_status(self) -> SequenceStatus | None:
         """Whether the token just appended ends the request, and how."""
         params = self.params
         token_id = self.output_token_ids[-1]
         if self.error is not None:
-            return RequestStatus.FINISHED_ERROR
+            return SequenceStatus.FINISHED_ERROR
         if self.grammar is not None and self.grammar.is_terminated:
-            return RequestStatus.FINISHED_STOPPED  # complete: EOS was the only token left to it
+            return SequenceStatus.FINISHED_STOPPED  # complete: EOS was the only token left to it
         # Like the sampler's mask: EOS and stop ids count only from output
         # index min_tokens on, so min_tokens ordinary tokens always come first.
         if self.num_output_tokens > params.min_tokens:
             is_eos = token_id == self.eos_token_id and not params.ignore_eos
             if is_eos or token_id in params.stop_token_ids:
-                return RequestStatus.FINISHED_STOPPED
+                return SequenceStatus.FINISHED_STOPPED
         if self.num_output_tokens >= params.max_tokens:
-            return RequestStatus.FINISHED_LENGTH
+            return SequenceStatus.FINISHED_LENGTH
         return None
 
-    def finish(self, status: RequestStatus) -> None:
+    def finish(self, status: SequenceStatus) -> None:
         self.status = status
         self.finish_reason = FINISH_REASONS[status]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from gateway.openai_echo import EchoedPrompt
 from gateway.openai_response import ResponseFormatter
-from gateway.request_runner import Completion
+from gateway.request_runner import CollectedOutput
 from gateway.request_stream import StreamChunk
 from shardline.proto import sampling_pb2
 
@@ -19,7 +19,7 @@ def _logprob(token_id: int, logprob: float, top: list[tuple[int, float]], rank: 
 def test_completion_top_logprobs_always_hold_the_sampled_token() -> None:
     # Token 11 was sampled although 20 was likelier; with logprobs=0 there are no alternatives at all.
     logprobs = [_logprob(10, -0.25, [(10, -0.25)]), _logprob(11, -3.0, [(20, -0.5)]), _logprob(12, -0.125, [])]
-    completion = Completion(
+    completion = CollectedOutput(
         text="Hello world", token_ids=[10, 11, 12], logprobs=logprobs, token_texts=TEXTS, finish_reason="length"
     )
     body = ResponseFormatter("cmpl-1", "m", chat=False).whole(completion)["choices"][0]["logprobs"]
@@ -47,7 +47,7 @@ PROMPT_LOGPROBS = [_logprob(11, -2.0, [(20, -0.5)], rank=2), _logprob(12, -1.0, 
 
 
 def test_echo_puts_the_prompt_and_its_logprobs_before_the_completion() -> None:
-    completion = Completion(
+    completion = CollectedOutput(
         text="X",
         token_ids=[20],
         logprobs=[_logprob(20, -0.5, [(20, -0.5)])],
@@ -64,17 +64,17 @@ def test_echo_puts_the_prompt_and_its_logprobs_before_the_completion() -> None:
         "text_offset": [0, 3, 5, 11],
     }
     # Without logprobs, only the text.
-    plain = Completion(text="X", token_ids=[20], token_texts=TEXTS, finish_reason="length")
+    plain = CollectedOutput(text="X", token_ids=[20], token_texts=TEXTS, finish_reason="length")
     choice = ResponseFormatter("cmpl-1", "m", chat=False, echo=ECHO).whole(plain)["choices"][0]
     assert choice["text"] == "Hello worldX" and choice["logprobs"] is None
     # prompt_logprobs without logprobs (vLLM's own field) puts nothing in the legacy object.
-    asked = Completion(
+    asked = CollectedOutput(
         text="X", token_ids=[20], token_texts=TEXTS, finish_reason="length", prompt_logprobs=PROMPT_LOGPROBS
     )
     choice = ResponseFormatter("cmpl-1", "m", chat=False, echo=ECHO, prompt_logprobs=True).whole(asked)["choices"][0]
     assert choice["text"] == "Hello worldX" and choice["logprobs"] is None and len(choice["prompt_logprobs"]) == 3
     # A one-token prompt has no prompt logprobs, but its token is still listed (with a null logprob).
-    one = Completion(
+    one = CollectedOutput(
         text="X", token_ids=[20], logprobs=[_logprob(20, -0.5, [])], token_texts=TEXTS, finish_reason="length"
     )
     choice = ResponseFormatter("cmpl-1", "m", chat=False, echo=EchoedPrompt("Hel", "Hel")).whole(one)["choices"][0]
@@ -94,7 +94,7 @@ def test_a_streamed_echo_is_the_first_event() -> None:
 def test_echo_with_max_tokens_0_is_the_prompt_alone() -> None:
     # The one token the engine sampled is left out: no text, no logprob; the limit ended the choice.
     only = EchoedPrompt(text="Hello world", first_token_text="Hel", only=True)
-    completion = Completion(
+    completion = CollectedOutput(
         text="X",
         token_ids=[20],
         logprobs=[_logprob(20, -0.5, [(20, -0.5)])],
@@ -117,7 +117,7 @@ def test_echo_with_max_tokens_0_is_the_prompt_alone() -> None:
 
 
 def test_prompt_logprobs_take_vllms_shape() -> None:
-    completion = Completion(
+    completion = CollectedOutput(
         text="X", token_ids=[20], token_texts=TEXTS, finish_reason="length", prompt_logprobs=PROMPT_LOGPROBS
     )
     want = [

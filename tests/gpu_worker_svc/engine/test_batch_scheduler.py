@@ -6,7 +6,7 @@ import pytest
 from gpu_worker_svc.engine.batch_scheduler import BatchScheduler, SchedulerConfig, SchedulerOutput, StepUpdate
 from gpu_worker_svc.engine.block_pool import BlockPool
 from gpu_worker_svc.engine.sampling_params import SamplingParams
-from gpu_worker_svc.engine.sequence import RequestStatus, Sequence
+from gpu_worker_svc.engine.sequence import Sequence, SequenceStatus
 from tests.gpu_worker_svc.engine.conftest import EOS
 
 
@@ -101,7 +101,7 @@ def test_preemption_victim_is_lowest_priority_then_newest(create_scheduler, crea
     out, _ = step(sched)
     assert out.preempted_ids == ["req1"]
     assert plan(out) == [("req0", 1, True), ("req2", 1, True)]
-    assert seqs[1].status == RequestStatus.PREEMPTED and seqs[1].block_ids == []
+    assert seqs[1].status == SequenceStatus.PREEMPTED and seqs[1].block_ids == []
     assert seqs[1].num_computed_tokens == 0 and seqs[1].output_token_ids == [500]
 
 
@@ -129,7 +129,7 @@ def test_preempting_an_already_scheduled_seq_unschedules_it(create_scheduler, cr
     assert out.preempted_ids == ["req0"]
     assert plan(out) == [("req1", 1, True)]
     assert out.num_batched_tokens == 1
-    assert low.status == RequestStatus.PREEMPTED
+    assert low.status == SequenceStatus.PREEMPTED
 
 
 def test_preempted_request_resumes_and_finishes(create_scheduler, create_requests):
@@ -177,7 +177,7 @@ def test_abort_frees_every_block(create_scheduler, create_requests, when):
         out = sched.schedule()
     aborted = sched.abort("req1")
     assert aborted is victim and victim.finish_reason == "abort"
-    assert victim.status == RequestStatus.FINISHED_ABORTED and victim.block_ids == []
+    assert victim.status == SequenceStatus.FINISHED_ABORTED and victim.block_ids == []
     assert sched.get("req1") is None and sched.abort("req1") is None
     if out is not None:
         sampled = [fake_token(s.seq) if s.needs_sample else None for s in out.scheduled]
@@ -212,7 +212,7 @@ def test_pressure_loop_every_request_finishes(create_scheduler, create_requests)
         preemptions += len(out.preempted_ids)
         for item in out.scheduled:
             assert len(item.seq.block_ids) * 4 >= item.seq.num_computed_tokens + item.num_new_tokens
-        held = sum(len(s.block_ids) for s in seqs if s.status == RequestStatus.RUNNING)
+        held = sum(len(s.block_ids) for s in seqs if s.status == SequenceStatus.RUNNING)
         assert sum(pool.ref_count(b) for b in range(pool.num_blocks)) == held
         sampled = [fake_token(s.seq) if s.needs_sample else None for s in out.scheduled]
         finished.extend(sched.update(out, sampled).finished)

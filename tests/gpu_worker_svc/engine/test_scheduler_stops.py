@@ -6,7 +6,7 @@ import pytest
 
 from gpu_worker_svc.engine.batch_scheduler import BatchScheduler
 from gpu_worker_svc.engine.sampling_params import SamplingParams
-from gpu_worker_svc.engine.sequence import RequestStatus, Sequence
+from gpu_worker_svc.engine.sequence import Sequence, SequenceStatus
 
 EOS = 2
 
@@ -38,7 +38,7 @@ def test_max_tokens_finishes_with_length(create_scheduler):
     seq = make_seq(max_tokens=3)
     assert generate(create_scheduler(), seq, lambda i: 50 + i) == [seq]
     assert seq.output_token_ids == [50, 51, 52]
-    assert seq.status == RequestStatus.FINISHED_LENGTH and seq.finish_reason == "length"
+    assert seq.status == SequenceStatus.FINISHED_LENGTH and seq.finish_reason == "length"
 
 
 def test_eos_stops_and_is_kept_in_output(create_scheduler):
@@ -46,7 +46,7 @@ def test_eos_stops_and_is_kept_in_output(create_scheduler):
     sched = create_scheduler()
     generate(sched, seq, lambda i: EOS if i == 2 else 50 + i)
     assert seq.output_token_ids == [50, 51, EOS]
-    assert seq.status == RequestStatus.FINISHED_STOPPED and seq.finish_reason == "stop"
+    assert seq.status == SequenceStatus.FINISHED_STOPPED and seq.finish_reason == "stop"
     assert sched.get("r") is None
     assert sched.block_pool.num_free_blocks == sched.block_pool.num_blocks
 
