@@ -203,8 +203,8 @@ class StreamHub:
             first = delta.offset == 0 and not skip and bool(delta.token_ids)
             prompt_logprobs = list(delta.prompt_logprobs) if first else []
             if first and stream.wants_prompt_logprobs and len(prompt_logprobs) != stream.prompt_tokens - 1:
-                # Its first token came from a Redis record without them (the scheduler keeps them
-                # since 2026-11-30, an older one did not): an error the client can retry, not a short answer.
+                # Its first token came from a Redis record without them (one written by a scheduler
+                # that did not keep them): an error the client can retry, not a short answer.
                 self._finish(
                     stream,
                     StreamChunk(

@@ -25,7 +25,7 @@ from prometheus_client import (
 MODEL_LABEL = "gen_ai_request_model"
 
 # Bucket boundaries are the GenAI conventions' advice, except time per output
-# token, which starts lower: a small model decodes a token in about 2 ms here,
+# token, which starts lower: a small model decodes a token in about 2 ms on a GPU,
 # and the advised first bucket (10 ms) would hold every sample.
 TIME_TO_FIRST_TOKEN = Histogram(
     "gen_ai_server_time_to_first_token_seconds",
