@@ -35,6 +35,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from shardline.errors import Unavailable
 from shardline.request_record import FinishReason, RequestRecord, RequestStatus, decode_record, encode_record
+from shardline.request_scripts import APPEND_STEP_LUA, CREATE_LUA, SET_LIST_ONCE_LUA, UPDATE_LIVE_LUA
 
 PREFIX = "shardline:"
 ACTIVE_KEY = PREFIX + "active"
@@ -100,81 +101,10 @@ def _prompt_logprobs_key(request_id: str) -> str:
     return f"{PREFIX}req:{request_id}:prompt_logprobs"
 
 
-# KEYS: hash, prompt, active, recent. ARGV: id, arrival_ts, trim_before, prompt, field, value, ...
-# One script so a duplicate id is refused atomically instead of overwriting a live request.
-_CREATE_LUA = """
-if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
-redis.call('HSET', KEYS[1], unpack(ARGV, 5))
-redis.call('SET', KEYS[2], ARGV[4])
-redis.call('SADD', KEYS[3], ARGV[1])
-redis.call('ZADD', KEYS[4], ARGV[2], ARGV[1])
-redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', '(' .. ARGV[3])
-return 1
-"""
-
-# KEYS: hash, prompt, tokens, logprobs, prompt logprobs, active. ARGV: id, retention_ms (0 unless
-# finishing), field, value, ...
-# Only a live request changes: a missing hash (unknown, or expired) is not
-# resurrected as a fragment, and a terminal status is final, so a cancel that
-# races a normal finish cannot overwrite it.
-_UPDATE_LIVE_LUA = """
-if redis.call('EXISTS', KEYS[1]) == 0 or redis.call('HEXISTS', KEYS[1], 'finish_ts') == 1 then
-  return 0
-end
--- ARGV: request id, retention ms, n, then field/value pairs: the last n are set only if absent.
-local last_set = #ARGV - 2 * tonumber(ARGV[3])
-if last_set > 3 then redis.call('HSET', KEYS[1], unpack(ARGV, 4, last_set)) end
-for i = last_set + 1, #ARGV, 2 do redis.call('HSETNX', KEYS[1], ARGV[i], ARGV[i + 1]) end
-local retention_ms = tonumber(ARGV[2])
-if retention_ms > 0 then
-  redis.call('SREM', KEYS[6], ARGV[1])
-  for i = 1, 5 do redis.call('PEXPIRE', KEYS[i], retention_ms) end
-end
-return 1
-"""
-
-
-# KEYS: per request, its tokens key then its logprobs key. ARGV: per request, the offset of its first
-# new token, the new tokens packed, and how many serialized logprobs follow, then those.
-# Appends by offset, so a step written again (a retry after a lost reply) never duplicates: whatever
-# Redis already holds from that offset on is skipped. A gap is refused before anything is written,
-# since appending after it would pair every later token with the wrong index.
-_APPEND_STEP_LUA = """
-local requests, a = {}, 1
-for i = 1, #KEYS, 2 do
-  local offset, data, n = tonumber(ARGV[a]), ARGV[a + 1], tonumber(ARGV[a + 2])
-  local have = redis.call('STRLEN', KEYS[i]) / 4
-  if have < offset then
-    return redis.error_reply('GAP ' .. KEYS[i] .. ' holds ' .. have .. ' tokens, the step starts at ' .. offset)
-  end
-  requests[#requests + 1] = {i, offset, data, n, a + 3, have}
-  a = a + 3 + n
-end
-for _, r in ipairs(requests) do
-  local i, offset, data, n, first, have = r[1], r[2], r[3], r[4], r[5], r[6]
-  local skip = have - offset
-  if skip * 4 < #data then redis.call('APPEND', KEYS[i], string.sub(data, skip * 4 + 1)) end
-  if n > 0 then
-    local held = redis.call('LLEN', KEYS[i + 1]) - offset
-    for j = first + math.max(held, 0), first + n - 1 do redis.call('RPUSH', KEYS[i + 1], ARGV[j]) end
-  end
-end
-return #requests
-"""
-
-
-# KEYS: a list. ARGV: its items. Sets the list unless it already exists.
-_SET_LIST_ONCE_LUA = """
-if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
-for i = 1, #ARGV, 1000 do redis.call('RPUSH', KEYS[1], unpack(ARGV, i, math.min(i + 999, #ARGV))) end
-return 1
-"""
-
-
 def _update_args(
     request_id: str, retention_ms: int, fields: dict[str, Any], once: dict[str, Any] | None = None
 ) -> tuple[list[str], list[Any]]:
-    """KEYS and ARGV of _UPDATE_LIVE_LUA: `fields` are set, `once` only where absent."""
+    """KEYS and ARGV of UPDATE_LIVE_LUA: `fields` are set, `once` only where absent."""
     once = once or {}
     keys = [
         _hash_key(request_id),
@@ -191,10 +121,10 @@ def _update_args(
 def _queue_update(
     pipe: Any, request_id: str, retention_ms: int, fields: dict[str, Any], once: dict[str, Any] | None = None
 ) -> None:
-    """Queues _UPDATE_LIVE_LUA on a pipeline. EVAL with the script's text, not a registered Script:
+    """Queues UPDATE_LIVE_LUA on a pipeline. EVAL with the script's text, not a registered Script:
     on a pipeline, redis-py checks registered scripts with an extra SCRIPT EXISTS round trip."""
     keys, args = _update_args(request_id, retention_ms, fields, once)
-    pipe.eval(_UPDATE_LIVE_LUA, len(keys), *keys, *args)
+    pipe.eval(UPDATE_LIVE_LUA, len(keys), *keys, *args)
 
 
 class RequestStore:
@@ -215,8 +145,8 @@ class RequestStore:
             socket_connect_timeout=CONNECT_TIMEOUT_S,
             retry=Retry(ExponentialBackoff(cap=0.2, base=0.02), 2),
         )
-        self._create_script = self._redis.register_script(_CREATE_LUA)
-        self._update_script = self._redis.register_script(_UPDATE_LIVE_LUA)
+        self._create_script = self._redis.register_script(CREATE_LUA)
+        self._update_script = self._redis.register_script(UPDATE_LIVE_LUA)
 
     @_unavailable_when_down
     async def ping(self) -> None:
@@ -283,14 +213,14 @@ class RequestStore:
         with_prompt_logprobs = any((prompt_logprobs or {}).values())
         pipe = self._redis.pipeline(transaction=bool(finishes) or with_prompt_logprobs)
         if keys:
-            pipe.eval(_APPEND_STEP_LUA, len(keys), *keys, *args)
+            pipe.eval(APPEND_STEP_LUA, len(keys), *keys, *args)
         for request_id, ts in (first_token_ts or {}).items():
             pipe.hset(_hash_key(request_id), "first_token_ts", ts)
         for request_id, count in (cached_tokens or {}).items():
             pipe.hset(_hash_key(request_id), "cached_tokens", count)
         for request_id, items in (prompt_logprobs or {}).items():
             if items:  # written whole, and only once: a retry finds them there
-                pipe.eval(_SET_LIST_ONCE_LUA, 1, _prompt_logprobs_key(request_id), *items)
+                pipe.eval(SET_LIST_ONCE_LUA, 1, _prompt_logprobs_key(request_id), *items)
         appends = len(pipe)
         self._queue_finishes(pipe, finishes)
         if not len(pipe):
