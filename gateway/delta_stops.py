@@ -66,3 +66,14 @@ def unarmed_tokens(w: DeltaWork) -> int:
     """How many of a work's new tokens come before its request's min_tokens-th, where stop strings
     cannot end it yet (vLLM checks them once the output has min_tokens tokens)."""
     return min(max(0, w.stream.min_tokens - 1 - w.offset), len(w.new)) if w.stream.stop.holds_text else 0
+
+
+def stopped_by_token(w: DeltaWork) -> bool:
+    """The delta ends its request on one of its stop tokens: EOS or a stop token id (a complete
+    structured output ends on EOS too)."""
+    return (
+        w.final
+        and w.delta.finish_reason == sampling_pb2.FINISH_REASON_STOP
+        and bool(w.new)
+        and w.new[-1] in w.stream.stop_token_ids
+    )

@@ -62,6 +62,16 @@ class StreamTiming:
     detokenize_start_ns: int = 0  # wall clock at the start of the first of those calls
     detokenize_end_ns: int = 0  # wall clock at the end of the latest one
 
+    def record(self, has_tokens: bool, now: float, start_ns: int, end_ns: int) -> None:
+        """One batched Detokenize call that carried this request's output (tokens, or only its end)."""
+        if has_tokens:
+            self.first_token_s = self.first_token_s or now
+            self.last_token_s = now
+        if self.detokenize_calls == 0:
+            self.detokenize_start_ns = start_ns
+        self.detokenize_calls += 1
+        self.detokenize_end_ns = end_ns
+
 
 @dataclass(slots=True)
 class RequestStream:

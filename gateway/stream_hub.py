@@ -19,10 +19,11 @@ from typing import Any
 
 import grpc
 
-from gateway.backends import RPC_TIMEOUT_S, Backends, upstream
-from gateway.delta_stops import DeltaWork, Overshot, match_stops, unarmed_tokens
+from gateway.backends import RPC_TIMEOUT_S, Backends
+from gateway.delta_stops import DeltaWork, Overshot, match_stops, stopped_by_token, unarmed_tokens
+from gateway.detokenize_retry import detokenize_retried
 from gateway.record_delta import record_delta
-from gateway.request_stream import TOKENIZER_DOWN, RequestStream, StreamChunk, StreamTiming
+from gateway.request_stream import TOKENIZER_DOWN, RequestStream, StreamChunk
 from gateway.resume_state import restore_held_back, tail
 from gateway.stop_search import StopSearch, find_stop_tokens
 from shardline.errors import FailedPrecondition, ShardlineError, Unavailable
@@ -38,8 +39,6 @@ FINISH_REASONS = {
 }
 _FIRST_BACKOFF_S = 0.05
 _MAX_BACKOFF_S = 2.0
-# How long a Detokenize is retried while the tokenizer is unreachable before its streams fail.
-TOKENIZER_OUTAGE_S = 30.0
 
 
 class StreamHub:
@@ -232,7 +231,7 @@ class StreamHub:
     async def _detokenize(self, work: list[DeltaWork]) -> None:
         # The token that stopped a request (EOS, a stop token id) is output but not text, as in vLLM:
         # it would show with skip_special_tokens off, or when it is an ordinary token.
-        spoken = [w.new[:-1] if _stopped_by_token(w) else w.new for w in work]
+        spoken = [w.new[:-1] if stopped_by_token(w) else w.new for w in work]
         items = [
             tokenizer_pb2.DetokenizeItem(
                 prefix_token_ids=w.stream.prefix,
@@ -259,7 +258,7 @@ class StreamHub:
             )
         start_ns = time.time_ns()
         try:
-            tokenizer, reply = await self._detokenize_call(tokenizer_pb2.DetokenizeRequest(items=items))
+            tokenizer, reply = await detokenize_retried(self._backends, tokenizer_pb2.DetokenizeRequest(items=items))
         except ShardlineError as exc:
             logger.error("detokenize failed for %d requests: %s", len(work), exc)
             for w in work:
@@ -295,7 +294,7 @@ class StreamHub:
             stream.next_offset = w.offset + len(w.new)
             if w.delta.HasField("usage"):  # the first delta's says what the prefix cache served
                 stream.cached_tokens = w.delta.usage.cached_tokens
-            _record_timing(stream.timing, bool(w.new), now, start_ns, end_ns)
+            stream.timing.record(bool(w.new), now, start_ns, end_ns)
             held = stream.stop.held
             text, end = match_stops(w, result.text, reply.results[splits[i]].text if i in splits else None)
             chunk = StreamChunk(text, w.new, w.offset, w.logprobs, prompt_logprobs=w.prompt_logprobs)
@@ -324,30 +323,6 @@ class StreamHub:
                 stream.queue.put_nowait(chunk)
         if overshot:
             await self._cut_after_stops(overshot)
-
-    async def _detokenize_call(
-        self, request: tokenizer_pb2.DetokenizeRequest
-    ) -> tuple[tokenizer_pb2.TokenizerInfo, tokenizer_pb2.DetokenizeReply]:
-        """Detokenize, retried while the tokenizer is unreachable: `shardline up` or compose restarts a
-        dead one in seconds, and failing every live stream for that would be worse than a pause (the
-        stateless call is safe to repeat). Raises Unavailable once TOKENIZER_OUTAGE_S has passed."""
-        deadline = time.monotonic() + TOKENIZER_OUTAGE_S
-        backoff = _FIRST_BACKOFF_S
-        while True:
-            try:
-                tokenizer = await self._backends.tokenizer_info()
-                with upstream("tokenizer"):
-                    # wait_for_ready: a call made while the channel reconnects waits for it, not fails.
-                    reply = await self._backends.tokenizer.Detokenize(
-                        request, timeout=max(0.1, deadline - time.monotonic()), wait_for_ready=True
-                    )
-                return tokenizer, reply
-            except Unavailable as exc:
-                if time.monotonic() + backoff >= deadline:
-                    raise
-                logger.warning("detokenize failed (%s); retrying in %.2f s", exc, backoff)
-            await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, _MAX_BACKOFF_S)
 
     async def _cut_after_stops(self, overshot: list[Overshot]) -> None:
         """Ends requests whose stop string completed inside a delta of several tokens, keeping the
@@ -420,24 +395,3 @@ def _named_tokens(*logprob_lists: list[sampling_pb2.TokenLogprob]) -> list[int]:
     return [
         t for logprobs in logprob_lists for lp in logprobs for t in (lp.token_id, *(alt.token_id for alt in lp.top))
     ]
-
-
-def _record_timing(timing: StreamTiming, has_tokens: bool, now: float, start_ns: int, end_ns: int) -> None:
-    if has_tokens:
-        timing.first_token_s = timing.first_token_s or now
-        timing.last_token_s = now
-    if timing.detokenize_calls == 0:
-        timing.detokenize_start_ns = start_ns
-    timing.detokenize_calls += 1
-    timing.detokenize_end_ns = end_ns
-
-
-def _stopped_by_token(w: DeltaWork) -> bool:
-    """The delta ends its request on one of its stop tokens: EOS or a stop token id (a complete
-    structured output ends on EOS too)."""
-    return (
-        w.final
-        and w.delta.finish_reason == sampling_pb2.FINISH_REASON_STOP
-        and bool(w.new)
-        and w.new[-1] in w.stream.stop_token_ids
-    )

@@ -11,7 +11,7 @@ import grpc
 import openai
 from opentelemetry import trace
 
-from gateway import stream_hub
+from gateway import detokenize_retry
 from gateway.request_stream import RequestStream
 from gateway.stop_matcher import StopMatcher
 from shardline.ports import free_port
@@ -360,7 +360,7 @@ def test_a_tokenizer_that_stays_down_fails_streams_as_unavailable_and_the_reques
 ) -> None:
     """Past the outage window the client gets UNAVAILABLE with the offset to resume at, not INTERNAL,
     and the request is not cancelled: it finishes and is recorded, for a Resume once the tokenizer is back."""
-    monkeypatch.setattr(stream_hub, "TOKENIZER_OUTAGE_S", 1.0)
+    monkeypatch.setattr(detokenize_retry, "TOKENIZER_OUTAGE_S", 1.0)
     port, process = _start_own_tokenizer()
 
     async def body(stack: Stack) -> None:
