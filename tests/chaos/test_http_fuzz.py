@@ -379,8 +379,15 @@ def test_thousands_of_bad_requests_get_no_5xx_and_no_hang(tokenizer_address, cap
     assert health == 200
     assert statuses[200] > 100 and statuses[400] > 1000  # the pool reaches both valid and refused requests
     # No traceback either, but aiohttp's own: it logs every request it cannot parse (a Content-Encoding
-    # it has no decoder for) at ERROR, as it answers it a 400.
-    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR and not _unparsable(r)]
+    # it has no decoder for) at ERROR, as it answers it a 400. Only the gateway's and aiohttp's own
+    # records count: an earlier test's HTTP client, collected meanwhile, may log through asyncio.
+    errors = [
+        r.getMessage()
+        for r in caplog.records
+        if r.levelno >= logging.ERROR
+        and not _unparsable(r)
+        and r.name.split(".")[0] in ("gateway", "aiohttp", "shardline", "grpc")
+    ]
     assert not errors, errors[:5]
 
 
