@@ -13,7 +13,10 @@ from typing import Any
 
 import torch
 
-from gpu_worker_svc.model.layers.invariant_attention import TILE
+# Keys per tile of batch-invariant attention (layers/invariant_attention.py), which sums tile by
+# tile: its contexts are padded to a multiple of it (and so to 12 keys or more, for its bmm).
+# The layout is decided here, so the layers depend on this module and not the other way round.
+TILE = 64
 
 
 @dataclass(slots=True)

@@ -29,7 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
-TILE = 64  # keys per tile; contexts are padded to a multiple of it (and so to 12 keys or more, for the bmm)
+from gpu_worker_svc.model.attention_metadata import TILE
+
 # Queries per piece of a long prefill chunk: bounds its score matrix, and each piece reads only the
 # keys up to its own last query's (about half the work of the whole square, as a causal kernel does).
 QUERY_PIECE = 256
