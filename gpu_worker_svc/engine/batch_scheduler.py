@@ -109,31 +109,21 @@ class BatchScheduler:
     def get(self, request_id: str) -> Sequence | None:
         return self._requests.get(request_id)
 
+    @property
+    def longest_sequence(self) -> int:
+        """The most tokens, prompt and output, a sequence can have and still run to completion: the
+        KV cache's, and without chunked prefill one step's budget (a preempted sequence is then
+        recomputed in a single prefill)."""
+        longest = self.block_pool.num_blocks * self.block_size
+        if not self.config.enable_chunked_prefill:
+            longest = min(longest, self.config.max_num_batched_tokens)
+        return longest
+
     def add(self, seq: Sequence) -> None:
-        """Queue a sequence; ValueError if it could never run to completion."""
-        seq.params.validate()
-        if not seq.prompt_token_ids:
-            raise ValueError("prompt_token_ids must not be empty")
-        if seq.request_id in self._requests:
-            raise ValueError(f"request_id {seq.request_id!r} is already scheduled")
-        if seq.num_output_tokens >= seq.params.max_tokens:
-            raise ValueError(
-                f"max_tokens={seq.params.max_tokens} leaves nothing to generate after "
-                f"{seq.num_output_tokens} resumed output tokens"
-            )
-        max_len = seq.num_prompt_tokens + seq.params.max_tokens
-        pool = self.block_pool
-        if _cdiv(max_len, self.block_size) > pool.num_blocks:
-            raise ValueError(
-                f"max_tokens: prompt + max_tokens = {max_len} tokens can never fit in "
-                f"the KV cache ({pool.num_blocks} blocks of {self.block_size})"
-            )
-        if not self.config.enable_chunked_prefill and max_len > self.config.max_num_batched_tokens:
-            raise ValueError(
-                f"max_tokens: prompt + max_tokens = {max_len} tokens exceed "
-                f"max_num_batched_tokens={self.config.max_num_batched_tokens} "
-                "without chunked prefill"
-            )
+        """Queue a sequence, checked at the engine's edge: one it could never run is a caller's bug."""
+        assert seq.prompt_token_ids and seq.request_id not in self._requests, seq.request_id
+        assert seq.num_output_tokens < seq.params.max_tokens, seq.request_id
+        assert seq.num_prompt_tokens + seq.params.max_tokens <= self.longest_sequence, seq.request_id
         if seq.params.seed is None:
             # Fixed here so that every later sample, and a recompute after
             # preemption, draws from the same per-(seed, index) stream.

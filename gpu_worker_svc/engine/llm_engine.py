@@ -50,10 +50,9 @@ class LLMEngine:
         self.scheduler = BatchScheduler(self.config.scheduler, self.block_pool)
         self.sampler = Sampler()
         self.eos_token_id = self.model_config.eos_token_ids[0] if self.model_config.eos_token_ids else None
-        # The longest sequence it can hold: the rotary table, and the KV cache.
+        # The longest sequence it can hold: the rotary table, and what the batch scheduler can run.
         self.max_model_len = min(
-            rotary_positions(self.model_config, self.config.runner.max_model_len),
-            self.runner.num_blocks * self.runner.block_size,
+            rotary_positions(self.model_config, self.config.runner.max_model_len), self.scheduler.longest_sequence
         )
         self._aborted: list[RequestOutput] = []
         self._step = 0
@@ -114,34 +113,17 @@ class LLMEngine:
         `compiled_grammar`: grammar_backend().compile(params.structured_output), done beforehand
         (a worker compiles off its step thread); None compiles here, or takes it from the cache.
 
-        ValueError, naming the argument, when it cannot run here: nothing else in the batch is hurt.
-        With `eos_token_id` None the model's EOS ends it, and its other EOS ids (Llama 3's
-        <|eot_id|>) stop it like stop tokens, unless params.ignore_eos.
+        The caller checked the request (`gpu_worker_svc/server/request_params.py: check_request`):
+        its values, its token ids and its length. Only its structured output raises ValueError
+        here, when it does not compile or does not accept `output_token_ids`; nothing else in the
+        batch is hurt. With `eos_token_id` None the model's EOS ends it, and its other EOS ids
+        (Llama 3's <|eot_id|>) stop it like stop tokens, unless params.ignore_eos.
         """
-        # Validation and the seed (fixed at admission, so a resume samples the same tokens) are the
-        # BatchScheduler's, on a copy: the caller's params may serve other requests.
+        # The seed (fixed at admission, so a resume samples the same tokens) is the BatchScheduler's,
+        # on a copy: the caller's params may serve other requests.
         params = dataclasses.replace(params or SamplingParams())
-        params.validate()
         output_token_ids = list(output_token_ids or [])
-        vocab = self.model_config.vocab_size
-        for name, ids in (
-            ("prompt_token_ids", prompt_token_ids),
-            ("output_token_ids", output_token_ids),
-            ("logit_bias", list(params.logit_bias)),
-        ):
-            if ids and (max(ids) >= vocab or min(ids) < 0):
-                raise ValueError(f"{name} must be in [0, {vocab})")
-        room = self.max_model_len - len(prompt_token_ids)
-        if room < 1 or room <= len(output_token_ids):
-            raise ValueError(
-                f"prompt_token_ids: {len(prompt_token_ids)} tokens (and {len(output_token_ids)} "
-                f"output_token_ids) leave no room in the context length of {self.max_model_len}"
-            )
-        if params.max_tokens > room:
-            raise ValueError(
-                f"max_tokens: a prompt of {len(prompt_token_ids)} tokens + max_tokens={params.max_tokens} "
-                f"exceeds the context length of {self.max_model_len}"
-            )
+        assert len(prompt_token_ids) + params.max_tokens <= self.max_model_len, "unchecked request"
         if eos_token_id is None and not params.ignore_eos:
             params.stop_token_ids = [
                 *params.stop_token_ids,

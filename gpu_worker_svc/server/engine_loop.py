@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from gpu_worker_svc.engine.llm_engine import LLMEngine
 from gpu_worker_svc.engine.model_runner import EngineDeadError
 from gpu_worker_svc.server.grammar_gate import GrammarGate
-from gpu_worker_svc.server.request_params import engine_request
+from gpu_worker_svc.server.request_params import EngineLimits, engine_request
 from gpu_worker_svc.server.step_message import abort_delta, error_delta, request_delta, step_stats
 from gpu_worker_svc.server.telemetry import StepTelemetry
 from shardline.proto import common_pb2, worker_pb2
@@ -148,14 +148,13 @@ class EngineLoop:
         self,
         engine: LLMEngine,
         telemetry: StepTelemetry,
-        max_model_len: int,
         on_fatal: Callable[[BaseException], None],
         admission_gap_s: float = 0.0,
     ) -> None:
         self._engine = engine
         self._admission_gap_s = admission_gap_s
         self._telemetry = telemetry
-        self._max_model_len = max_model_len
+        self._limits = EngineLimits.of(engine)
         self._on_fatal = on_fatal
         self._inbox = Inbox()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
@@ -262,7 +261,7 @@ class EngineLoop:
                 self._refresh_load()  # an idle engine may not step for seconds: show it waiting now
                 return
         try:
-            req = engine_request(new, self._max_model_len)
+            req = engine_request(new, self._limits)
             self._engine.add_request(
                 new.request_id,
                 list(new.prompt_token_ids),

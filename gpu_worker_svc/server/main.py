@@ -161,7 +161,6 @@ def engine_loop_for(
     return EngineLoop(
         engine,
         StepTelemetry(tracing.tracer, cost, model, tracing.enabled),
-        engine.max_model_len,
         on_fatal,
         s.resolved_admission_gap_s,
     )

@@ -7,6 +7,7 @@ from collections.abc import Iterator
 
 from gpu_worker_svc.engine.sampling_params import SamplingParams
 from gpu_worker_svc.server.main import build_engine
+from gpu_worker_svc.server.request_params import EngineLimits, check_request
 from gpu_worker_svc.server.settings import WorkerSettings
 from shardline.model_path import resolve_model_path
 from shardline.text.chat_template import ChatTemplate
@@ -44,6 +45,7 @@ class LocalGenerator:
         sp = SamplingParams(**{k: v for k, v in params.items() if v is not None})
         sp.stop_token_ids = sorted(set(sp.stop_token_ids) | set(eos[1:]))
         rid = f"local-{uuid.uuid4().hex[:8]}"
+        check_request(ids, sp, EngineLimits.of(self.engine))  # the worker's edge: the engine trusts it
         self.engine.add_request(rid, ids, sp, eos_token_id=eos[0] if eos else None)
         detok = IncrementalDetokenizer(self.tokenizer)
         while self.engine.has_unfinished:

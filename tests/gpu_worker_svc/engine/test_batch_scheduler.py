@@ -224,24 +224,12 @@ def test_pressure_loop_every_request_finishes(create_scheduler, create_requests)
     assert pool.num_free_blocks == pool.num_blocks and pool.num_used_blocks == 0
 
 
-def test_add_rejects_requests_that_can_never_run(create_scheduler, create_requests):
-    sched = create_scheduler(num_blocks=4, max_num_batched_tokens=16)
-    empty, too_long, fine = create_requests(3, num_tokens=8, max_tokens=8)
-    empty.prompt_token_ids = []
-    with pytest.raises(ValueError, match="prompt_token_ids"):
-        sched.add(empty)
-    too_long.params.max_tokens = 9  # 17 tokens need 5 blocks of 4
-    with pytest.raises(ValueError, match="max_tokens"):
-        sched.add(too_long)
-    sched.add(fine)
-    with pytest.raises(ValueError, match="already"):
-        sched.add(fine)
-    fine.params.top_p = 2.0
-    with pytest.raises(ValueError, match="^top_p"):
-        create_scheduler().add(fine)
-    no_chunking = create_scheduler(max_num_batched_tokens=16, enable_chunked_prefill=False)
-    with pytest.raises(ValueError, match="max_num_batched_tokens"):
-        no_chunking.add(create_requests(1, num_tokens=10, max_tokens=7)[0])
+def test_the_longest_sequence_is_the_kv_caches_or_without_chunking_a_steps_budget(create_scheduler):
+    # The engine's context (LLMEngine.max_model_len), which the worker's edge checks requests against.
+    assert create_scheduler(num_blocks=4, max_num_batched_tokens=16).longest_sequence == 16  # 4 blocks of 4
+    # Without chunked prefill a preempted sequence is recomputed in one prefill: it must fit a step.
+    assert create_scheduler(max_num_batched_tokens=16, enable_chunked_prefill=False).longest_sequence == 16
+    assert create_scheduler(num_blocks=2, max_num_batched_tokens=16, enable_chunked_prefill=False).longest_sequence == 8
 
 
 def test_add_fixes_a_seed(create_scheduler, create_requests):

@@ -104,11 +104,6 @@ def test_prefilled_output_counts_toward_min_tokens(create_scheduler):
     assert seq.output_token_ids == [40, 41, EOS, EOS] and seq.finish_reason == "stop"
 
 
-def test_add_rejects_output_already_at_max_tokens(create_scheduler):
-    with pytest.raises(ValueError, match="max_tokens"):
-        create_scheduler().add(make_seq(output=[1, 2], max_tokens=2))
-
-
 def test_update_requires_a_token_where_one_is_sampled(create_scheduler):
     sched = create_scheduler()
     seq = make_seq()

@@ -157,6 +157,7 @@ def test_new_session_replaces_the_previous_one(worker):
 
 
 def test_bad_params_finish_with_an_error_delta(worker):
+    context = worker[1].max_model_len  # what its KV cache holds
     session = SessionClient(worker[1].address)
     try:
         session.send(
@@ -165,10 +166,16 @@ def test_bad_params_finish_with_an_error_delta(worker):
                 new_request("bad-prompt", [], 4),
                 new_request("bad-token", [1, 10**6], 4),
                 new_request("bad-logprobs", [1, 2], 4, top_logprobs=2),
+                new_request("too-long", [5] * context, 4),
+                new_request("too-long-output", [5] * (context - 10), 20),
                 new_request("fine", [1, 2, 3], 2, logprobs=True, top_logprobs=2),
+                new_request("twice", [1, 2, 3], 2),
+                new_request("twice", [1, 2, 3], 2),  # a duplicate add is ignored: the first one runs
             ]
         )
-        steps = session.until_finished({"bad-top-p", "bad-prompt", "bad-token", "bad-logprobs", "fine"})
+        steps = session.until_finished(
+            {"bad-top-p", "bad-prompt", "bad-token", "bad-logprobs", "too-long", "too-long-output", "fine", "twice"}
+        )
     finally:
         session.close()
     finals = final_deltas(steps)
@@ -177,10 +184,13 @@ def test_bad_params_finish_with_an_error_delta(worker):
         ("bad-prompt", "prompt_token_ids"),
         ("bad-token", "prompt_token_ids"),
         ("bad-logprobs", "top_logprobs"),
+        ("too-long", "prompt_token_ids"),
+        ("too-long-output", "max_tokens"),
     ]:
         assert finals[rid].finish_reason == sampling_pb2.FINISH_REASON_ERROR
         assert field in finals[rid].error and not finals[rid].token_ids
     assert finals["fine"].finish_reason == sampling_pb2.FINISH_REASON_LENGTH
+    assert [d.offset for s in steps for d in s.deltas if d.request_id == "twice"] == [0, 1]
     fine = [d for s in steps for d in s.deltas if d.request_id == "fine"]
     assert all(
         len(d.logprobs) == 1 and len(d.logprobs[0].top) == 2 and d.logprobs[0].token_id == d.token_ids[0] for d in fine
