@@ -37,11 +37,9 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     ) -> scheduler_pb2.SubmitResponse:
         require_id(request.request_id, "request_id")
         require_id(request.gateway_id, "gateway_id")
-        if not request.prompt_token_ids:
-            raise InvalidArgument("prompt_token_ids", "must not be empty")
         params = request.params
-        if params.HasField("max_tokens") and params.max_tokens == 0:
-            raise InvalidArgument("params.max_tokens", "must be at least 1")
+        # Only gateways submit, and they check the values (docs/architecture.md, "Where each check
+        # lives"). What the scheduler alone can tell is whether any worker it routes to can hold it.
         longest = self._dispatcher.registry.longest_sequence(request.model)
         if longest is not None:
             # Refused here, with the field at fault, rather than failed by the worker it reaches.

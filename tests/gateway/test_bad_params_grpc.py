@@ -34,6 +34,8 @@ def test_invalid_arguments_over_grpc(tokenizer_address, text_ids) -> None:
         ),
         (generation_pb2.GenerateRequest(), "input"),
         (generation_pb2.GenerateRequest(prompt=""), "prompt"),
+        # The scheduler, which only gateways reach, leaves an empty prompt to them.
+        (generation_pb2.GenerateRequest(prompt_token_ids={"ids": []}), "prompt_token_ids"),
         (generation_pb2.GenerateRequest(prompt="hi", request_id="has space"), "request_id"),
         # Accepted here once, then refused by the scheduler with its own rule: now one rule for both.
         (generation_pb2.GenerateRequest(prompt="hi", request_id="café-1"), "request_id"),
