@@ -56,7 +56,7 @@ class StoreUnavailable(Unavailable):
     that failed so may or may not have landed."""
 
 
-def _unavailable_when_down(method: Callable[P, Awaitable[T]]) -> Callable[P, Awaitable[T]]:
+def unavailable_when_down(method: Callable[P, Awaitable[T]]) -> Callable[P, Awaitable[T]]:
     """Turns redis-py's connection errors into StoreUnavailable, so every caller (and every rpc
     that reads or writes requests) answers UNAVAILABLE rather than INTERNAL while Redis is down."""
 
@@ -148,7 +148,7 @@ class RequestStore:
         self._create_script = self._redis.register_script(CREATE_LUA)
         self._update_script = self._redis.register_script(UPDATE_LIVE_LUA)
 
-    @_unavailable_when_down
+    @unavailable_when_down
     async def ping(self) -> None:
         """Returns once Redis answers; StoreUnavailable when it does not."""
         await self._redis.ping()
@@ -163,7 +163,7 @@ class RequestStore:
     async def __aexit__(self, *exc_info: object) -> None:
         await self.close()
 
-    @_unavailable_when_down
+    @unavailable_when_down
     async def create(self, record: RequestRecord, prompt_ids: Sequence[int]) -> bool:
         """Persists a new request and marks it active; False if the id already exists.
 
@@ -178,7 +178,7 @@ class RequestStore:
         args = [request_id, record.arrival_ts, trim_before, prompt, *encode_record(record, len(prompt_ids))]
         return bool(await self._create_script(keys=keys, args=args))
 
-    @_unavailable_when_down
+    @unavailable_when_down
     async def append_step(
         self,
         deltas: dict[str, tuple[int, list[int]]],
@@ -231,19 +231,19 @@ class RequestStore:
         keys, args = _update_args(request_id, retention_ms, fields)
         return bool(await self._update_script(keys=keys, args=args))
 
-    @_unavailable_when_down
+    @unavailable_when_down
     async def set_status(self, request_id: str, status: RequestStatus) -> bool:
         """Sets a non-terminal status (QUEUED again after a worker failure, say); False if not live."""
         if status.is_finished:
             raise ValueError(f"{status.name} is terminal: use finish()")
         return await self._update_live(request_id, 0, {"status": status.name})
 
-    @_unavailable_when_down
+    @unavailable_when_down
     async def mark_dispatched(self, request_id: str, worker_id: str, attempt: int) -> bool:
         """Records a dispatch (RUNNING on `worker_id`, attempt; the time of the first); False if not live."""
         return (await self.mark_dispatched_many([(request_id, worker_id, attempt)]))[0]
 
-    @_unavailable_when_down
+    @unavailable_when_down
     async def mark_dispatched_many(self, dispatches: Sequence[tuple[str, str, int]]) -> list[bool]:
         """mark_dispatched for many (request_id, worker_id, attempt) in ONE round trip,
         for a dispatch round that hands several requests out at once."""
@@ -254,12 +254,12 @@ class RequestStore:
             _queue_update(pipe, request_id, 0, fields, once={"dispatch_ts": now})
         return [bool(done) for done in await pipe.execute()] if dispatches else []
 
-    @_unavailable_when_down
+    @unavailable_when_down
     async def set_gateway(self, request_id: str, gateway_id: str) -> bool:
         """Re-points a live request's output to another gateway (after a gateway loss); False if not live."""
         return await self._update_live(request_id, 0, {"gateway_id": gateway_id})
 
-    @_unavailable_when_down
+    @unavailable_when_down
     async def finish(
         self, request_id: str, status: RequestStatus, finish_reason: FinishReason, error: str | None = None
     ) -> bool:
@@ -267,7 +267,7 @@ class RequestStore:
         the retention TTL on all its keys; False, changing nothing, if not live."""
         return (await self.finish_many([(request_id, status, finish_reason, error)]))[0]
 
-    @_unavailable_when_down
+    @unavailable_when_down
     async def finish_many(self, outcomes: Sequence[tuple[str, RequestStatus, FinishReason, str | None]]) -> list[bool]:
         """finish() for many (request_id, status, reason, error) in ONE round trip: a step's finishes."""
         pipe = self._redis.pipeline(transaction=False)
@@ -286,13 +286,13 @@ class RequestStore:
                 fields["error"] = error
             _queue_update(pipe, request_id, retention_ms, fields)
 
-    @_unavailable_when_down
+    @unavailable_when_down
     async def get(self, request_id: str) -> RequestRecord | None:
         """A request's record, or None if unknown or expired."""
         records = await self.get_many([request_id])
         return records[0] if records else None
 
-    @_unavailable_when_down
+    @unavailable_when_down
     async def get_many(self, request_ids: Sequence[str]) -> list[RequestRecord]:
         """Records of the requests that still exist, in the given order, in one round trip."""
         pipe = self._redis.pipeline(transaction=False)
@@ -306,7 +306,7 @@ class RequestStore:
             if raw  # expired, or never existed
         ]
 
-    @_unavailable_when_down
+    @unavailable_when_down
     async def get_tokens(self, request_id: str, offset: int = 0) -> list[int]:
         """Generated token ids from index `offset` on (empty if none or unknown)."""
         if offset < 0:
@@ -314,7 +314,7 @@ class RequestStore:
         data = await self._redis.getrange(_tokens_key(request_id), offset * TOKEN_BYTES, -1)
         return unpack_token_ids(data)
 
-    @_unavailable_when_down
+    @unavailable_when_down
     async def get_logprobs(self, request_id: str, offset: int = 0) -> tuple[list[bytes], list[bytes]]:
         """The serialized TokenLogprobs of the generated tokens from index `offset` on, and of the
         prompt, in one round trip (empty where the request asked for none, or is unknown)."""
@@ -326,18 +326,18 @@ class RequestStore:
         output, prompt = await pipe.execute()
         return output, prompt
 
-    @_unavailable_when_down
+    @unavailable_when_down
     async def get_prompt(self, request_id: str) -> list[int] | None:
         """Prompt token ids, or None if unknown or expired."""
         data = await self._redis.get(_prompt_key(request_id))
         return None if data is None else unpack_token_ids(data)
 
-    @_unavailable_when_down
+    @unavailable_when_down
     async def list_active(self) -> list[str]:
         """Ids of every unfinished request, sorted."""
         return sorted(member.decode() for member in await self._redis.smembers(ACTIVE_KEY))
 
-    @_unavailable_when_down
+    @unavailable_when_down
     async def list_recent(self, n: int) -> list[RequestRecord]:
         """Records of the `n` most recently arrived requests still retained, newest first."""
         if n <= 0:
