@@ -12,9 +12,9 @@ from opentelemetry import trace
 from gateway.auth import ApiKeys
 from gateway.backends import RPC_TIMEOUT_S, upstream
 from gateway.chat_request import chat_request
+from gateway.request_attach import stream_for_record
 from gateway.request_runner import GenerationSpec, Prompt, RequestRunner
-from gateway.request_stream import RequestStream, StreamChunk, drain
-from gateway.stop_matcher import StopMatcher
+from gateway.request_stream import StreamChunk, drain
 from gateway.tool_calls import ToolCallOutput
 from gateway.tool_params import ToolRequest, constrain, keep_tool_call_tags, resolve_parser, tools_from_grpc
 from shardline.errors import InvalidArgument, NotFound, Unavailable
@@ -133,22 +133,9 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             raise InvalidArgument("offset", f"the request has generated {len(info.output_token_ids)} tokens so far")
         if running and not await hub.wait_connected(RPC_TIMEOUT_S):
             raise Unavailable("the scheduler is unreachable: no output subscription")
-        params = info.params
-        stop = StopMatcher(list(params.stop))
         eos = (await self._runner.backends.tokenizer_info()).eos_token_ids
         # Deltas wait in `buffered` until the record is in, so none is lost or doubled around Attach.
-        hub.register(
-            RequestStream(
-                info.request_id,
-                info.usage.prompt_tokens,
-                params.skip_special_tokens,
-                stop,
-                buffered=[],
-                min_tokens=params.min_tokens,
-                wants_prompt_logprobs=params.HasField("prompt_logprobs"),
-                stop_token_ids=frozenset(eos) | frozenset(params.stop_token_ids),
-            )
-        )
+        hub.register(stream_for_record(info, list(eos)))
         try:
             if running:
                 attach = scheduler_pb2.AttachRequest(request_id=info.request_id, gateway_id=self._gateway_id)

@@ -36,9 +36,14 @@ class Choice:
 
 
 def choice_specs(
-    parsed: OpenAIRequest, request_id: str, default_max_tokens: int | None, arrival_s: float, owner: str = ""
+    parsed: OpenAIRequest,
+    request_id: str,
+    default_max_tokens: int | None,
+    arrival_s: float,
+    owner: str = "",
+    idempotent: bool = False,
 ) -> list[GenerationSpec]:
-    """One GenerationSpec per choice, in index order."""
+    """One GenerationSpec per choice, in index order; `idempotent` when the client named the request."""
     specs = []
     for p, prompt in enumerate(parsed.prompts):
         for sample in range(parsed.n):
@@ -59,6 +64,7 @@ def choice_specs(
                     arrival_s=arrival_s,
                     structured_output_field=parsed.structured_output_field or "structured_output",
                     owner=owner,
+                    idempotent=idempotent,
                 )
             )
     return specs

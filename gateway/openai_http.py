@@ -18,16 +18,19 @@ from aiohttp.http_exceptions import HttpProcessingError
 
 from gateway.auth import ApiKeys, http_auth_middleware
 from gateway.backends import HEALTH_TIMEOUT_S
+from gateway.batch_front import BatchFront
 from gateway.metrics import metrics_handler
 from gateway.openai_choices import Choice, choice_specs, close_choices, merged_chunks, start_choices, total_usage
 from gateway.openai_echo import echoed_prompts
 from gateway.openai_request import OpenAIRequest, parse_request
 from gateway.openai_response import ResponseFormatter, error_body
 from gateway.params import OPENAI_COMPLETIONS_DEFAULT_MAX_TOKENS
+from gateway.request_attach import ID_HEADER
 from gateway.request_runner import ModelNotFound, RequestRunner
 from gateway.tokenize_http import TokenizeApi
 from gateway.tool_params import keep_tool_call_tags, resolve_parser
 from shardline.errors import InvalidArgument, ShardlineError
+from shardline.ids import require_id
 from shardline.proto import generation_pb2, sampling_pb2
 from tracing import attributes as attr
 from tracing.grpc_context import start_http_server_span
@@ -97,6 +100,7 @@ class OpenAIHttpApi:
     def __init__(self, runner: RequestRunner, keys: ApiKeys) -> None:
         self._runner = runner
         self._keys = keys
+        self.batches = BatchFront(runner.settings, keys, json_body)
         self._tracer = runner.tracer
         self._started = int(time.time())
         self._tokenizer = TokenizeApi(runner)
@@ -112,6 +116,8 @@ class OpenAIHttpApi:
         app.router.add_get("/v1/models/{model:.+}", self.model)
         app.router.add_post("/tokenize", self.tokenize)
         app.router.add_post("/detokenize", self.detokenize)
+        self.batches.add_routes(app)
+        app.on_cleanup.append(lambda _: self.batches.close())
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", metrics_handler(self._runner.backends.scheduler))
         return app
@@ -125,16 +131,18 @@ class OpenAIHttpApi:
     async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
         arrival_s = time.perf_counter()
         self._runner.admission.check()
-        parsed = parse_request(await _json_body(request), chat)
+        parsed = parse_request(await json_body(request), chat)
         if parsed.tools is not None:
             template_format = (await self._runner.backends.tokenizer_info()).tool_call_format
             resolve_parser(parsed.tools, self._runner.settings.tool_call_parser, template_format)
             keep_tool_call_tags(parsed.tools, parsed.params)
-        request_id = f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(16)}"
+        # A request the client names is idempotent: sent again, it attaches to the first (request_attach.py).
+        named = request.headers.get(ID_HEADER)
+        kind = "chatcmpl" if chat else "cmpl"
+        request_id = require_id(named, ID_HEADER) if named is not None else f"{kind}-{secrets.token_hex(16)}"
         default_max_tokens = self._runner.settings.default_max_tokens if chat else OPENAI_COMPLETIONS_DEFAULT_MAX_TOKENS
-        specs = choice_specs(
-            parsed, request_id, default_max_tokens, arrival_s, self._keys.owner(request.headers.get("Authorization"))
-        )
+        owner = self._keys.owner(request.headers.get("Authorization"))
+        specs = choice_specs(parsed, request_id, default_max_tokens, arrival_s, owner, idempotent=named is not None)
         span_attributes = {"http.request.method": request.method, "url.path": request.path}
         if parsed.tools is not None:
             span_attributes[attr.TOOL_CHOICE] = parsed.tools.choice
@@ -218,10 +226,10 @@ class OpenAIHttpApi:
         return response
 
     async def tokenize(self, request: web.Request) -> web.Response:
-        return await self._tokenizer.tokenize(await _json_body(request))
+        return await self._tokenizer.tokenize(await json_body(request))
 
     async def detokenize(self, request: web.Request) -> web.Response:
-        return await self._tokenizer.detokenize(await _json_body(request))
+        return await self._tokenizer.detokenize(await json_body(request))
 
     async def models(self, request: web.Request) -> web.Response:
         models = await self._runner.served_models()
@@ -269,7 +277,7 @@ _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 _ENCODED_SURROGATE = re.compile(rb"\xed[\xa0-\xbf]")
 
 
-async def _json_body(request: web.Request) -> Any:
+async def json_body(request: web.Request) -> Any:
     try:  # over client_max_size this raises HTTPRequestEntityTooLarge: a 413
         raw = await asyncio.wait_for(request.read(), BODY_TIMEOUT_S)
     except TimeoutError:

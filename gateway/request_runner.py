@@ -21,11 +21,13 @@ from gateway.backends import RPC_TIMEOUT_S, Backends, upstream
 from gateway.metrics import GENERATION_TOKENS, PROMPT_TOKENS, REQUESTS
 from gateway.params import ContextLengthExceeded, ModelLimits, resolve_max_tokens, validate_sampling
 from gateway.prompt_bound import PromptBound
+from gateway.request_attach import attach_existing
 from gateway.request_stream import RequestStream, StreamChunk, failure_of
 from gateway.settings import GatewaySettings
 from gateway.stop_matcher import StopMatcher
 from gateway.stream_hub import StreamHub
 from shardline.errors import (
+    AlreadyExists,
     DeadlineExceeded,
     InvalidArgument,
     NotFound,
@@ -84,6 +86,9 @@ class GenerationSpec:
     arrival_s: float = field(default_factory=time.perf_counter)  # for TTFT and duration
     arrival_time: Timestamp = field(default_factory=lambda: _now_timestamp(0.0))  # sent to the scheduler
     owner: str = ""  # digest of the caller's API key: only that key may read, resume or cancel it
+    # Named by the client over HTTP: a resend attaches to it (request_attach.py), and its client
+    # leaving does not cancel it, so that the resend finds it running or finished.
+    idempotent: bool = False
 
 
 @dataclass(slots=True)
@@ -181,7 +186,7 @@ class SubmittedRequest:
     def close(self, grace_s: float = 0.0) -> None:
         """The consumer is done or gone: cancel upstream if unfinished (after `grace_s`, unless the
         request is resumed meanwhile), record metrics and spans."""
-        self._runner.hub.release(self.request_id, grace_s=grace_s)
+        self._runner.hub.release(self.request_id, cancel=not self._spec.idempotent, grace_s=grace_s)
         timing, now = self._stream.timing, time.perf_counter()
         finished = self._last is not None and self._last.finish_reason is not None
         usage = self._last.usage if finished else self._stream.usage()
@@ -295,6 +300,11 @@ class RequestRunner:
         try:
             with upstream("scheduler"):
                 await self.backends.scheduler.Submit(submit, timeout=RPC_TIMEOUT_S)
+        except AlreadyExists:
+            self.hub.release(spec.request_id, cancel=False)
+            if not spec.idempotent:
+                raise
+            return await attach_existing(self, prepared, spec.arrival_s + timeout_s)
         except BaseException as exc:
             if isinstance(exc, ResourceExhausted):
                 self.admission.queue_full()

@@ -54,6 +54,14 @@ class GatewaySettings(BaseSettings):
     # 3.1+ JSON calls), or "none" to refuse "auto"; empty (the default) follows the chat template, as the
     # tokenizer service reports it.
     tool_call_parser: Literal["", "none", "hermes", "llama3_json"] = ""
+    # Redis for the Batch API (/v1/files, /v1/batches: batch records, Celery's broker); empty turns it off (503).
+    redis_url: str = ""
+    # Folder of uploaded files and batch results; the batch workers mount the same one.
+    files_dir: str = "shardline-files"
+    # Lines per chunk of a batch, the unit a batch worker takes (and takes again after a crash).
+    batch_chunk_lines: int = Field(256, ge=1)
+    # Seconds a batch has to finish, in place of its completion_window's 24 h; unset keeps the window.
+    batch_window_s: float | None = Field(None, gt=0)
     # Export spans over OTLP (SHARDLINE_TRACING=0 turns it off); trace context is propagated either way.
     tracing: bool = True
 
