@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import time
 from collections.abc import Iterable, Iterator
@@ -18,8 +19,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import BinaryIO, Protocol
 
-from shardline.ids import require_id
+from shardline.errors import InvalidArgument
 
+_SAFE_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
 # OpenAI's purposes; batches read "batch" files and write "batch_output" ones.
 PURPOSES = ("batch", "batch_output", "fine-tune", "assistants", "vision", "user_data", "evals")
 
@@ -79,7 +81,10 @@ class LocalFileStore:
         self.root.mkdir(parents=True, exist_ok=True)
 
     def _path(self, file_id: str) -> Path:
-        return self.root / require_id(file_id, "file_id")
+        # Letters, digits, '-' and '_' only: an id never names a path outside the folder.
+        if not _SAFE_ID.fullmatch(file_id):
+            raise InvalidArgument("file_id", f"must be letters, digits, '-' and '_', got {file_id[:64]!r}")
+        return self.root / file_id
 
     def write(self, meta: FileObject, chunks: Iterable[bytes]) -> FileObject:
         path = self._path(meta.id)
