@@ -66,6 +66,17 @@ class StackConfig:
         return cls(**{**ports, **kwargs})
 
 
+@dataclass(slots=True)
+class ServiceSpec:
+    """One service of the stack, as start() runs it: `shardline serve <service>` with its settings."""
+
+    name: str  # how logs, reports and `shardline status` name it: "worker-1"
+    settings: dict[str, object]  # its SHARDLINE_* settings, without the prefix; None values are left out
+    health: str | None  # gRPC address whose health check says it is ready; None: ready once it runs
+    service: str | None = None  # the `shardline serve` service, when it is not `name`
+    ready_first: bool = False  # ready before the services after it start
+
+
 class StartInterrupted(Exception):
     """LocalStack.start's `interrupted` said so while it started: what had started is stopped."""
 
@@ -129,30 +140,23 @@ class LocalStack:
             self.redis_url = self.redis.url
             progress(f"redis      {self.redis_url} (embedded, AOF in {data_dir}/redis)")
         deadline = time.monotonic() + timeout_s
-        if c.tracing:
-            # Ready before anything else starts, so no service's first spans wait on retries.
-            tracing = self._spawn(
-                "tracing",
-                {
-                    "HOST": LOOPBACK,
-                    "OTLP_PORT": c.otlp_port,
-                    "HTTP_PORT": c.dashboard_port,
-                    "REDIS_URL": self.redis_url,
-                },
-                f"127.0.0.1:{c.otlp_port}",
-            )
-            self._wait_healthy([tracing], progress, deadline)
-        self._spawn(
-            "tokenizer", {"HOST": LOOPBACK, "PORT": c.tokenizer_port, "MODEL": c.model}, f"127.0.0.1:{c.tokenizer_port}"
+        for spec in self.services():
+            child = self._spawn(spec.name, spec.settings, spec.health, spec.service)
+            if spec.ready_first:
+                self._wait_healthy([child], progress, deadline)
+        self.wait_ready(progress, max(0.0, deadline - time.monotonic()))
+        self._check_interrupt()
+
+    def services(self) -> list[ServiceSpec]:
+        """The services start() runs, in start order (stop() goes the other way); a new one goes here."""
+        c = self.config
+        tracing = ServiceSpec(
+            "tracing",
+            {"HOST": LOOPBACK, "OTLP_PORT": c.otlp_port, "HTTP_PORT": c.dashboard_port, "REDIS_URL": self.redis_url},
+            f"127.0.0.1:{c.otlp_port}",
+            ready_first=True,  # so that no service's first spans wait on retries
         )
-        self._spawn(
-            "scheduler",
-            {"HOST": LOOPBACK, "PORT": c.scheduler_port, "REDIS_URL": self.redis_url},
-            f"127.0.0.1:{c.scheduler_port}",
-        )
-        for i in range(c.workers):
-            self.add_worker(i)
-        self._spawn(
+        gateway = ServiceSpec(
             "gateway",
             {
                 "HTTP_PORT": c.http_port,
@@ -163,14 +167,31 @@ class LocalStack:
             },
             f"127.0.0.1:{c.grpc_port}",
         )
-        self.wait_ready(progress, max(0.0, deadline - time.monotonic()))
-        self._check_interrupt()
+        return [
+            *([tracing] if c.tracing else []),
+            ServiceSpec(
+                "tokenizer",
+                {"HOST": LOOPBACK, "PORT": c.tokenizer_port, "MODEL": c.model},
+                f"127.0.0.1:{c.tokenizer_port}",
+            ),
+            ServiceSpec(
+                "scheduler",
+                {"HOST": LOOPBACK, "PORT": c.scheduler_port, "REDIS_URL": self.redis_url},
+                f"127.0.0.1:{c.scheduler_port}",
+            ),
+            *(self._worker(i) for i in range(c.workers)),
+            gateway,
+        ]
 
     def add_worker(self, index: int) -> Child:
+        spec = self._worker(index)
+        return self._spawn(spec.name, spec.settings, spec.health, spec.service)
+
+    def _worker(self, index: int) -> ServiceSpec:
         c = self.config
         port = c.worker_base_port + index if c.worker_base_port else free_port()
         self.worker_ports.append(port)
-        return self._spawn(
+        return ServiceSpec(
             f"worker-{index}",
             {
                 "HOST": LOOPBACK,
@@ -261,7 +282,7 @@ class LocalStack:
                         + self._last_words(child)
                     )
                 if child.health is None or grpc_serving(child.health):
-                    progress(f"{child.name:<10} ready ({child.health})")
+                    progress(f"{child.name:<10} ready" + (f" ({child.health})" if child.health else ""))
                     child.ready = True
                     pending.remove(child)
             if time.monotonic() > deadline:
