@@ -23,6 +23,7 @@ SHARDLINE_SERVICES = {
     "gpu-worker": "gpu_worker_svc.server.settings:WorkerSettings",
     "gateway": "gateway.settings:GatewaySettings",
     "tracing": "tracing.settings:TracingSettings",
+    "batch": "batch_svc.settings:BatchSettings",
 }
 # Every service sets up span export, which reads these settings too.
 SHARED_SETTINGS = "tracing.settings:TracingSettings"

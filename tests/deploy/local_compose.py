@@ -72,9 +72,18 @@ class LocalCompose:
         names = "|".join(re.escape(n) for n in self.config["services"])
         address = re.compile(rf"\b({names}):(\d+)\b")
         env = {}
+        # A named volume's mount point is a folder of the test's own: every service mounting the volume shares it.
+        mounts = {
+            v["target"]: self.log_dir / "volumes" / v["source"]
+            for v in service.get("volumes") or []
+            if v.get("type") == "volume"
+        }
         for variable, value in (service.get("environment") or {}).items():
             if value is None:  # passed through from .env only when set there: unset here too
                 continue
+            for target, folder in mounts.items():
+                if value == target or value.startswith(target + "/"):
+                    value = str(folder) + value[len(target) :]
             if variable.endswith("_PORT") and value.isdigit():
                 value = str(self.ports[(name, int(value))])
             env[variable] = address.sub(lambda m: self.local_address(m[1], int(m[2])), value)

@@ -86,6 +86,7 @@ def test_shardline_services_run_shardline_serve():
         "worker",
         "gateway",
         "tracing",
+        "batch",
     }
 
 
@@ -97,7 +98,9 @@ def test_every_service_has_a_healthcheck_a_restart_policy_and_healthy_dependenci
         for dependency, condition in service.get("depends_on", {}).items():
             assert dependency in services, (name, dependency)
             assert condition["condition"] == "service_healthy", (name, dependency)
-    assert set(services["gateway"]["depends_on"]) == {"tokenizer", "scheduler", "gpu-worker"}
+    # Redis too, for the Batch API's records and queue.
+    assert set(services["gateway"]["depends_on"]) == {"redis", "tokenizer", "scheduler", "gpu-worker"}
+    assert set(services["batch"]["depends_on"]) == {"redis", "gateway"}
     assert set(services["scheduler"]["depends_on"]) == {"redis"}
     assert set(services["tracing"]["depends_on"]) == {"redis"}
 

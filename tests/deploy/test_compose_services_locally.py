@@ -54,7 +54,7 @@ def _get(url: str) -> tuple[int, bytes]:
 def test_each_compose_command_is_shardline_serve(stack):
     for service in stack.running:
         assert service.argv[2:5] == ["shardline", "serve", service.argv[4]]
-        assert service.argv[4] in ("tokenizer", "scheduler", "worker", "gateway", "tracing")
+        assert service.argv[4] in ("tokenizer", "scheduler", "worker", "gateway", "tracing", "batch")
         assert service.proc.poll() is None, f"{service.name} died:\n{stack.log_tail(service)}"
 
 

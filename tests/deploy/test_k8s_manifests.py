@@ -25,6 +25,7 @@ SETTINGS = {
     "worker": "gpu_worker_svc.server.settings:WorkerSettings",
     "gateway": "gateway.settings:GatewaySettings",
     "tracing": "tracing.settings:TracingSettings",
+    "batch": "batch_svc.settings:BatchSettings",
 }
 
 

@@ -18,6 +18,7 @@ METRICS_PORT = {
     "gateway": "SHARDLINE_HTTP_PORT",
     "scheduler": "SHARDLINE_METRICS_PORT",
     "gpu-worker": "SHARDLINE_METRICS_PORT",
+    "batch": "SHARDLINE_BATCH_HEALTH_PORT",
 }
 
 
