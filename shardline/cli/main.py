@@ -1,4 +1,4 @@
-"""`shardline`: run the stack, one service, or generate from the command line."""
+"""`shardline`: run the stack or one service, see its status, or generate from the command line."""
 
 from __future__ import annotations
 
@@ -42,12 +42,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from shardline.cli import bench_cmd, generate_cmd, trace_cmd, up_cmd
+    from shardline.cli import bench_cmd, generate_cmd, status_cmd, trace_cmd, up_cmd
 
     parser = argparse.ArgumentParser(prog="shardline", description="Shardline: LLM serving in Python")
     sub = parser.add_subparsers(metavar="command")
     sub.add_parser("serve", help="start one service: " + ", ".join(SERVICES))
     up_cmd.add_parser(sub)
+    status_cmd.add_parser(sub)
     generate_cmd.add_parsers(sub)
     bench_cmd.add_parser(sub)
     trace_cmd.add_parser(sub)

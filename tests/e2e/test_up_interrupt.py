@@ -57,6 +57,10 @@ def test_stopping_up_while_starting_stops_every_service(tmp_path, sig):
             str(free_port()),
             "--grpc-port",
             str(free_port()),
+            "--otlp-port",
+            str(free_port()),
+            "--dashboard-port",
+            str(free_port()),
             "--data-dir",
             str(tmp_path / "data"),
             "--log-dir",
@@ -68,7 +72,7 @@ def test_stopping_up_while_starting_stops_every_service(tmp_path, sig):
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
     try:
-        # Redis, the tokenizer and the scheduler start at once; the worker's model load keeps `up` starting.
+        # Redis, tracing, the tokenizer and the scheduler start first; the worker's model load keeps `up` starting.
         deadline = time.monotonic() + 60
         while len(children := _children(up.pid)) < 3 and time.monotonic() < deadline:
             time.sleep(0.05)
