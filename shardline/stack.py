@@ -15,14 +15,11 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-
+from shardline.health_probe import healthy, http_ok
 from shardline.host_memory import MALLOC_ENV, REEXEC_MARKER
 from shardline.ports import free_port
 from shardline.redis_server import EmbeddedRedis
@@ -48,6 +45,7 @@ class StackConfig:
     tokenizer_port: int = 0
     scheduler_port: int = 0
     worker_base_port: int = 0  # 0: a free port per worker
+    batch_workers: int = 0  # batch workers (Celery, `shardline serve batch`) running the Batch API's jobs
     redis_url: str | None = None  # None: start an embedded redis-server with AOF in data_dir
     data_dir: Path | None = None
     tracing: bool = False  # start the tracing service first and export every service's spans to it
@@ -72,7 +70,7 @@ class ServiceSpec:
 
     name: str  # how logs, reports and `shardline status` name it: "worker-1"
     settings: dict[str, object]  # its SHARDLINE_* settings, without the prefix; None values are left out
-    health: str | None  # gRPC address whose health check says it is ready; None: ready once it runs
+    health: str | None  # gRPC address (or HTTP URL) whose health check says it is ready; None: ready once it runs
     service: str | None = None  # the `shardline serve` service, when it is not `name`
     ready_first: bool = False  # ready before the services after it start
 
@@ -98,6 +96,7 @@ class LocalStack:
         self.children: list[Child] = []
         self._tmp: tempfile.TemporaryDirectory | None = None
         self.redis_url = config.redis_url or ""
+        self.files_dir = ""  # the Batch API's file store, under the data folder
         self.worker_ports: list[int] = []
         self._interrupted: Callable[[], bool] | None = None
 
@@ -130,11 +129,12 @@ class LocalStack:
 
     def _start(self, progress: Callable[[str], None], timeout_s: float) -> None:
         c = self.config
+        data_dir = c.data_dir
+        if data_dir is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="shardline-")
+            data_dir = Path(self._tmp.name)
+        self.files_dir = str(Path(data_dir) / "files")
         if c.redis_url is None:
-            data_dir = c.data_dir
-            if data_dir is None:
-                self._tmp = tempfile.TemporaryDirectory(prefix="shardline-")
-                data_dir = Path(self._tmp.name)
             # Its start may take seconds (an AOF to replay): a stop signal ends it there too.
             self.redis = EmbeddedRedis(Path(data_dir) / "redis").start(check=self._check_interrupt)
             self.redis_url = self.redis.url
@@ -164,6 +164,9 @@ class LocalStack:
                 "GATEWAY_ID": "gateway-0",
                 "TOKENIZER_ADDRESS": f"127.0.0.1:{c.tokenizer_port}",
                 "SCHEDULER_ADDRESS": f"127.0.0.1:{c.scheduler_port}",
+                # The Batch API: its records in the stack's Redis, its files in the data folder.
+                "REDIS_URL": self.redis_url,
+                "FILES_DIR": self.files_dir,
             },
             f"127.0.0.1:{c.grpc_port}",
         )
@@ -181,7 +184,23 @@ class LocalStack:
             ),
             *(self._worker(i) for i in range(c.workers)),
             gateway,
+            *(self._batch_worker(i) for i in range(c.batch_workers)),
         ]
+
+    def _batch_worker(self, index: int) -> ServiceSpec:
+        c, port = self.config, free_port()
+        return ServiceSpec(
+            f"batch-{index}",
+            {
+                "REDIS_URL": self.redis_url,
+                "GATEWAY_URL": f"http://127.0.0.1:{c.http_port}",
+                "GATEWAY_GRPC_ADDRESS": f"127.0.0.1:{c.grpc_port}",
+                "FILES_DIR": self.files_dir,
+                "BATCH_HEALTH_PORT": port,
+            },
+            f"http://127.0.0.1:{port}/health",
+            service="batch",
+        )
 
     def add_worker(self, index: int) -> Child:
         spec = self._worker(index)
@@ -250,7 +269,7 @@ class LocalStack:
         deadline = time.monotonic() + timeout_s
         self._wait_healthy(self.children, progress, deadline)
         url = f"http://127.0.0.1:{self.config.http_port}/health"
-        while not _http_ok(url):  # the gateway is healthy once it reaches the scheduler and a worker is up
+        while not http_ok(url):  # the gateway is healthy once it reaches the scheduler and a worker is up
             self._check_interrupt()
             if time.monotonic() > deadline:
                 raise TimeoutError(f"gateway /health not OK after {timeout_s:.0f}s")
@@ -281,7 +300,7 @@ class LocalStack:
                         f"{child.name} exited with code {child.proc.returncode} while starting"
                         + self._last_words(child)
                     )
-                if child.health is None or grpc_serving(child.health):
+                if child.health is None or healthy(child.health):
                     progress(f"{child.name:<10} ready" + (f" ({child.health})" if child.health else ""))
                     child.ready = True
                     pending.remove(child)
@@ -353,24 +372,6 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
         os.killpg(proc.pid, sig)
     except ProcessLookupError:
         pass
-
-
-def grpc_serving(address: str) -> bool:
-    """Whether the gRPC health check at `address` answers SERVING."""
-    try:
-        with grpc.insecure_channel(address) as ch:
-            resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=1.0)
-            return resp.status == health_pb2.HealthCheckResponse.SERVING
-    except grpc.RpcError:
-        return False
-
-
-def _http_ok(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=2) as resp:
-            return resp.status == 200
-    except OSError:
-        return False
 
 
 def _own_environ() -> dict[str, str]:

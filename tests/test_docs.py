@@ -13,7 +13,7 @@ README = ROOT / "README.md"
 DOCS = ROOT / "docs"
 PAGES = [README, *sorted(DOCS.glob("*.md"))]
 # Folders whose settings.py files are services' settings (not the venv, not tests).
-PACKAGES = ("shardline", "gateway", "tokenizer_svc", "scheduler_svc", "gpu_worker_svc", "tracing")
+PACKAGES = ("shardline", "gateway", "tokenizer_svc", "scheduler_svc", "gpu_worker_svc", "tracing", "batch_svc")
 
 _FENCE = re.compile(r"^```.*?^```", re.MULTILINE | re.DOTALL)
 _LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")

@@ -12,6 +12,13 @@ def at_least_one(text: str) -> int:
     return value
 
 
+def at_least_zero(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
+
+
 def non_negative(text: str) -> float:
     value = float(text)
     if not value >= 0:

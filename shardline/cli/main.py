@@ -13,6 +13,7 @@ SERVICES = {
     "scheduler": "scheduler_svc.main",
     "worker": "gpu_worker_svc.server.main",
     "tracing": "tracing.collector.main",
+    "batch": "batch_svc.main",
 }
 
 

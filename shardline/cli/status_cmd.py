@@ -13,8 +13,8 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from shardline.cli.one_line_errors import one_line_errors
+from shardline.health_probe import healthy
 from shardline.service_main import redacted
-from shardline.stack import grpc_serving
 from shardline.stack_state import StackNotRunning, StackState, pid_alive
 
 TIMEOUT_S = 3.0  # per question: a stack that takes longer to answer is reported as not answering
@@ -48,7 +48,7 @@ def _print_services(state: StackState) -> bool:
     print("\nservices")
     ok = True
     for service in state.services:
-        up = grpc_serving(service.address) if service.address else pid_alive(service.pid)
+        up = healthy(service.address) if service.address else pid_alive(service.pid)
         ok &= up
         where = service.address or f"pid {service.pid}"
         extra = ""

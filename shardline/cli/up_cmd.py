@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from shardline.cli.arg_types import at_least_one, tcp_port
+from shardline.cli.arg_types import at_least_one, at_least_zero, tcp_port
 from shardline.cli.service_logs import ServiceLogFollower
 from shardline.service_main import redacted
 from shardline.signals import STOP_SIGNALS
@@ -26,6 +26,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--workers", type=at_least_one, default=1, help="number of GPU worker services")
     p.add_argument("--tp", type=at_least_one, default=1, help="tensor-parallel size of each worker")
+    p.add_argument(
+        "--batch-workers", type=at_least_zero, default=1, help="Celery workers running /v1/batches jobs (default 1)"
+    )
     p.add_argument("--http-port", type=tcp_port, default=8000)
     p.add_argument("--grpc-port", type=tcp_port, default=50051)
     p.add_argument("--redis-url", default=None, help="external Redis (default: an embedded redis-server)")
@@ -67,6 +70,7 @@ def run(args: argparse.Namespace) -> int:
     config = StackConfig(
         model=args.model,
         workers=args.workers,
+        batch_workers=args.batch_workers,
         tp_size=args.tp,
         http_port=args.http_port,
         grpc_port=args.grpc_port,
@@ -189,6 +193,7 @@ def _banner(stack: LocalStack, state: StackState, took_s: float) -> str:
 shardline is up ({took_s:.1f}s):
   OpenAI HTTP   {state.http_url}/v1   (curl .../v1/completions, .../v1/chat/completions)
   gRPC          {state.grpc_address}           (shardline.client.ShardlineClient)
+  batches       {state.http_url}/v1/batches   ({c.batch_workers} batch worker(s); shardline batch --help)
   metrics       {state.http_url}/metrics{traces}
   redis         {redacted(stack.redis_url)}{logs}
   status        shardline status{status}

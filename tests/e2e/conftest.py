@@ -43,6 +43,7 @@ def stack(tmp_path_factory):
         data_dir=tmp_path_factory.mktemp("stack-data"),
         log_dir=log_dir(tmp_path_factory, "stack"),
         env={"HEARTBEAT_INTERVAL_S": "0.5", "KV_CACHE_BYTES": str(64 << 20), "NUM_SPECULATIVE_TOKENS": "4"},
+        batch_workers=1,  # the Batch API's tests (test_batch_api.py) run on it
     )
     with running_stack(config) as s:
         yield s

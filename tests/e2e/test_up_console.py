@@ -16,7 +16,7 @@ from tests.e2e.up_process import INFO_RECORD, UpProcess
 
 pytestmark = pytest.mark.slow
 
-SERVICES = ("tracing", "tokenizer", "scheduler", "worker-0", "gateway")
+SERVICES = ("tracing", "tokenizer", "scheduler", "worker-0", "gateway", "batch-0")
 
 
 @pytest.fixture(scope="module")
@@ -41,6 +41,7 @@ def test_the_console_shows_progress_and_endpoints_with_the_dashboard_but_no_info
     assert f"  OpenAI HTTP   http://127.0.0.1:{up.http_port}/v1 " in out
     assert f"  traces        http://127.0.0.1:{up.dashboard_port}/   (dashboard; OTLP on :{up.otlp_port})" in out
     assert f"  status        shardline status --data-dir {up.data_dir}" in out
+    assert f"  batches       http://127.0.0.1:{up.http_port}/v1/batches   (1 batch worker(s);" in out
     for name in SERVICES:
         assert f"] {name:<10} ready" in out
     assert not INFO_RECORD.findall(out), out
