@@ -1,8 +1,9 @@
 """How many of a chunk's requests are in flight: additive increase, multiplicative decrease.
 
-Each answer the gateway gives in time raises the limit by 1/limit (one per round of answers); a 429
-or 503 (the queue is full, a dependency is down) halves it. So a batch fills what the stack has to
-spare and backs off at once when interactive traffic needs the queue.
+It starts at the most: batch requests queue behind every interactive one (priority classes), so
+filling the queue costs interactive traffic nothing, and a slow start would only leave the stack
+idle at the start of each chunk. A 429 or 503 (the queue is full, a dependency is down) halves the
+limit; each answer then raises it by 1/limit (one per round of answers), back to the most.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ class AimdLimit:
 
     def __init__(self, most: int, start: int | None = None) -> None:
         self.most = most
-        self.limit = float(start or max(1, most // 4))
+        self.limit = float(start or most)
         self.in_flight = 0
         self._changed = asyncio.Condition()
 

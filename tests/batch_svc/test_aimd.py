@@ -8,8 +8,8 @@ from batch_svc.aimd import AimdLimit
 
 
 def test_additive_increase_multiplicative_decrease():
-    limit = AimdLimit(most=16)
-    assert limit.limit == 4
+    assert AimdLimit(most=16).limit == 16  # no slow start: batch requests queue behind interactive ones
+    limit = AimdLimit(most=16, start=4)
     for _ in range(4):
         limit.succeeded()
     assert 4.9 < limit.limit < 5.1  # one round of four answers: one more
