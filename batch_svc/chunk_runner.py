@@ -27,6 +27,7 @@ from shardline.batch.file_store import FileStore
 from shardline.batch.input_lines import BatchLine, Chunk, read_chunk
 from shardline.batch.output_lines import error_line, output_line
 from shardline.proto import common_pb2, generation_pb2_grpc
+from tracing import attributes as attr
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +50,7 @@ class ChunkRunner:
         if record is None or record.status in TERMINAL:
             return 0
         with self._tracer.start_as_current_span(
-            "batch.chunk", attributes={"shardline.batch_id": batch_id, "shardline.batch_chunk": chunk_index}
+            "batch.chunk", attributes={attr.BATCH_ID: batch_id, attr.BATCH_CHUNK: chunk_index}
         ) as span:
             kept = 0
             if _stopping(record):
@@ -57,7 +58,7 @@ class ChunkRunner:
             else:
                 await self._store.transition(batch_id, "in_progress", ("validating",))
                 kept = await self._run_lines(record, Chunk(**record.chunks[chunk_index]))
-            span.set_attribute("shardline.batch_lines_kept", kept)
+            span.set_attribute(attr.BATCH_LINES_KEPT, kept)
         CHUNKS.inc()
         if await self._store.chunk_done(batch_id, chunk_index) >= len(record.chunks):
             record = await self._store.get(batch_id)
@@ -105,8 +106,11 @@ class ChunkRunner:
     ) -> bool:
         request_id = line_request_id(record.id, line.index)
         IN_FLIGHT.inc()
+        attributes = {attr.BATCH_ID: record.id, attr.REQUEST_ID: request_id}
         try:
-            result = await client.send(line, record.endpoint, request_id, limit, stop.is_set)
+            with self._tracer.start_as_current_span("batch.line", attributes=attributes) as span:
+                result = await client.send(line, record.endpoint, request_id, limit, stop.is_set)
+                span.set_attribute("http.response.status_code", result.status or 0)
         except Stopped:
             return False
         finally:

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import aiohttp
+from opentelemetry import propagate
 
 from batch_svc.aimd import AimdLimit
 from shardline.batch.input_lines import BatchLine
@@ -56,6 +57,7 @@ class LineClient:
         # Batch requests queue behind interactive ones; a line may ask for lower still, never higher.
         body["priority"] = max(self._priority, body.get("priority") or 0)
         headers = {**self._headers, "X-Request-Id": request_id, "Content-Type": "application/json"}
+        propagate.inject(headers)  # the gateway's request span is a child of this line's
         payload = json.dumps(body).encode()
         pause = _FIRST_PAUSE_S
         while True:

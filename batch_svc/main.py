@@ -35,7 +35,7 @@ def parse_settings(argv: list[str] | None) -> BatchSettings:
 
 
 def serve(settings: BatchSettings) -> int:
-    tracing = setup_tracing("batch", socket.gethostname(), enabled=settings.tracing)
+    tracing = setup_tracing("batch", settings.instance_id, enabled=settings.tracing)
     app = build_app(settings)
     health = HealthServer(settings.batch_health_port, settings.redis_url)
     signals.worker_ready.connect(lambda **_: health.ready.set(), weak=False)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import socket
+
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -34,5 +36,6 @@ class BatchSettings(BaseSettings):
     batch_visibility_timeout_s: float = Field(DEFAULT_VISIBILITY_TIMEOUT_S, gt=0)
     # /health and /metrics; 0 picks a free port.
     batch_health_port: int = Field(8090, ge=0, le=65535)
-    # Export spans over OTLP (SHARDLINE_TRACING=0 turns it off).
+    # Export spans over OTLP (SHARDLINE_TRACING=0 turns it off), naming this process so in traces.
     tracing: bool = True
+    instance_id: str = Field(default_factory=lambda: f"batch-{socket.gethostname()}")

@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import openai
 import pytest
 
 from shardline.cli.main import main as shardline_cli
@@ -56,6 +57,7 @@ def traced_stack(tmp_path_factory):
         data_dir=tmp_path_factory.mktemp("traced-data"),
         log_dir=log_dir(tmp_path_factory, "traced"),
         env={"KV_CACHE_BYTES": str(64 << 20)},
+        batch_workers=1,
     )
     with running_stack(config) as stack:
         yield stack
@@ -100,6 +102,24 @@ def test_a_client_traceparent_is_the_requests_trace(served: Served) -> None:
     assert served.rows[served.traced_id]["trace_id"] == served.trace_id
     others = {served.rows[rid]["trace_id"] for rid in served.request_ids[1:]}
     assert served.trace_id not in others and len(others) == 2
+
+
+def test_a_batch_lines_request_is_in_the_batch_workers_trace(traced_stack: LocalStack) -> None:
+    """A batch line's gateway request is a child of the batch worker's batch.line span: one trace."""
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{traced_stack.config.http_port}/v1", api_key="x")
+    line = {"custom_id": "t", "method": "POST", "url": "/v1/completions", "body": {"prompt": "Hi", "max_tokens": 2}}
+    upload = client.files.create(file=("t.jsonl", json.dumps(line).encode()), purpose="batch")
+    batch = client.batches.create(input_file_id=upload.id, endpoint="/v1/completions", completion_window="24h")
+    deadline = time.monotonic() + 60
+    while client.batches.retrieve(batch.id).status != "completed":
+        assert time.monotonic() < deadline
+        time.sleep(0.25)
+    dashboard = f"http://127.0.0.1:{traced_stack.config.dashboard_port}"
+    while (row := _rows(dashboard).get(f"{batch.id}-0")) is None or "batch-0" not in row["instances"]:
+        assert time.monotonic() < deadline, row  # spans are exported every half second
+        time.sleep(0.25)
+    assert any(i.startswith("gateway") for i in row["instances"]), row
+    assert any(i.startswith("worker-0") for i in row["instances"]) and row["status"] == "length", row
 
 
 def test_dashboard_api_lists_the_requests_with_latencies(served: Served) -> None:
