@@ -1,4 +1,4 @@
-"""Wiring of the gateway: dependencies, stream hub, gRPC Generation service and OpenAI HTTP API."""
+"""Wiring of the gateway: dependencies, stream hub, gRPC Generation and Batches services and OpenAI HTTP API."""
 
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ from opentelemetry import trace
 
 from gateway.auth import ApiKeys, GrpcAuthInterceptor
 from gateway.backends import Backends
+from gateway.batches_grpc import SERVICE_NAME as BATCHES_SERVICE_NAME
+from gateway.batches_grpc import BatchesServicer
 from gateway.generation_service import GenerationService
 from gateway.health_mirror import HealthMirror
 from gateway.openai_http import OpenAIHttpApi
@@ -19,7 +21,7 @@ from gateway.request_runner import RequestRunner
 from gateway.settings import GatewaySettings
 from gateway.stream_hub import StreamHub
 from shardline.grpc_server import GrpcService, RunningServer, start_grpc_server
-from shardline.proto import generation_pb2, generation_pb2_grpc
+from shardline.proto import batches_pb2_grpc, generation_pb2, generation_pb2_grpc
 from shardline.service_main import started
 from tracing.grpc_context import TracingServerInterceptor
 from tracing.otel_setup import setup_tracing
@@ -41,7 +43,7 @@ class GatewayServer:
     settings: GatewaySettings  # what it was started with (ports as requested)
     backends: Backends  # its links to the tokenizer and scheduler
     hub: StreamHub  # its Subscribe stream
-    grpc: RunningServer  # the Generation gRPC server; grpc.port is the bound port
+    grpc: RunningServer  # the Generation and Batches gRPC server; grpc.port is the bound port
     http: web.AppRunner  # the OpenAI HTTP server
     http_port: int  # the bound HTTP port
     health: HealthMirror  # keeps the gRPC health equal to the dependencies' state
@@ -70,21 +72,33 @@ async def start_gateway(settings: GatewaySettings, tracer: trace.Tracer | None =
             )
         runner = RequestRunner(settings, backends, hub, tracer)
         keys = ApiKeys(settings.api_keys)
-        service = GrpcService(
-            GenerationService(runner, keys), generation_pb2_grpc.add_GenerationServicer_to_server, SERVICE_NAME
-        )
+        http_api = OpenAIHttpApi(runner, keys)  # holds the Batch API's service, which gRPC Batches serves too
+        services = [
+            GrpcService(
+                GenerationService(runner, keys), generation_pb2_grpc.add_GenerationServicer_to_server, SERVICE_NAME
+            ),
+            GrpcService(
+                BatchesServicer(http_api.batches.service, keys),
+                batches_pb2_grpc.add_BatchesServicer_to_server,
+                BATCHES_SERVICE_NAME,
+            ),
+        ]
         grpc_server = await start_grpc_server(
-            [service],
+            services,
             settings.grpc_port,
             host=settings.host,
-            interceptors=[TracingServerInterceptor(tracer), GrpcAuthInterceptor(keys, SERVICE_NAME)],
+            interceptors=[
+                TracingServerInterceptor(tracer),
+                GrpcAuthInterceptor(keys, SERVICE_NAME),
+                GrpcAuthInterceptor(keys, BATCHES_SERVICE_NAME),
+            ],
         )
         undo.push_async_callback(grpc_server.stop, 0)
         health = HealthMirror(backends, hub, grpc_server, ["", SERVICE_NAME])
         health.start()
         undo.push_async_callback(health.stop)
         # handler_cancellation: a client that disconnects cancels its handler, which cancels the request upstream.
-        http = web.AppRunner(OpenAIHttpApi(runner, keys).application(), handler_cancellation=True, access_log=None)
+        http = web.AppRunner(http_api.application(), handler_cancellation=True, access_log=None)
         await http.setup()
         undo.push_async_callback(http.cleanup)
         await web.TCPSite(http, settings.host, settings.http_port, backlog=HTTP_BACKLOG).start()

@@ -12,6 +12,8 @@ ensure_stubs()
 
 # Imported after ensure_stubs() on purpose: the modules may not exist before it.
 from shardline.v1 import (  # noqa: E402
+    batches_pb2,
+    batches_pb2_grpc,
     common_pb2,
     generation_pb2,
     generation_pb2_grpc,
@@ -25,6 +27,8 @@ from shardline.v1 import (  # noqa: E402
 )
 
 __all__ = [
+    "batches_pb2",
+    "batches_pb2_grpc",
     "common_pb2",
     "ensure_stubs",
     "generation_pb2",

@@ -8,6 +8,7 @@ from typing import Any, TypeVar
 
 import grpc
 
+from shardline.client.batch_client import BatchClient
 from shardline.client.channel_options import CHANNEL_OPTIONS
 from shardline.client.types import (
     Chunk,
@@ -37,6 +38,9 @@ class ShardlineClient:
     retried only until its first chunk, and `resume()` continues one that broke
     later. A generation is never started twice: each has a request id (chosen here
     unless given), and a retry that finds it taken follows the one that started.
+
+    `batches` holds the Batch API's calls: upload a file of requests, start a batch, follow it,
+    download its results (see BatchClient).
     """
 
     def __init__(
@@ -50,6 +54,7 @@ class ShardlineClient:
     ) -> None:
         self._channel = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
         self._stub = generation_pb2_grpc.GenerationStub(self._channel)
+        self.batches = BatchClient(self, self._channel)  # the Batch API: files and batches
         self._metadata = [("authorization", f"Bearer {api_key}")] if api_key else []
         self.timeout = timeout
         self.retries = retries
