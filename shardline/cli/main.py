@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from shardline.cli import bench_cmd, generate_cmd, status_cmd, trace_cmd, up_cmd
+    from shardline.cli import batch_cmd, bench_cmd, generate_cmd, run_batch_cmd, status_cmd, trace_cmd, up_cmd
 
     parser = argparse.ArgumentParser(prog="shardline", description="Shardline: LLM serving in Python")
     sub = parser.add_subparsers(metavar="command")
@@ -53,6 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     generate_cmd.add_parsers(sub)
     bench_cmd.add_parser(sub)
     trace_cmd.add_parser(sub)
+    batch_cmd.add_parser(sub)
+    run_batch_cmd.add_parser(sub)
     return parser
 
 
