@@ -10,7 +10,7 @@ its /metrics is then the whole stack's page, in the manner of vLLM's one /metric
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 
 import grpc
 from aiohttp import web
@@ -18,6 +18,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, 
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from shardline.errors import ShardlineError
 from shardline.proto import scheduler_pb2, scheduler_pb2_grpc
 from tracing.metrics import KV_CACHE_USAGE, MODEL_LABEL, QUEUE_DEPTH, RUNNING_REQUESTS, TOKENS_PER_SECOND
 
@@ -66,12 +67,31 @@ def _gauge(like: Gauge, value: float | None = None, labels: list[str] | None = N
     return GaugeMetricFamily(described.name, described.documentation, value, labels)
 
 
-def metrics_handler(scheduler: scheduler_pb2_grpc.SchedulerStub):
-    """aiohttp handler for the gateway's /metrics; without the scheduler it serves its own metrics alone."""
+class _Batches(Collector):
+    def __init__(self, counts: dict[str, int]) -> None:
+        self._counts = counts
+
+    def collect(self) -> Iterator[Metric]:
+        family = GaugeMetricFamily("shardline_batches", "Batches of the Batch API, by status.", labels=["status"])
+        for status, count in sorted(self._counts.items()):
+            family.add_metric([status], count)
+        yield family
+
+
+def metrics_handler(
+    scheduler: scheduler_pb2_grpc.SchedulerStub, batch_counts: Callable[[], Awaitable[dict[str, int]]] | None = None
+):
+    """aiohttp handler for the gateway's /metrics; without the scheduler it serves its own metrics alone.
+    `batch_counts`: the batches by status, when the Batch API is on."""
 
     async def handle(_request: web.Request) -> web.Response:
         registry = CollectorRegistry(auto_describe=False)
         registry.register(_OwnMetrics())
+        if batch_counts is not None:
+            try:
+                registry.register(_Batches(await asyncio.wait_for(batch_counts(), SCRAPE_TIMEOUT_S)))
+            except (ShardlineError, TimeoutError):
+                pass  # Redis away: the page goes out without them
         try:
             stats, pool = await asyncio.gather(
                 scheduler.GetStats(scheduler_pb2.GetStatsRequest(), timeout=SCRAPE_TIMEOUT_S),

@@ -119,7 +119,11 @@ class OpenAIHttpApi:
         self.batches.add_routes(app)
         app.on_cleanup.append(lambda _: self.batches.close())
         app.router.add_get("/health", self.health)
-        app.router.add_get("/metrics", metrics_handler(self._runner.backends.scheduler))
+        service = self.batches.service
+        app.router.add_get(
+            "/metrics",
+            metrics_handler(self._runner.backends.scheduler, service.store.status_counts if service else None),
+        )
         return app
 
     async def completions(self, request: web.Request) -> web.StreamResponse:

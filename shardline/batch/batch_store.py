@@ -6,7 +6,9 @@ Keys, all under `shardline:batch:`:
 - `shardline:batch:<id>:out` and `:err`: hash, line index -> that line's output or error line (JSON).
   Together they are the done-set: a line in either is never run again, whoever runs its chunk again;
 - `shardline:batch:<id>:chunks`: set of the chunk indices finished;
-- `shardline:batches:<owner>`: sorted set of the owner's batch ids by creation time, for listing.
+- `shardline:batches:<owner>`: sorted set of the owner's batch ids by creation time, for listing;
+- `shardline:batches:by_status`: hash, status -> how many batches are in it, kept by the same
+  scripts that change a status, so /metrics reads it in one call.
 
 A state change is one script that checks the state it leaves, so a cancel and a worker finishing
 the batch cannot both win.
@@ -23,13 +25,16 @@ from shardline.request_store import CONNECT_TIMEOUT_S, SOCKET_TIMEOUT_S, unavail
 
 PREFIX = "shardline:batch:"
 
-# KEYS[1] the batch; ARGV to, timestamp field, now, then the states it may leave. Returns the status after.
+# KEYS[1] the batch, KEYS[2] the counts by status; ARGV to, timestamp field, now, then the states it
+# may leave. Returns the status after.
 _TRANSITION_LUA = """
 local status = redis.call('HGET', KEYS[1], 'status')
 if not status then return false end
 for i = 4, #ARGV do
   if status == ARGV[i] then
     redis.call('HSET', KEYS[1], 'status', ARGV[1], ARGV[2], ARGV[3])
+    redis.call('HINCRBY', KEYS[2], status, -1)
+    redis.call('HINCRBY', KEYS[2], ARGV[1], 1)
     return ARGV[1]
   end
 end
@@ -51,6 +56,9 @@ else
 end
 return 1
 """
+
+
+STATUS_COUNTS_KEY = "shardline:batches:by_status"
 
 
 def _key(batch_id: str) -> str:
@@ -79,6 +87,7 @@ class BatchStore:
         async with self._redis.pipeline(transaction=True) as pipe:
             pipe.hset(_key(record.id), mapping=record.to_hash())
             pipe.zadd(_owner_key(record.owner), {record.id: record.timestamps["created_at"]})
+            pipe.hincrby(STATUS_COUNTS_KEY, record.status, 1)
             await pipe.execute()
 
     @unavailable_when_down
@@ -101,7 +110,12 @@ class BatchStore:
         """Moves the batch to `to` if it is in one of `leaving`, stamping `<to>_at`; returns its status
         after (unchanged if it was elsewhere), None if there is no such batch."""
         now = str(int(time.time()))
-        return await self._transition(keys=[_key(batch_id)], args=[to, f"{to}_at", now, *leaving])
+        return await self._transition(keys=[_key(batch_id), STATUS_COUNTS_KEY], args=[to, f"{to}_at", now, *leaving])
+
+    @unavailable_when_down
+    async def status_counts(self) -> dict[str, int]:
+        """How many batches are in each status."""
+        return {status: int(n) for status, n in (await self._redis.hgetall(STATUS_COUNTS_KEY)).items()}
 
     @unavailable_when_down
     async def set_fields(self, batch_id: str, **fields: str) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -14,6 +15,7 @@ import pytest
 
 from shardline.ports import free_port
 from tests.e2e.batch_worker import chat_line, jsonl, output_lines, wait_batch
+from tests.e2e.http_client import get
 
 pytestmark = pytest.mark.slow
 
@@ -31,7 +33,7 @@ def _comparable(body: dict) -> dict:
     return {**{k: v for k, v in body.items() if k not in ("id", "created")}, "usage": usage}
 
 
-def test_batch_bodies_equal_the_online_answers(client):
+def test_batch_bodies_equal_the_online_answers(client, http_url):
     lines = [chat_line(f"q-{i}", f"Name a colour, then the number {i}.", max_tokens=12) for i in range(6)]
     lines.append(chat_line("q-stop", "Say hello.", max_tokens=16, stop=["l"]))
     upload = client.files.create(file=("in.jsonl", jsonl(lines)), purpose="batch")
@@ -56,6 +58,9 @@ def test_batch_bodies_equal_the_online_answers(client):
         online = client.chat.completions.create(model=model, **line["body"]).model_dump(exclude_unset=True)
         assert _comparable(result["response"]["body"]) == _comparable(online)
     assert client.files.retrieve(batch.output_file_id).purpose == "batch_output"
+    status, page = get(f"{http_url}/metrics")
+    completed = re.search(r'^shardline_batches\{status="completed"\} (\S+)$', page.decode(), re.MULTILINE)
+    assert status == 200 and completed and float(completed[1]) >= 1
     assert batch.id in [b.id for b in client.batches.list(limit=100).data]
 
 

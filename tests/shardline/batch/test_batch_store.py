@@ -47,6 +47,9 @@ def test_transitions_only_leave_the_states_named(redis_url):
             assert await store.transition("batch_b", "finalizing", ("in_progress",)) == "cancelling"
             record = await store.get("batch_b")
             assert record.status == "cancelling" and "cancelling_at" in record.timestamps
+            await store.create(_record("batch_c"))
+            counts = await store.status_counts()
+            assert counts == {"validating": 1, "in_progress": 0, "cancelling": 1}
             assert await store.transition("batch_missing", "cancelling", ("validating",)) is None
         finally:
             await store.close()
