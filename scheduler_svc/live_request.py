@@ -25,6 +25,8 @@ class LiveRequest:
     deadline_ts: float | None = None  # abort it if unfinished by then
     traceparent: str = ""  # W3C traceparent of the Submit call, for the worker's spans
     owner: str = ""  # digest of the API key that submitted it (the gateway checks it)
+    tenant: str = ""  # whose fair share it counts against within its class
+    tenant_weight: float = 1.0  # that tenant's share, relative to the other tenants'
     attempt: int = 0  # 1 once dispatched, one more per worker failure (what max_attempts limits)
     worker_id: str | None = None  # worker running it; None while queued
     output_token_ids: list[int] = field(default_factory=list)  # earlier attempts' tokens, prefilled on re-dispatch
@@ -46,6 +48,8 @@ class LiveRequest:
             deadline_ts=self.deadline_ts,
             traceparent=self.traceparent or None,
             owner=self.owner,
+            tenant=self.tenant,
+            tenant_weight=self.tenant_weight,
         )
 
     @classmethod
@@ -63,6 +67,8 @@ class LiveRequest:
             deadline_ts=record.deadline_ts,
             traceparent=record.traceparent or "",
             owner=record.owner,
+            tenant=record.tenant,
+            tenant_weight=record.tenant_weight,
             attempt=record.attempt,
             output_token_ids=tokens,
             num_output_tokens=len(tokens),

@@ -1,5 +1,6 @@
 """The Scheduler gRPC servicer: validation and message conversion around the Dispatcher."""
 
+import math
 import secrets
 import time
 from collections.abc import AsyncIterator
@@ -74,6 +75,9 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             deadline_ts=_seconds(request.deadline) if request.HasField("deadline") else None,
             traceparent=traceparent,
             owner=request.owner,
+            tenant=request.tenant,
+            # Unset (a gateway without tenants) or nonsense weighs as 1: the gateway checks the file's.
+            tenant_weight=request.tenant_weight if 0 < request.tenant_weight < math.inf else 1.0,
         )
         position = await self._dispatcher.submit(live)
         return scheduler_pb2.SubmitResponse(queue_position=position)
@@ -191,6 +195,7 @@ def _to_request_info(record: RequestRecord, tokens: list[int]) -> common_pb2.Req
         ),
         output_token_ids=tokens,
         owner=record.owner,
+        tenant=record.tenant,
     )
     for name, ts in (
         ("arrival_time", record.arrival_ts),

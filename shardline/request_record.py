@@ -57,6 +57,8 @@ class RequestRecord:
     deadline_ts: float | None = None  # abort it if unfinished by then; None means no deadline
     traceparent: str | None = None  # W3C traceparent of its trace, so a re-dispatch joins it
     owner: str = ""  # digest of the API key that submitted it; empty without keys
+    tenant: str = ""  # the tenant its key belongs to; empty from a gateway that names none
+    tenant_weight: float = 1.0  # that tenant's share of service within its priority class
 
 
 def encode_record(record: RequestRecord, prompt_len: int) -> list[str | int | float]:
@@ -75,6 +77,8 @@ def encode_record(record: RequestRecord, prompt_len: int) -> list[str | int | fl
         "deadline_ts": record.deadline_ts,
         "traceparent": record.traceparent or None,
         "owner": record.owner or None,
+        "tenant": record.tenant or None,
+        "tenant_weight": record.tenant_weight if record.tenant_weight != 1.0 else None,
     }
     return [item for name, value in fields.items() if value is not None for item in (name, value)]
 
@@ -107,4 +111,6 @@ def decode_record(request_id: str, raw: dict[bytes, bytes], num_output_tokens: i
         deadline_ts=optional_float("deadline_ts"),
         traceparent=h.get("traceparent"),
         owner=h.get("owner", ""),
+        tenant=h.get("tenant", ""),
+        tenant_weight=float(h.get("tenant_weight", 1.0)),
     )

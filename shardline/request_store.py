@@ -7,7 +7,8 @@ Keys, all under `shardline:`:
   timings arrival_ts, dispatch_ts, first_token_ts, finish_ts (unix seconds),
   cached_tokens (prompt tokens a worker's prefix cache served),
   and what a re-dispatch needs: eos_token_ids (JSON), deadline_ts, traceparent; owner (the
-  digest of the API key that submitted it, when the gateway takes keys);
+  digest of the API key that submitted it, when the gateway takes keys); tenant and
+  tenant_weight (whose fair share it counts against, once the gateway names one);
 - `shardline:req:<id>:prompt`: prompt token ids, packed little-endian uint32;
 - `shardline:req:<id>:tokens`: generated token ids, packed the same way and
   grown with APPEND, so reading from an offset is one GETRANGE;

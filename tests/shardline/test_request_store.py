@@ -366,3 +366,16 @@ async def test_the_owner_is_kept_and_none_is_empty(redis_url: str) -> None:
         await store.create(record("open"), [1])
         assert (await store.get("owned")).owner == "key-digest"
         assert (await store.get("open")).owner == ""
+
+
+@run_async
+async def test_the_tenant_and_its_weight_are_kept(redis_url: str) -> None:
+    async with RequestStore(redis_url) as store:
+        heavy = record("heavy")
+        heavy.tenant, heavy.tenant_weight = "acme", 2.5
+        await store.create(heavy, [1])
+        await store.create(record("plain"), [1])
+        stored = await store.get("heavy")
+        assert (stored.tenant, stored.tenant_weight) == ("acme", 2.5)
+        plain = await store.get("plain")
+        assert (plain.tenant, plain.tenant_weight) == ("", 1.0)
