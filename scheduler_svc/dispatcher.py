@@ -52,7 +52,7 @@ class Dispatcher:
         self.queue = RequestQueue(settings.queue_capacity)
         self.registry = WorkerRegistry(settings.dispatch_overcommit, settings.heartbeat_timeout_s)
         self._outage = StoreOutage(settings.redis_outage_s, settings.redis_outage_max_steps)
-        self.requests = RequestTable(store, relay, self.registry, on_change=self._wake.set, outage=self._outage)
+        self.requests = RequestTable(store, relay, self.registry, self._wake.set, self._outage, self.queue.counters)
         self.store_up = True  # Redis answered its last ping; nothing is dispatched while it does not
         self.on_store_health: Callable[[bool], Awaitable[None]] | None = None  # told when that changes
         self._parked: list[LiveRequest] = []  # held by no worker, waiting for Redis to re-queue them
@@ -220,6 +220,7 @@ class Dispatcher:
                 context=extract_context({"traceparent": request.traceparent}),
                 attributes={
                     attr.REQUEST_ID: request.request_id,
+                    attr.TENANT: request.tenant,
                     "shardline.worker_id": worker.worker_id,
                     "shardline.attempt": request.attempt,
                     attr.QUEUE_DEPTH: len(self.queue),
@@ -370,6 +371,7 @@ class Dispatcher:
             context=extract_context({"traceparent": request.traceparent}),
             attributes={
                 attr.REQUEST_ID: request.request_id,
+                attr.TENANT: request.tenant,
                 attr.QUEUE_DEPTH: len(self.queue),
                 attr.GEN_AI_REQUEST_MODEL: request.model,
             },

@@ -8,6 +8,7 @@ from collections import defaultdict
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 
+from scheduler_svc.fair_share import VirtualCounters
 from scheduler_svc.live_request import LiveRequest
 from scheduler_svc.relay import Relay
 from scheduler_svc.store_outage import StoreOutage
@@ -57,12 +58,14 @@ class RequestTable:
         registry: WorkerRegistry,
         on_change: Callable[[], None],
         outage: StoreOutage | None = None,
+        counters: VirtualCounters | None = None,
     ) -> None:
         self._store = store
         self._relay = relay
         self._registry = registry
         self._on_change = on_change  # wakes the dispatch loop: a slot freed up
         self._outage = outage or StoreOutage()
+        self._counters = counters or VirtualCounters()  # the queue's: charged for output as it is recorded
         self._live: dict[str, LiveRequest] = {}
         # Per worker, held from a batch of steps' Redis write to its relay (see steps_held).
         self._persisting: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
@@ -166,6 +169,9 @@ class RequestTable:
             raise
         self._end(finished)
         for step, kept in zip(steps, kept_per_step):
+            for request, delta in kept:
+                if delta.token_ids:
+                    self._counters.generated(request.tenant, request.tenant_weight, len(delta.token_ids))
             self._publish(worker_id, step.step, kept)
 
     async def finish(self, outcomes: Iterable[Outcome]) -> None:

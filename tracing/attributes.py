@@ -33,6 +33,7 @@ TOOL_CHOICE = "shardline.tool_choice"  # a request with tools: none, auto, requi
 PREFIX_CACHE_HITS = "shardline.prefix_cache_hits"
 DRAFT_TOKENS = "shardline.draft_tokens"  # n-gram speculation: draft tokens the step computed
 ACCEPTED_TOKENS = "shardline.accepted_tokens"  # of those, the ones kept as output
+TENANT = "shardline.tenant"  # the tenant a request counts against (gateway request span, scheduler queue span)
 # Batch jobs: the batch a batch.chunk or batch.line span works for, the chunk's index, the lines it kept.
 BATCH_ID = "shardline.batch_id"
 BATCH_CHUNK = "shardline.batch_chunk"
