@@ -1,4 +1,4 @@
-"""`shardline bench`: vLLM-style serving benchmark of a stack, side by side with the in-process engine."""
+"""`shardline bench`: vLLM-style serving benchmark of a stack or any OpenAI-compatible server, side by side."""
 
 from __future__ import annotations
 
@@ -22,7 +22,46 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--url", default=None, help="gateway gRPC address of a running stack")
     p.add_argument("--launch", action="store_true", help="start a private stack for the run (free ports)")
     p.add_argument("--engine", action="store_true", help="also run the same load on the engine in-process")
-    p.add_argument("--model", default=None)
+    p.add_argument(
+        "--model",
+        default=None,
+        help="the model to run (a path, a name or dummy:<shape>); with --backend openai, the model the "
+        "requests name (default: the first of each server's GET /v1/models)",
+    )
+    p.add_argument(
+        "--backend",
+        choices=("stack", "openai"),
+        default="stack",
+        help="stack: the gateway's gRPC API (--url, --launch); openai: streamed /v1/completions of any "
+        "OpenAI-compatible server (--base-url, or --launch for a private stack's HTTP API)",
+    )
+    p.add_argument("--base-url", default=None, help="--backend openai: the server, e.g. http://127.0.0.1:8080")
+    p.add_argument(
+        "--compare-base-url",
+        default=None,
+        help="--backend openai: a second server, alternated with the first round by round",
+    )
+    p.add_argument("--api-key", default=None, help="--backend openai: sent as 'Authorization: Bearer <key>'")
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        help="--backend openai: the local model whose vocabulary the random prompts come from (and which "
+        "--launch runs); default: Shardline's default model",
+    )
+    p.add_argument(
+        "--prompt-format",
+        choices=("ids", "text"),
+        default="ids",
+        help="--backend openai: send prompts as token-id lists (vLLM, SGLang, llama-server, Shardline), or "
+        "as their text under --tokenizer, for servers that take only text",
+    )
+    p.add_argument(
+        "--ignore-eos",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="--backend openai: send ignore_eos (a vLLM and llama.cpp extension) so every request makes "
+        "--output-len tokens; --no-ignore-eos for servers that refuse the field",
+    )
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)
@@ -62,16 +101,20 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 async def _measure(
-    makers: dict[str, Callable[[], object]], spec: LoadSpec, args: argparse.Namespace
+    makers: dict[str, Callable[[], object]], spec: LoadSpec, args: argparse.Namespace, targets: dict[str, str]
 ) -> dict[str, list[dict]]:
-    """Each backend's summary per round; rounds alternate which backend goes first."""
+    """Each backend's summary per round; rounds alternate which backend goes first. `targets` gets
+    what each OpenAI-compatible backend is: its server and model."""
     backends = {}
     slos = Slos(args.slo_ttft_ms, args.slo_tpot_ms, args.slo_e2el_ms)
     try:
         for name, make in makers.items():
             backends[name] = make()  # inside the loop: grpc.aio channels belong to the loop that creates them
-        if "stack" in backends:  # prompts are random ids: ids the served model has, not the local one
-            spec = dataclasses.replace(spec, vocab_size=min(spec.vocab_size, await backends["stack"].vocab_size()))
+        for name, backend in backends.items():  # prompts are random ids: ids every served model has
+            if hasattr(backend, "vocab_size") and (size := await backend.vocab_size()):
+                spec = dataclasses.replace(spec, vocab_size=min(spec.vocab_size, size))
+            if hasattr(backend, "root"):
+                targets[name] = f"{backend.root}, model {backend.model}"
         for name, backend in backends.items():
             warm = LoadSpec(
                 num_prompts=min(4, spec.num_prompts),
@@ -102,10 +145,6 @@ async def _measure(
 def run(args: argparse.Namespace) -> int:
     # Imported here: they pull in torch, which would slow every other subcommand's start.
     from gpu_worker_svc.model.loader import load_config
-    from gpu_worker_svc.server.main import engine_config
-    from gpu_worker_svc.server.settings import WorkerSettings
-    from shardline.bench.backends import EngineBackend, StackBackend
-    from shardline.host_memory import reexec_with_malloc_env
 
     if args.rounds < 1:
         print("--rounds must be at least 1")
@@ -117,7 +156,7 @@ def run(args: argparse.Namespace) -> int:
     if not 0 < args.burstiness < math.inf or (args.request_rate < math.inf and not math.isfinite(gap_scale)):
         print("--burstiness must be a finite number above 0")
         return 2
-    # With --url the served model's vocabulary may be smaller: _measure asks the stack.
+    # A served model's vocabulary may be smaller: _measure asks the servers that say.
     spec = LoadSpec(
         args.num_prompts,
         args.input_len,
@@ -125,42 +164,25 @@ def run(args: argparse.Namespace) -> int:
         args.request_rate,
         args.max_concurrency,
         args.seed,
-        load_config(args.model).vocab_size,
+        load_config(args.tokenizer if args.backend == "openai" else args.model).vocab_size,
         args.burstiness,
     )
-    if not (args.url or args.launch or args.engine):
-        print("give --url, --launch and/or --engine")
-        return 2
-    # The worker's own settings (its defaults and any SHARDLINE_* variables, as a launched stack's
-    # worker reads them), so the engine runs exactly as it does inside the stack. Read before
-    # anything starts: a bad variable must not leave a launched stack behind.
-    settings = WorkerSettings(model=args.model, tracing=False)
-    if args.engine and settings.resolved_device == "cpu" and getattr(args, "own_process", False):
-        reexec_with_malloc_env()  # the engine then runs under a CPU worker's malloc settings
     makers: dict[str, Callable[[], object]] = {}
+    targets: dict[str, str] = {}
     stack = None
     try:
-        if args.launch:
-            from shardline.stack import LocalStack, StackConfig
-
-            env: dict[str, object] = {}
-            if args.engine and settings.resolved_device != "cpu":
-                # Both hold the GPU for the whole run: the stack's worker takes half the share, and the
-                # engine's sizing counts the worker's memory as used by others.
-                env["GPU_MEMORY_UTILIZATION"] = settings.gpu_memory_utilization / 2
-            stack = LocalStack(StackConfig.on_free_ports(model=args.model, env=env)).start()
-        url = f"127.0.0.1:{stack.config.grpc_port}" if stack is not None else args.url
-        if url:
-            makers["stack"] = lambda: StackBackend(url)
-        if args.engine:
-            config, gap = engine_config(settings), settings.resolved_admission_gap_s
-            makers["engine"] = lambda: EngineBackend(config, gap, settings.torch_threads)
-        rounds = asyncio.run(_measure(makers, spec, args))
+        stack = (_openai_targets if args.backend == "openai" else _stack_targets)(args, makers)
+        rounds = asyncio.run(_measure(makers, spec, args, targets))
+    except _FlagsError as exc:
+        print(exc)
+        return 2
     finally:
         if stack is not None:
             stack.stop()
     results = {name: median_of_rounds(r) for name, r in rounds.items()}
     _print(results, spec, args.rounds)
+    for name, target in targets.items():
+        print(f"{name}: {target}")
     comparison = _compare(rounds)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(
@@ -170,6 +192,7 @@ def run(args: argparse.Namespace) -> int:
                 "results": results,
                 "rounds": rounds,
                 "comparison": comparison,
+                "targets": targets,
             },
             indent=2,
             default=str,
@@ -179,30 +202,113 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+class _FlagsError(Exception):
+    """Flags that do not make a run: said in one line, exit 2."""
+
+
+def _stack_targets(args: argparse.Namespace, makers: dict[str, Callable[[], object]]):
+    """The gRPC stack (--url or --launch) and the in-process engine; returns the launched stack, if any."""
+    from gpu_worker_svc.server.main import engine_config
+    from gpu_worker_svc.server.settings import WorkerSettings
+    from shardline.bench.backends import EngineBackend, StackBackend
+    from shardline.host_memory import reexec_with_malloc_env
+
+    if args.base_url or args.compare_base_url:
+        raise _FlagsError("--base-url and --compare-base-url need --backend openai")
+    if not (args.url or args.launch or args.engine):
+        raise _FlagsError("give --url, --launch and/or --engine")
+    # The worker's own settings (its defaults and any SHARDLINE_* variables, as a launched stack's
+    # worker reads them), so the engine runs exactly as it does inside the stack. Read before
+    # anything starts: a bad variable must not leave a launched stack behind.
+    settings = WorkerSettings(model=args.model, tracing=False)
+    if args.engine and settings.resolved_device == "cpu" and getattr(args, "own_process", False):
+        reexec_with_malloc_env()  # the engine then runs under a CPU worker's malloc settings
+    stack = None
+    if args.launch:
+        env: dict[str, object] = {}
+        if args.engine and settings.resolved_device != "cpu":
+            # Both hold the GPU for the whole run: the stack's worker takes half the share, and the
+            # engine's sizing counts the worker's memory as used by others.
+            env["GPU_MEMORY_UTILIZATION"] = settings.gpu_memory_utilization / 2
+        stack = _launch(args.model, env)
+    url = f"127.0.0.1:{stack.config.grpc_port}" if stack is not None else args.url
+    if url:
+        makers["stack"] = lambda: StackBackend(url)
+    if args.engine:
+        config, gap = engine_config(settings), settings.resolved_admission_gap_s
+        makers["engine"] = lambda: EngineBackend(config, gap, settings.torch_threads)
+    return stack
+
+
+def _openai_targets(args: argparse.Namespace, makers: dict[str, Callable[[], object]]):
+    """`base` (--base-url, or a launched stack's HTTP API) and `compare` (--compare-base-url), both
+    through the same OpenAI client; returns the launched stack, if any."""
+    from shardline.bench.openai_backend import OpenAIBackend
+
+    if args.url or args.engine:
+        raise _FlagsError("--backend openai takes --base-url, --compare-base-url and --launch, not --url or --engine")
+    if bool(args.base_url) == bool(args.launch):
+        raise _FlagsError(
+            "--backend openai: give --base-url or --launch (a private stack as the base target), not both"
+        )
+    detokenize = None
+    if args.prompt_format == "text":
+        from shardline.model_path import resolve_model_path
+        from shardline.text.tokenizer import Tokenizer
+
+        detokenize = Tokenizer.from_model_path(resolve_model_path(args.tokenizer)).decode
+    stack = _launch(args.tokenizer) if args.launch else None
+    urls = {"base": f"http://127.0.0.1:{stack.config.http_port}" if stack else args.base_url}
+    if args.compare_base_url:
+        urls["compare"] = args.compare_base_url
+    for name, url in urls.items():
+        makers[name] = lambda url=url: OpenAIBackend(url, args.model, args.api_key, args.ignore_eos, detokenize)
+    return stack
+
+
+def _launch(model: str | None, env: dict[str, object] | None = None):
+    from shardline.stack import LocalStack, StackConfig
+
+    return LocalStack(StackConfig.on_free_ports(model=model, env=env or {})).start()
+
+
 def _compare(rounds: dict[str, list[dict]]) -> dict | None:
-    """Stack against engine, round by round (each round's pair ran minutes apart at most), then medians."""
-    if "stack" not in rounds or "engine" not in rounds:
+    """Stack against engine, or base against compare, round by round (each round's pair ran minutes
+    apart at most), then the medians of the rounds' ratios."""
+    pair = next((p for p in (("stack", "engine"), ("base", "compare")) if all(n in rounds for n in p)), None)
+    if pair is None:
         return None
+    a, b = pair
     # A round where either side completed nothing has no ratio (its failures are in the table).
-    pairs = [(s, e) for s, e in zip(rounds["stack"], rounds["engine"]) if s["completed"] and e["completed"]]
+    pairs = [(i, x, y) for i, (x, y) in enumerate(zip(rounds[a], rounds[b])) if x["completed"] and y["completed"]]
     if not pairs:
         print("\nno round completed requests on both sides: nothing to compare")
         return None
-    ratios = [s["output_throughput"] / e["output_throughput"] for s, e in pairs]
-    added = [s["ttft_ms"]["median"] - e["ttft_ms"]["median"] for s, e in pairs]
+    ratios = [x["output_throughput"] / y["output_throughput"] for _, x, y in pairs]
+    added = [x["ttft_ms"]["median"] - y["ttft_ms"]["median"] for _, x, y in pairs]
+    tpot = [x["tpot_ms"]["median"] / y["tpot_ms"]["median"] if y["tpot_ms"]["median"] else None for _, x, y in pairs]
     if len(ratios) > 1:
-        for i, (ratio, ms) in enumerate(zip(ratios, added)):
-            print(f"round {i + 1}: stack/engine output throughput {ratio:.3f}; added TTFT p50 {ms:+.1f} ms")
+        for (i, _, _), ratio, ms, t in zip(pairs, ratios, added, tpot):
+            print(
+                f"round {i + 1}: {a}/{b} output throughput {ratio:.3f}; added TTFT p50 {ms:+.1f} ms"
+                + (f"; TPOT p50 ratio {t:.3f}" if t is not None else "")
+            )
     print(
-        f"\nstack/engine output throughput: {statistics.median(ratios):.3f} (range {min(ratios):.3f}-"
+        f"\n{a}/{b} output throughput: {statistics.median(ratios):.3f} (range {min(ratios):.3f}-"
         f"{max(ratios):.3f}); added TTFT p50: {statistics.median(added):+.1f} ms (range {min(added):+.1f} to "
         f"{max(added):+.1f})"
     )
+    tpots = [t for t in tpot if t is not None]
+    if tpots:
+        print(f"{a}/{b} TPOT p50: {statistics.median(tpots):.3f} (range {min(tpots):.3f}-{max(tpots):.3f})")
     return {
+        "sides": [a, b],
         "output_throughput_ratio": statistics.median(ratios),
         "ratios": ratios,
         "added_ttft_p50_ms": statistics.median(added),
         "added_ttft_p50_ms_rounds": added,
+        "tpot_p50_ratio": statistics.median(tpots) if tpots else None,
+        "tpot_p50_ratios": tpot,
     }
 
 

@@ -122,3 +122,18 @@ def test_arrivals_keep_the_rate_and_burstiness_sets_their_spread(burstiness):
 def test_bad_arrival_settings_are_refused_in_one_line(capsys, rate, burstiness, error):
     assert main(["bench", "--engine", "--request-rate", rate, "--burstiness", burstiness]) == 2
     assert error in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "flags, error",
+    [
+        (["--backend", "openai"], "give --base-url or --launch"),
+        (["--backend", "openai", "--launch", "--base-url", "http://h:1"], "give --base-url or --launch"),
+        (["--backend", "openai", "--base-url", "http://h:1", "--engine"], "not --url or --engine"),
+        (["--base-url", "http://h:1"], "--base-url and --compare-base-url need --backend openai"),
+        (["--compare-base-url", "http://h:1", "--launch"], "need --backend openai"),
+    ],
+)
+def test_flags_that_name_no_single_set_of_targets_are_refused_in_one_line(capsys, flags, error):
+    assert main(["bench", *flags]) == 2
+    assert error in capsys.readouterr().out
