@@ -1,14 +1,15 @@
-"""API keys: `Authorization: Bearer <key>` on HTTP, `authorization` metadata on gRPC."""
+"""API keys: `Authorization: Bearer <key>` on HTTP, `authorization` metadata on gRPC; from
+SHARDLINE_API_KEYS, and from the tenants file (gateway/tenants.py) when there is one."""
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 from collections.abc import Awaitable, Callable, Iterable
 
 import grpc
 from aiohttp import web
 
+from gateway.tenants import OWNER_CHARS, TenantDirectory, key_digest
 from shardline.errors import Unauthenticated
 
 # Paths that answer without a key: load balancers and Prometheus do not carry one.
@@ -16,34 +17,40 @@ OPEN_PATHS = frozenset(("/health", "/metrics"))
 
 
 class ApiKeys:
-    """The accepted keys; an empty set turns authentication off."""
+    """The accepted keys: SHARDLINE_API_KEYS' and the tenants file's; none turns authentication off."""
 
-    def __init__(self, keys: Iterable[str]) -> None:
+    def __init__(self, keys: Iterable[str], tenants: TenantDirectory | None = None) -> None:
         self._keys = [key.encode() for key in keys]
+        self._tenants = tenants
 
     @property
     def enabled(self) -> bool:
-        return bool(self._keys)
+        return bool(self._keys) or self._tenants is not None
 
     def check(self, authorization: str | None) -> None:
         """Raise Unauthenticated unless `authorization` is "Bearer <an accepted key>"."""
-        if not self._keys:
+        if not self.enabled:
             return
         scheme, _, key = (authorization or "").partition(" ")
         if scheme.lower() != "bearer" or not key:
             raise Unauthenticated("missing API key: send 'Authorization: Bearer <key>'")
+        key = key.strip()
+        # The file holds digests: a lookup by the key's digest tells nothing of a near miss.
+        if self._tenants is not None and self._tenants.knows(key_digest(key)):
+            return
         # Compare against every key in constant time, so timing tells nothing about a near miss.
-        if not any([hmac.compare_digest(key.strip().encode(), known) for known in self._keys]):
+        if not any([hmac.compare_digest(key.encode(), known) for known in self._keys]):
             raise Unauthenticated("invalid API key")
 
     def owner(self, authorization: str | None) -> str:
         """Who a request belongs to: a digest of the caller's key (never the key itself, which then
         never reaches Redis), or "" when keys are off and every caller may act on every request.
         Call after check()."""
-        if not self._keys:
+        if not self.enabled:
             return ""
         key = (authorization or "").partition(" ")[2].strip()
-        return hashlib.sha256(key.encode()).hexdigest()[:32]
+        # The same digest as the tenants file's, cut short: the owner also finds the key's tenant.
+        return key_digest(key)[:OWNER_CHARS]
 
     def grpc_owner(self, context: grpc.aio.ServicerContext) -> str:
         """owner() of a gRPC call's `authorization` metadata."""

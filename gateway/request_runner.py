@@ -26,6 +26,7 @@ from gateway.request_stream import RequestStream, StreamChunk, failure_of
 from gateway.settings import GatewaySettings
 from gateway.stop_matcher import StopMatcher
 from gateway.stream_hub import StreamHub
+from gateway.tenants import TenantDirectory, tenant_of
 from shardline.errors import (
     AlreadyExists,
     DeadlineExceeded,
@@ -226,6 +227,7 @@ class RequestRunner:
         self.tracer = tracer
         self.admission = Admission(settings.max_admitting, settings.queue_full_hold_s)
         self.prompt_bound = PromptBound(backends)
+        self.tenants = TenantDirectory(settings.tenants_file) if settings.tenants_file else None
 
     async def start(self, spec: GenerationSpec, span: trace.Span) -> SubmittedRequest:
         """Submit `spec`; call inside `span` (current), so the Submit rpc carries the request's trace."""
@@ -285,6 +287,8 @@ class RequestRunner:
             stop_token_ids=frozenset(info.eos_token_ids) | frozenset(params.stop_token_ids),
         )
         self.hub.register(stream)
+        tenant = tenant_of(self.tenants, spec.owner)
+        prepared.span.set_attribute(attr.TENANT, tenant.name)
         submit = scheduler_pb2.SubmitRequest(
             request_id=spec.request_id,
             gateway_id=self.settings.gateway_id,
@@ -292,10 +296,12 @@ class RequestRunner:
             prompt_token_ids=prompt_ids,
             params=params,
             eos_token_ids=info.eos_token_ids,
-            priority=spec.priority,
+            priority=tenant.priority_for(spec.priority),
             arrival_time=spec.arrival_time,
             deadline=_now_timestamp(timeout_s),
             owner=spec.owner,
+            tenant=tenant.name,
+            tenant_weight=tenant.weight,
         )
         try:
             with upstream("scheduler"):

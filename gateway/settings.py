@@ -64,6 +64,9 @@ class GatewaySettings(BaseSettings):
     batch_window_s: float | None = Field(None, gt=0)
     # Export spans over OTLP (SHARDLINE_TRACING=0 turns it off); trace context is propagated either way.
     tracing: bool = True
+    # YAML file of tenants (gateway/tenants.py): each API key's tenant, weight and priority class, keys stored
+    # as sha256 digests, re-read when it changes. Empty: one default tenant, and SHARDLINE_API_KEYS alone.
+    tenants_file: str = ""
 
     @field_validator("api_keys", mode="before")
     @classmethod
