@@ -71,7 +71,7 @@ async def start_gateway(settings: GatewaySettings, tracer: trace.Tracer | None =
                 "scheduler at %s not reachable yet; requests get 503 until it is", settings.scheduler_address
             )
         runner = RequestRunner(settings, backends, hub, tracer)
-        keys = ApiKeys(settings.api_keys)
+        keys = ApiKeys(settings.api_keys, runner.tenants)  # the tenants file's keys are accepted too
         http_api = OpenAIHttpApi(runner, keys)  # holds the Batch API's service, which gRPC Batches serves too
         services = [
             GrpcService(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import grpc
 import pytest
 
 from gateway.auth import ApiKeys
@@ -142,3 +143,22 @@ def test_a_keys_tenant_weight_and_class_reach_the_scheduler(tokenizer_address, t
 
     # The file's keys also in SHARDLINE_API_KEYS, so that this holds whichever of the two lets them in.
     run_on_stack(tokenizer_address, Script(text_ids), body, api_keys="k-acme,k-free,k-plain", tenants_file=str(path))
+
+
+def test_the_files_keys_alone_let_requests_in(tokenizer_address, text_ids, tmp_path: Path) -> None:
+    """With no SHARDLINE_API_KEYS, the tenants file's keys are the gateway's keys: others get 401."""
+    path = tmp_path / "tenants.yaml"
+    _write(path, FILE)
+
+    async def body(stack: Stack) -> None:
+        await stack.generation.Generate(
+            generation_pb2.GenerateRequest(prompt="hi"), metadata=[("authorization", "Bearer k-free")]
+        )
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await stack.generation.Generate(
+                generation_pb2.GenerateRequest(prompt="hi"), metadata=[("authorization", "Bearer k-unknown")]
+            )
+        assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert [s.tenant for s in stack.scheduler.submitted] == ["free"]
+
+    run_on_stack(tokenizer_address, Script(text_ids), body, tenants_file=str(path))
