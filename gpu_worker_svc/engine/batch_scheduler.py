@@ -7,6 +7,12 @@ max_num_seqs and free KV blocks allow. When a running sequence needs a block
 and none is free, the lowest-priority, newest running sequence is preempted
 by recompute: it loses its blocks and goes back to waiting.
 
+Background sequences (priority at or above `background_priority`: batch jobs) yield to the
+foreground: while any foreground sequence runs or waits, at most `background_max_seqs`
+background ones run, the newest beyond that go back to waiting, and no more are admitted. Their
+full blocks stay in the prefix cache, so taking them up again recomputes little; and each
+foreground step then costs what it would cost without the batch, near enough.
+
 With n-gram speculation a decode also carries its sequence's draft tokens
 (seq.draft_token_ids), but only from what the step leaves over: after every
 running sequence has its tokens and the waiting ones are admitted, within the
@@ -30,6 +36,9 @@ class SchedulerConfig:
     max_num_seqs: int = 64  # most sequences running at once
     max_num_batched_tokens: int = 2048  # token budget of one step
     enable_chunked_prefill: bool = True  # split long prefills across steps
+    # Sequences of this priority or more (lower is served first) are background work: None, none are.
+    background_priority: int | None = None
+    background_max_seqs: int = 4  # background sequences running at most while foreground ones run or wait
 
     def validate(self) -> None:
         if self.max_num_seqs < 1:
@@ -149,7 +158,9 @@ class BatchScheduler:
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
         scheduled: dict[str, ScheduledSeq] = {}
-        preempted_ids: list[str] = []
+        preempted_ids: list[str] = []  # for want of blocks
+        foreground = self._foreground_present()
+        yielded = self._yield_to_foreground() if foreground else []
 
         for seq in list(self._running):
             if budget == 0:
@@ -175,10 +186,16 @@ class BatchScheduler:
         # A preempted sequence would otherwise be readmitted at once, only to
         # be preempted again: wait a step for running ones to free blocks.
         if not preempted_ids:
+            background_running = sum(1 for s in self._running if self._is_background(s)) if foreground else 0
             while self._waiting and budget > 0:
                 if len(self._running) >= self.config.max_num_seqs:
                     break
-                item = self._admit(self._waiting[0], budget)
+                head = self._waiting[0]
+                if foreground and self._is_background(head):
+                    if background_running >= self.config.background_max_seqs:
+                        break  # the queue is in priority order: only background work is behind it
+                    background_running += 1
+                item = self._admit(head, budget)
                 if item is None:
                     break  # strict order: nothing overtakes the head of the queue
                 self._waiting.pop(0)
@@ -198,7 +215,7 @@ class BatchScheduler:
         items = list(scheduled.values())
         return SchedulerOutput(
             scheduled=items,
-            preempted_ids=preempted_ids,
+            preempted_ids=yielded + preempted_ids,
             num_batched_tokens=sum(item.num_new_tokens for item in items),
             num_prefix_cached_tokens=num_prefix_cached,
         )
@@ -300,6 +317,29 @@ class BatchScheduler:
             return False
         seq.block_ids.extend(self.block_pool.allocate(missing))
         return True
+
+    def _is_background(self, seq: Sequence) -> bool:
+        limit = self.config.background_priority
+        return limit is not None and seq.priority >= limit
+
+    def _foreground_present(self) -> bool:
+        if self.config.background_priority is None:
+            return False
+        return any(not self._is_background(s) for s in self._running) or any(
+            not self._is_background(s) for s in self._waiting
+        )
+
+    def _yield_to_foreground(self) -> list[str]:
+        """Preempts the newest running background sequences beyond background_max_seqs; their ids."""
+        background = [s for s in self._running if self._is_background(s)]
+        excess = len(background) - self.config.background_max_seqs
+        if excess <= 0:
+            return []
+        victims = sorted(background, key=lambda s: s.arrival_time, reverse=True)[:excess]
+        for seq in victims:
+            self._cache_full_blocks(seq)
+            self._preempt(seq)
+        return [seq.request_id for seq in victims]
 
     def _pick_victim(self) -> Sequence:
         # Lowest priority (highest value) first, then the newest arrival.

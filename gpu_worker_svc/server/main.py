@@ -122,7 +122,12 @@ def engine_config(s: WorkerSettings) -> EngineConfig:
     )
     return EngineConfig(
         runner,
-        SchedulerConfig(s.max_num_seqs, s.max_num_batched_tokens),
+        SchedulerConfig(
+            s.max_num_seqs,
+            s.max_num_batched_tokens,
+            background_priority=s.background_priority,
+            background_max_seqs=s.background_max_seqs,
+        ),
         s.enable_prefix_caching,
         SpeculativeConfig(s.num_speculative_tokens),
     )

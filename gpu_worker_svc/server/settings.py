@@ -42,6 +42,10 @@ class WorkerSettings(BaseSettings):
     max_num_seqs: int = Field(64, ge=1)
     # Token budget of one engine step.
     max_num_batched_tokens: int = Field(2048, ge=1)
+    # Requests of this priority or more are background work (batch jobs run at 100): while any other
+    # request runs or waits, at most background_max_seqs of them run. None: no request is background.
+    background_priority: int | None = 100
+    background_max_seqs: int = Field(4, ge=0)
     # Reuse KV blocks across requests that share a prompt prefix.
     enable_prefix_caching: bool = True
     # When idle, wait until no request has arrived for this long (at most 10 such gaps, and never once

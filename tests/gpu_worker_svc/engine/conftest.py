@@ -22,11 +22,15 @@ def create_scheduler() -> Callable[..., BatchScheduler]:
         max_num_batched_tokens: int = 64,
         enable_chunked_prefill: bool = True,
         enable_prefix_caching: bool = True,
+        background_priority: int | None = None,
+        background_max_seqs: int = 4,
     ) -> BatchScheduler:
         config = SchedulerConfig(
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             enable_chunked_prefill=enable_chunked_prefill,
+            background_priority=background_priority,
+            background_max_seqs=background_max_seqs,
         )
         pool = BlockPool(num_blocks, block_size, enable_prefix_caching)
         return BatchScheduler(config, pool)
