@@ -9,6 +9,7 @@ from pathlib import Path
 from shardline.cli.arg_types import at_least_one
 from shardline.cli.one_line_errors import one_line_errors
 from shardline.client.batch_types import BatchInfo
+from shardline.stack_state import StackNotRunning, StackState
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
 
@@ -39,14 +40,28 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     download.add_argument("--errors", action="store_true", help="the batch's error file instead of its output")
     download.set_defaults(func=one_line_errors("batch download", run_download))
     for action in (submit, status, listing, cancel, download):
-        action.add_argument("--url", default="localhost:50051", help="the gateway's gRPC address (host:port)")
+        action.add_argument(
+            "--url",
+            default=None,
+            help="the gateway's gRPC address (default: the stack `shardline up` runs on --data-dir, else "
+            "localhost:50051)",
+        )
+        action.add_argument("--data-dir", type=Path, default=Path(".shardline"), help="the stack's folder")
         action.add_argument("--api-key", default=None)
 
 
 def _client(args: argparse.Namespace):
     from shardline.client import ShardlineClient
 
-    return ShardlineClient(args.url, api_key=args.api_key)
+    return ShardlineClient(args.url or _stack_address(args.data_dir), api_key=args.api_key)
+
+
+def _stack_address(data_dir: Path) -> str:
+    """The gateway of the stack `shardline up` runs on `data_dir`; the default port when none runs."""
+    try:
+        return StackState.read(data_dir).grpc_address
+    except StackNotRunning:
+        return "localhost:50051"
 
 
 def run_submit(args: argparse.Namespace) -> int:

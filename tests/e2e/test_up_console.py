@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 
@@ -88,3 +90,32 @@ def test_a_killed_service_is_reported_on_the_console_and_status_follows_its_rest
     done = up.status()
     assert done.returncode == 0 and tokenizer_pid() != killed, done
     assert not INFO_RECORD.findall(up.output), up.output
+
+
+def test_batch_commands_find_the_running_stack_by_its_folder(up, tmp_path):
+    """`shardline batch` reaches the gateway of the stack on --data-dir, with no --url: a batch submitted
+    so runs on the stack's own batch worker."""
+    line = {"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"prompt": "Hi", "max_tokens": 2}}
+    data = tmp_path / "in.jsonl"
+    data.write_text(json.dumps(line) + "\n")
+    command = [
+        sys.executable,
+        "-m",
+        "shardline.cli.main",
+        "batch",
+        "submit",
+        str(data),
+        "--endpoint",
+        "/v1/completions",
+    ]
+    done = subprocess.run(
+        [*command, "--wait", "--data-dir", str(up.data_dir)], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done
+    listed = subprocess.run(
+        [sys.executable, "-m", "shardline.cli.main", "batch", "list", "--data-dir", str(up.data_dir)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert listed.returncode == 0 and "completed" in listed.stdout, listed
