@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterable, Callable
 from dataclasses import dataclass
 
 import aiohttp
@@ -144,7 +144,7 @@ class OpenAIBackend:
         await self.session.close()
 
 
-async def read_stream(lines, start: float, timing: RequestTiming) -> dict | None:
+async def read_stream(lines: AsyncIterable[bytes], start: float, timing: RequestTiming) -> dict | None:
     """Read a completions event stream to its `[DONE]`: the arrival of every chunk whose text is not
     empty goes into `timing.chunk_times`; returns the usage, if a chunk carried one.
 
