@@ -7,11 +7,9 @@ max_num_seqs and free KV blocks allow. When a running sequence needs a block
 and none is free, the lowest-priority, newest running sequence is preempted
 by recompute: it loses its blocks and goes back to waiting.
 
-Background sequences (priority at or above `background_priority`: batch jobs) yield to the
-foreground: while any foreground sequence runs or waits, at most `background_max_seqs`
-background ones run, the newest beyond that go back to waiting, and no more are admitted. Their
-full blocks stay in the prefix cache, so taking them up again recomputes little; and each
-foreground step then costs what it would cost without the batch, near enough.
+Background sequences (batch jobs) yield to the foreground (background_yield.py): a bounded
+number of them run beside foreground ones. Those sent back keep their full blocks in the prefix
+cache, so taking them up again recomputes little.
 
 With n-gram speculation a decode also carries its sequence's draft tokens
 (seq.draft_token_ids), but only from what the step leaves over: after every
@@ -23,8 +21,11 @@ shrinks real work.
 import bisect
 import logging
 import random
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from gpu_worker_svc.engine.background_yield import BackgroundYield
 from gpu_worker_svc.engine.block_pool import BlockPool
 from gpu_worker_svc.engine.sequence import Sequence, SequenceStatus
 
@@ -39,6 +40,7 @@ class SchedulerConfig:
     # Sequences of this priority or more (lower is served first) are background work: None, none are.
     background_priority: int | None = None
     background_max_seqs: int = 4  # background sequences running at most while foreground ones run or wait
+    background_grace_s: float = 2.0  # ...and for this long after the last foreground sequence left
 
     def validate(self) -> None:
         if self.max_num_seqs < 1:
@@ -86,8 +88,13 @@ def _cdiv(a: int, b: int) -> int:
 class BatchScheduler:
     """Decides which tokens of which sequences run each step, and owns their blocks."""
 
-    def __init__(self, config: SchedulerConfig, block_pool: BlockPool) -> None:
+    def __init__(
+        self, config: SchedulerConfig, block_pool: BlockPool, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         config.validate()
+        self._yield = BackgroundYield(
+            config.background_priority, config.background_max_seqs, config.background_grace_s, clock
+        )
         self.config = config
         self.block_pool = block_pool
         self.block_size = block_pool.block_size
@@ -159,7 +166,7 @@ class BatchScheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: dict[str, ScheduledSeq] = {}
         preempted_ids: list[str] = []  # for want of blocks
-        foreground = self._foreground_present()
+        foreground = self._yield.foreground_present(self._running, self._waiting)
         yielded = self._yield_to_foreground() if foreground else []
 
         for seq in list(self._running):
@@ -186,12 +193,12 @@ class BatchScheduler:
         # A preempted sequence would otherwise be readmitted at once, only to
         # be preempted again: wait a step for running ones to free blocks.
         if not preempted_ids:
-            background_running = sum(1 for s in self._running if self._is_background(s)) if foreground else 0
+            background_running = self._yield.count(self._running) if foreground else 0
             while self._waiting and budget > 0:
                 if len(self._running) >= self.config.max_num_seqs:
                     break
                 head = self._waiting[0]
-                if foreground and self._is_background(head):
+                if foreground and self._yield.is_background(head):
                     if background_running >= self.config.background_max_seqs:
                         break  # the queue is in priority order: only background work is behind it
                     background_running += 1
@@ -318,24 +325,9 @@ class BatchScheduler:
         seq.block_ids.extend(self.block_pool.allocate(missing))
         return True
 
-    def _is_background(self, seq: Sequence) -> bool:
-        limit = self.config.background_priority
-        return limit is not None and seq.priority >= limit
-
-    def _foreground_present(self) -> bool:
-        if self.config.background_priority is None:
-            return False
-        return any(not self._is_background(s) for s in self._running) or any(
-            not self._is_background(s) for s in self._waiting
-        )
-
     def _yield_to_foreground(self) -> list[str]:
-        """Preempts the newest running background sequences beyond background_max_seqs; their ids."""
-        background = [s for s in self._running if self._is_background(s)]
-        excess = len(background) - self.config.background_max_seqs
-        if excess <= 0:
-            return []
-        victims = sorted(background, key=lambda s: s.arrival_time, reverse=True)[:excess]
+        """Preempts the running background sequences beyond the yield's bound; their ids."""
+        victims = self._yield.victims(self._running)
         for seq in victims:
             self._cache_full_blocks(seq)
             self._preempt(seq)

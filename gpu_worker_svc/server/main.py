@@ -127,6 +127,7 @@ def engine_config(s: WorkerSettings) -> EngineConfig:
             s.max_num_batched_tokens,
             background_priority=s.background_priority,
             background_max_seqs=s.background_max_seqs,
+            background_grace_s=s.background_grace_s,
         ),
         s.enable_prefix_caching,
         SpeculativeConfig(s.num_speculative_tokens),

@@ -46,6 +46,8 @@ class WorkerSettings(BaseSettings):
     # request runs or waits, at most background_max_seqs of them run. None: no request is background.
     background_priority: int | None = 100
     background_max_seqs: int = Field(4, ge=0)
+    # ...and for this long after the last other request left, the next one a client sends being on its way.
+    background_grace_s: float = Field(2.0, ge=0)
     # Reuse KV blocks across requests that share a prompt prefix.
     enable_prefix_caching: bool = True
     # When idle, wait until no request has arrived for this long (at most 10 such gaps, and never once

@@ -1,5 +1,6 @@
 """Factories for the engine's pure-Python tests: no model, no device."""
 
+import time
 from collections.abc import Callable
 
 import pytest
@@ -24,6 +25,8 @@ def create_scheduler() -> Callable[..., BatchScheduler]:
         enable_prefix_caching: bool = True,
         background_priority: int | None = None,
         background_max_seqs: int = 4,
+        background_grace_s: float = 0.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> BatchScheduler:
         config = SchedulerConfig(
             max_num_seqs=max_num_seqs,
@@ -31,9 +34,10 @@ def create_scheduler() -> Callable[..., BatchScheduler]:
             enable_chunked_prefill=enable_chunked_prefill,
             background_priority=background_priority,
             background_max_seqs=background_max_seqs,
+            background_grace_s=background_grace_s,
         )
         pool = BlockPool(num_blocks, block_size, enable_prefix_caching)
-        return BatchScheduler(config, pool)
+        return BatchScheduler(config, pool, clock)
 
     return create
 

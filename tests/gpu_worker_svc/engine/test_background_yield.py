@@ -71,3 +71,23 @@ def test_without_a_background_class_nothing_yields(create_scheduler, create_requ
     sched.add(chat)
     out, _ = step(sched)
     assert out.preempted_ids == [] and len(sched.running) == 7
+
+
+def test_the_cap_holds_for_the_grace_after_the_last_foreground_left(create_scheduler, create_requests):
+    """A client's next request is on its way: the batch does not fill the gap in between."""
+    now = [0.0]
+    sched = create_scheduler(
+        background_priority=BATCH, background_max_seqs=1, background_grace_s=2.0, clock=lambda: now[0]
+    )
+    (chat,) = create_requests(1, num_tokens=4, max_tokens=1, prefix="chat")
+    sched.add(chat)
+    for seq in create_requests(4, num_tokens=4, max_tokens=50, priorities=[BATCH] * 4):
+        sched.add(seq)
+    step(sched)  # the chat request's one token: it finishes
+    assert sched.get("chat0") is None
+    now[0] = 1.5
+    step(sched)
+    assert _running(sched) == (0, 1)  # within the grace: still one
+    now[0] = 2.5
+    step(sched)
+    assert _running(sched) == (0, 4)  # past it: the batch takes the whole batch again
