@@ -178,3 +178,15 @@ def test_services_expose_the_contracted_rpcs(tmp_path: Path) -> None:
         "Attach": unary,
     }
     assert services["Worker"] == {"Session": bidi, "GetInfo": unary}
+    client_stream = (True, False)
+    assert services["Batches"] == {
+        "UploadFile": client_stream,
+        "GetFile": unary,
+        "ListFiles": unary,
+        "DeleteFile": unary,
+        "DownloadFile": server_stream,
+        "CreateBatch": unary,
+        "GetBatch": unary,
+        "ListBatches": unary,
+        "CancelBatch": unary,
+    }
