@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import tempfile
 import time
+from dataclasses import asdict
 from typing import IO, Any, BinaryIO
 
 from celery import Celery
@@ -131,7 +132,7 @@ class BatchService:
             metadata=metadata,
             errors=[e.to_openai() for e in checked.errors],
             total=0 if checked.errors else checked.lines,
-            chunks=[] if checked.errors else [vars_of(c) for c in checked.chunks],
+            chunks=[] if checked.errors else [asdict(c) for c in checked.chunks],
             timestamps={"created_at": now, "expires_at": now + int(self._window_s or COMPLETION_WINDOWS[window])},
         )
         if checked.errors:
@@ -189,7 +190,3 @@ def _metadata(value: Any) -> dict[str, str] | None:
 def _plausible_file(file_id: str) -> bool:
     """Whether `file_id` could name a file at all (never a path out of the store's folder)."""
     return file_id.startswith("file-") and file_id.replace("-", "").isalnum() and len(file_id) <= 64
-
-
-def vars_of(chunk: object) -> dict:
-    return {name: getattr(chunk, name) for name in chunk.__slots__}  # type: ignore[attr-defined]
