@@ -77,7 +77,9 @@ def test_a_batch_survives_its_worker_gateway_and_scheduler_killed(fault_stack, t
             fault_stack.wait_ready(lambda _: None, 120)
         batch = wait_batch(client, batch_id, timeout_s=300)
         records = _check_exactly_once(client, fault_stack, batch, lines)
-        # No request re-dispatched either: each ran once, on its first dispatch.
-        assert set(records.values()) == {1}
+        # No request re-dispatched after a failure either (attempt 2 or more). A request dispatched just
+        # before the scheduler's SIGKILL can show attempt 0: its dispatch was not yet recorded, and the
+        # restarted scheduler ran it as the same attempt (seen once in a clean-clone run).
+        assert max(records.values()) <= 1, records
     finally:
         worker.stop()
