@@ -12,12 +12,24 @@ import subprocess
 
 import pytest
 import yaml
+from prometheus_client import REGISTRY
 
+import tracing.metrics  # noqa: F401  (registers the metrics the KEDA query may name)
 from shardline.cli.main import SERVICES
+from shardline.model_path import DEFAULT_MODEL_NAME
 from tests.deploy.compose_project import REPO, SHARED_SETTINGS, settings_class
 
 K8S = REPO / "deploy" / "k8s"
 WORKLOADS = ("Deployment", "StatefulSet")
+# Applied by hand where their CRDs exist, so not among kustomization.yaml's resources.
+OPTIONAL = {"keda-scaledobject.yaml"}
+# Each client method shardline/autoscale/kubernetes_driver.py may call, as the RBAC (API group,
+# resource, verb) it needs: a new call fails the Role test below until both learn of it.
+DRIVER_CALLS = {
+    "read_namespaced_deployment_scale": ("apps", "deployments/scale", "get"),
+    "patch_namespaced_deployment_scale": ("apps", "deployments/scale", "patch"),
+    "patch_namespaced_pod": ("", "pods", "patch"),
+}
 # `shardline serve <name>` -> the settings class it reads.
 SETTINGS = {
     "tokenizer": "tokenizer_svc.settings:TokenizerSettings",
@@ -67,7 +79,7 @@ def serve_target(container: dict) -> str:
 def test_kustomization_lists_every_manifest(kustomization):
     listed = set(kustomization["resources"])
     on_disk = {p.name for p in K8S.glob("*.yaml")} - {"kustomization.yaml"}
-    assert listed == on_disk
+    assert listed == on_disk - OPTIONAL
 
 
 def test_every_object_has_api_version_kind_and_name(objects):
@@ -112,13 +124,62 @@ def test_workers_get_gpus_shared_memory_and_their_pod_address(objects):
     assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
     assert names.index("POD_IP") < names.index("SHARDLINE_ADVERTISE_ADDRESS")
     assert env["SHARDLINE_ADVERTISE_ADDRESS"]["value"] == f"$(POD_IP):{env['SHARDLINE_PORT']['value']}"
-    assert "SHARDLINE_WORKER_ID" not in env  # worker-<pod name>-<port>: unique per replica
+    # The autoscaler names a drained worker by its id, and the Kubernetes driver finds its pod by it.
+    assert env["SHARDLINE_WORKER_ID"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
 
 
 def test_one_scheduler_replaced_not_rolled(objects):
     scheduler = named(objects, "Deployment", "scheduler")
     assert scheduler["spec"]["replicas"] == 1
     assert scheduler["spec"]["strategy"]["type"] == "Recreate"
+
+
+def driver_permissions() -> set[tuple[str, str, str]]:
+    source = (REPO / "shardline" / "autoscale" / "kubernetes_driver.py").read_text()
+    called = set(re.findall(r"self\._(?:apps|core)\.(\w+)", source))
+    assert called and called <= DRIVER_CALLS.keys(), called - DRIVER_CALLS.keys()
+    return {DRIVER_CALLS[method] for method in called}
+
+
+def test_the_scheduler_may_do_exactly_what_its_kubernetes_driver_calls(objects):
+    pod = named(objects, "Deployment", "scheduler")["spec"]["template"]["spec"]
+    account = pod["serviceAccountName"]
+    named(objects, "ServiceAccount", account)
+    subject = {"kind": "ServiceAccount", "name": account, "namespace": "shardline"}
+    (binding,) = [b for b in by_kind(objects, "RoleBinding") if subject in b["subjects"]]
+    assert not by_kind(objects, "ClusterRole", "ClusterRoleBinding")
+    assert binding["roleRef"]["kind"] == "Role"
+    rules = named(objects, "Role", binding["roleRef"]["name"])["rules"]
+    granted = {(g, r, v) for rule in rules for g in rule["apiGroups"] for r in rule["resources"] for v in rule["verbs"]}
+    assert granted == driver_permissions()
+    env = {e["name"]: e for e in pod["containers"][0]["env"]}
+    deployment = env["SHARDLINE_AUTOSCALE_K8S_DEPLOYMENT"]["value"]
+    named(objects, "Deployment", deployment)
+    (scale_rule,) = [rule for rule in rules if rule["resources"] == ["deployments/scale"]]
+    assert scale_rule["resourceNames"] == [deployment]
+    assert env["SHARDLINE_AUTOSCALE_K8S_NAMESPACE"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.namespace"
+    assert env["SHARDLINE_AUTOSCALE_DRIVER"]["value"] == "kubernetes"
+    assert env["SHARDLINE_AUTOSCALE_POLICY"]["value"] == "static"  # off until a user turns it on
+
+
+def test_the_keda_scaled_object_follows_the_schedulers_desired_workers(objects):
+    (scaled,) = [doc for doc in yaml.safe_load_all((K8S / "keda-scaledobject.yaml").read_text()) if doc]
+    assert (scaled["apiVersion"], scaled["kind"]) == ("keda.sh/v1alpha1", "ScaledObject")
+    target = scaled["spec"]["scaleTargetRef"]
+    assert (target["apiVersion"], target["kind"], target["name"]) == ("apps/v1", "Deployment", "gpu-worker")
+    named(objects, "Deployment", target["name"])
+    (trigger,) = scaled["spec"]["triggers"]
+    assert trigger["type"] == "prometheus"
+    metric = re.fullmatch(r'max\((\w+)\{model="([^"]+)"\}\)', trigger["metadata"]["query"])
+    assert metric and metric.group(1) == "shardline_autoscaler_desired_workers"
+    assert metric.group(1) in {family.name for family in REGISTRY.collect()}
+    # shardline-config leaves SHARDLINE_MODEL empty: the default model, served under this name.
+    assert named(objects, "ConfigMap", "shardline-config")["data"]["SHARDLINE_MODEL"] == ""
+    assert metric.group(2) == DEFAULT_MODEL_NAME
+    # A target of 1 per replica: the HPA asks for ceil(desired workers) replicas.
+    assert trigger.get("metricType", "AverageValue") == "AverageValue"
+    assert float(trigger["metadata"]["threshold"]) == 1
+    assert 1 <= scaled["spec"]["minReplicaCount"] <= scaled["spec"]["maxReplicaCount"]
 
 
 def test_services_target_ports_their_pods_expose(objects):
