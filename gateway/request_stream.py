@@ -7,7 +7,14 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from gateway.stop_matcher import StopMatcher
-from shardline.errors import STREAM_INTERRUPTED, DeadlineExceeded, InvalidArgument, ShardlineError, Unavailable
+from shardline.errors import (
+    SLO_UNMET,
+    STREAM_INTERRUPTED,
+    DeadlineExceeded,
+    InvalidArgument,
+    ShardlineError,
+    Unavailable,
+)
 from shardline.proto import common_pb2, sampling_pb2
 from shardline.structured_output import DEAD_END
 
@@ -43,7 +50,8 @@ class StreamChunk:
 def failure_of(finish_reason: str | None, error: str) -> ShardlineError | None:
     if finish_reason == "error" and error.startswith(DEAD_END):  # the client's own constraint is at fault
         return InvalidArgument("structured_output", error.removeprefix("structured_output: "))
-    if finish_reason == "error" and error.startswith((TOKENIZER_DOWN, STREAM_INTERRUPTED)):
+    # Refused for a TTFT target it can no longer meet: the platform's answer to overload, as a 503.
+    if finish_reason == "error" and error.startswith((TOKENIZER_DOWN, STREAM_INTERRUPTED, SLO_UNMET)):
         return Unavailable(error)
     if finish_reason == "error":
         return ShardlineError(f"generation failed: {error}")

@@ -2,15 +2,16 @@
 
 import asyncio
 import logging
-import time
 from collections import defaultdict
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 import grpc
 from opentelemetry import trace
 
-from scheduler_svc.live_request import LiveRequest
+from scheduler_svc.deadlines import Deadlines
+from scheduler_svc.live_request import LiveRequest, queue_span
+from scheduler_svc.load_meter import LoadMeter
 from scheduler_svc.relay import Relay
 from scheduler_svc.request_queue import RequestQueue
 from scheduler_svc.request_table import Outcome, RequestTable
@@ -49,17 +50,20 @@ class Dispatcher:
         self._store = store
         self._tracer = tracer
         self._wake = asyncio.Event()  # set whenever a request or a worker slot may be dispatchable
-        self.queue = RequestQueue(settings.queue_capacity)
+        self.queue = RequestQueue(settings.queue_capacity, settings.queue_order)
         self.registry = WorkerRegistry(settings.dispatch_overcommit, settings.heartbeat_timeout_s)
         self._outage = StoreOutage(settings.redis_outage_s, settings.redis_outage_max_steps)
-        self.requests = RequestTable(store, relay, self.registry, self._wake.set, self._outage, self.queue.counters)
+        self.meter = LoadMeter()  # what the autoscaler reads of each model's load
+        self.requests = RequestTable(
+            store, relay, self.registry, self._wake.set, self._outage, self.queue.counters, self.meter
+        )
+        self._deadlines = Deadlines(self.queue, self.requests, self.cancel)
         self.store_up = True  # Redis answered its last ping; nothing is dispatched while it does not
         self.on_store_health: Callable[[bool], Awaitable[None]] | None = None  # told when that changes
         self._parked: list[LiveRequest] = []  # held by no worker, waiting for Redis to re-queue them
         self._router = Router(settings.affinity_load_slack)
         self._sessions: dict[str, WorkerSession] = {}
         self._tasks: list[asyncio.Task] = []
-        self._background: set[asyncio.Task] = set()  # deadline cancels, kept referenced until done
         self._admitting: dict[str, asyncio.Future[int]] = {}  # Submits still writing their request
 
     async def start(self) -> None:
@@ -73,7 +77,7 @@ class Dispatcher:
 
     async def stop(self) -> None:
         """Stops dispatching and drops the worker streams; Redis keeps every request for the next start."""
-        tasks = [*self._tasks, *self._background]
+        tasks = [*self._tasks, *self._deadlines.tasks]
         for task in tasks:
             task.cancel()
         # Bounded: a task stuck in an rpc or a Redis call must not turn a SIGTERM into a hang.
@@ -112,9 +116,10 @@ class Dispatcher:
             self.queue.release()
             raise AlreadyExists(f"request_id: {request.request_id!r} is already in use")
         self.requests.add(request)
+        self.meter.arrived(request.model)
         self._open_queue_span(request)
         position = self.queue.push(request)
-        self._arm_deadline(request)
+        self._deadlines.arm(request)
         self._wake.set()
         return position
 
@@ -186,6 +191,12 @@ class Dispatcher:
         )
         self._wake.set()
 
+    async def release_worker(self, worker_id: str, reason: str) -> None:
+        """Takes a drained worker out of the pool; what it still runs is re-queued with its tokens, not as a failure."""
+        session = self._sessions.get(worker_id)
+        if session is not None:
+            await session.close(reason, migrate=True)
+
     def heartbeat(self, worker_id: str, running: int, waiting: int, kv_blocks_used: int) -> bool:
         """Records a worker's load; False when it is unknown and must register again."""
         return self.registry.report(worker_id, running, waiting, kv_blocks_used)
@@ -215,6 +226,7 @@ class Dispatcher:
             worker = self._router.choose(request, self.registry.with_room(request.model))
             worker.in_flight.add(request.request_id)
             request.worker_id, request.attempt = worker.worker_id, request.attempt + 1
+            request.dispatched_at = self.meter.now()
             span = self._tracer.start_span(
                 "dispatch",
                 context=extract_context({"traceparent": request.traceparent}),
@@ -255,8 +267,9 @@ class Dispatcher:
         if worker is None:
             return
         held = [request for rid in worker.in_flight if (request := self.requests.get(rid)) is not None]
-        if session is not None and session.unrecorded:
-            # Redis failed it, not the worker: the next dispatch resumes the same attempt.
+        if session is not None and (session.unrecorded or session.migrated):
+            # Redis failed it, or the autoscaler moved its requests, not the worker: the next
+            # dispatch resumes the same attempt.
             for request in held:
                 request.attempt = max(0, request.attempt - 1)
         lost = f"worker {worker_id} lost ({reason})"
@@ -361,36 +374,8 @@ class Dispatcher:
             request.worker_id = None
             self._open_queue_span(request)
             self.queue.push_front(request)
-            if request.deadline_timer is None:
-                self._arm_deadline(request)
+            self._deadlines.arm(request)
         self._wake.set()
 
     def _open_queue_span(self, request: LiveRequest) -> None:
-        request.queue_span = self._tracer.start_span(
-            "queue",
-            context=extract_context({"traceparent": request.traceparent}),
-            attributes={
-                attr.REQUEST_ID: request.request_id,
-                attr.TENANT: request.tenant,
-                attr.QUEUE_DEPTH: len(self.queue),
-                attr.GEN_AI_REQUEST_MODEL: request.model,
-            },
-        )
-
-    def _arm_deadline(self, request: LiveRequest) -> None:
-        if request.deadline_ts is None:
-            return
-        delay = max(0.0, request.deadline_ts - time.time())
-        request_id = request.request_id
-        request.deadline_timer = asyncio.get_running_loop().call_later(
-            delay, lambda: self._spawn(self._expire(request_id))
-        )
-
-    async def _expire(self, request_id: str) -> None:
-        log.info("request %s passed its deadline: cancelling it", request_id)
-        await self.cancel(request_id)
-
-    def _spawn(self, coroutine: Coroutine) -> None:
-        task = asyncio.create_task(coroutine)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        request.queue_span = queue_span(self._tracer, request, len(self.queue))

@@ -1,6 +1,7 @@
 """An unfinished request as the scheduler holds it in memory; Redis has the durable copy."""
 
 import asyncio
+import math
 from dataclasses import dataclass, field
 
 from google.protobuf import json_format
@@ -8,6 +9,8 @@ from opentelemetry import trace
 
 from shardline.proto import sampling_pb2, worker_pb2
 from shardline.request_record import RequestRecord
+from tracing import attributes as attr
+from tracing.grpc_context import extract_context
 
 
 @dataclass(slots=True)
@@ -27,13 +30,23 @@ class LiveRequest:
     owner: str = ""  # digest of the API key that submitted it (the gateway checks it)
     tenant: str = ""  # whose fair share it counts against within its class
     tenant_weight: float = 1.0  # that tenant's share, relative to the other tenants'
+    ttft_deadline_ts: float | None = None  # when its first token is due (unix seconds); None: no target
+    refuse_late: bool = False  # fail it once that passes while it waits, rather than serve it late
     attempt: int = 0  # 1 once dispatched, one more per worker failure (what max_attempts limits)
     worker_id: str | None = None  # worker running it; None while queued
+    dispatched_at: float | None = None  # monotonic time of its latest dispatch, for the load meter
     output_token_ids: list[int] = field(default_factory=list)  # earlier attempts' tokens, prefilled on re-dispatch
     num_output_tokens: int = 0  # tokens generated so far over all attempts
     cancelled: bool = False  # an abort is on its way to the worker; its death must not re-queue it
     queue_span: trace.Span | None = None  # the `queue` span, open from enqueue to dispatch
     deadline_timer: asyncio.TimerHandle | None = None  # aborts it at deadline_ts
+    ttft_timer: asyncio.TimerHandle | None = None  # with refuse_late: refuses it at ttft_deadline_ts if it waits
+
+    @property
+    def due_ts(self) -> float:
+        """What earliest-deadline-first orders by: its first token's deadline, else its own, else never."""
+        due = self.ttft_deadline_ts if self.ttft_deadline_ts is not None else self.deadline_ts
+        return math.inf if due is None else due
 
     def to_record(self) -> RequestRecord:
         """The record Submit persists."""
@@ -50,6 +63,8 @@ class LiveRequest:
             owner=self.owner,
             tenant=self.tenant,
             tenant_weight=self.tenant_weight,
+            ttft_deadline_ts=self.ttft_deadline_ts,
+            refuse_late=self.refuse_late,
         )
 
     @classmethod
@@ -69,6 +84,8 @@ class LiveRequest:
             owner=record.owner,
             tenant=record.tenant,
             tenant_weight=record.tenant_weight,
+            ttft_deadline_ts=record.ttft_deadline_ts,
+            refuse_late=record.refuse_late,
             attempt=record.attempt,
             output_token_ids=tokens,
             num_output_tokens=len(tokens),
@@ -97,3 +114,17 @@ class LiveRequest:
 def params_from_json(params: dict) -> sampling_pb2.SamplingParameters:
     """Sampling parameters as persisted by to_record()."""
     return json_format.ParseDict(params, sampling_pb2.SamplingParameters())
+
+
+def queue_span(tracer: trace.Tracer, request: LiveRequest, depth: int) -> trace.Span:
+    """The `queue` span a request has open from its enqueue to its dispatch, in its caller's trace."""
+    return tracer.start_span(
+        "queue",
+        context=extract_context({"traceparent": request.traceparent}),
+        attributes={
+            attr.REQUEST_ID: request.request_id,
+            attr.TENANT: request.tenant,
+            attr.QUEUE_DEPTH: depth,
+            attr.GEN_AI_REQUEST_MODEL: request.model,
+        },
+    )

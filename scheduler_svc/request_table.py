@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from scheduler_svc.fair_share import VirtualCounters
 from scheduler_svc.live_request import LiveRequest
+from scheduler_svc.load_meter import LoadMeter
 from scheduler_svc.relay import Relay
 from scheduler_svc.store_outage import StoreOutage
 from scheduler_svc.worker_registry import WorkerRegistry
@@ -59,6 +60,7 @@ class RequestTable:
         on_change: Callable[[], None],
         outage: StoreOutage | None = None,
         counters: VirtualCounters | None = None,
+        meter: LoadMeter | None = None,
     ) -> None:
         self._store = store
         self._relay = relay
@@ -66,6 +68,7 @@ class RequestTable:
         self._on_change = on_change  # wakes the dispatch loop: a slot freed up
         self._outage = outage or StoreOutage()
         self._counters = counters or VirtualCounters()  # the queue's: charged for output as it is recorded
+        self._meter = meter or LoadMeter()  # the autoscaler's: told of first tokens and finishes
         self._live: dict[str, LiveRequest] = {}
         # Per worker, held from a batch of steps' Redis write to its relay (see steps_held).
         self._persisting: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
@@ -134,6 +137,7 @@ class RequestTable:
                 if delta.token_ids:
                     if request.num_output_tokens == 0:
                         first_token_ts[request.request_id] = now
+                        self._meter.first_token(request.model, now - request.arrival_ts)
                     new_tokens[request.request_id].extend(delta.token_ids)
                     request.num_output_tokens += len(delta.token_ids)
                     # Kept beside the tokens, so a stream rebuilt from Redis (Resume, a gateway's
@@ -238,14 +242,16 @@ class RequestTable:
 
     def _forget(self, request: LiveRequest) -> None:
         self._live.pop(request.request_id, None)
+        self._meter.finished(request.model, request.dispatched_at)
         worker = self._registry.get(request.worker_id or "")
         if worker is not None:
             worker.in_flight.discard(request.request_id)
         if request.queue_span is not None:
             request.queue_span.end()
             request.queue_span = None
-        if request.deadline_timer is not None:
-            request.deadline_timer.cancel()
+        for timer in (request.deadline_timer, request.ttft_timer):
+            if timer is not None:
+                timer.cancel()
 
     def _publish(self, worker_id: str, step: int, deltas: list[tuple[LiveRequest, common_pb2.RequestDelta]]) -> None:
         by_gateway: dict[str, list[common_pb2.RequestDelta]] = defaultdict(list)

@@ -1,7 +1,10 @@
 """Wiring: the store, the dispatcher, the gRPC server and the metrics endpoint of one scheduler."""
 
+import asyncio
+import contextlib
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 from wsgiref.simple_server import WSGIServer
 
 from opentelemetry import trace
@@ -10,6 +13,7 @@ from scheduler_svc.dispatcher import Dispatcher
 from scheduler_svc.relay import Relay
 from scheduler_svc.service import SchedulerService
 from scheduler_svc.settings import SchedulerSettings
+from shardline.autoscale.driver import ScaleDriver
 from shardline.grpc_server import GrpcService, RunningServer, start_grpc_server
 from shardline.proto import scheduler_pb2, scheduler_pb2_grpc
 from shardline.request_store import RequestStore
@@ -17,6 +21,9 @@ from shardline.service_main import redacted, started
 from tracing.grpc_context import TracingServerInterceptor
 from tracing.metrics import start_metrics_server
 from tracing.otel_setup import setup_tracing
+
+if TYPE_CHECKING:
+    from scheduler_svc.pool_scaler import PoolScaler
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +39,8 @@ class SchedulerServer:
     relay: Relay  # the gateways' Subscribe streams
     store: RequestStore  # request state in Redis
     metrics: WSGIServer | None  # the /metrics endpoint, when enabled
+    scaler: "PoolScaler | None" = None  # the autoscaler, unless its policy is static
+    scaling: asyncio.Task | None = None  # its loop
 
     @property
     def port(self) -> int:
@@ -41,6 +50,10 @@ class SchedulerServer:
         """Stops serving; unfinished requests stay in Redis, and the next start re-queues them."""
         # Subscribe streams never end by themselves: close them so the grace period is not spent waiting.
         self.relay.close_all()
+        if self.scaling is not None:
+            self.scaling.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self.scaling
         await self.grpc.server.stop(grace_s)
         await self.dispatcher.stop()
         await self.store.close()
@@ -58,7 +71,12 @@ async def start_scheduler(settings: SchedulerSettings, tracer: trace.Tracer | No
     relay = Relay(settings.subscriber_queue_size)
     dispatcher = Dispatcher(settings, store, relay, tracer)
     await dispatcher.start()
-    servicer = SchedulerService(settings, dispatcher, store, relay)
+    scaler = (
+        None
+        if settings.autoscale_policy == "static"
+        else PoolScaler(settings, dispatcher, driver_for(settings), tracer)
+    )
+    servicer = SchedulerService(settings, dispatcher, store, relay, scaler)
     running = await start_grpc_server(
         [GrpcService(servicer, scheduler_pb2_grpc.add_SchedulerServicer_to_server, SERVICE_NAME)],
         settings.port,
@@ -75,7 +93,22 @@ async def start_scheduler(settings: SchedulerSettings, tracer: trace.Tracer | No
         redacted(settings.redis_url),
         settings.queue_capacity,
     )
-    return SchedulerServer(running, dispatcher, relay, store, metrics)
+    scaling = None if scaler is None else asyncio.create_task(scaler.run(), name="autoscale")
+    return SchedulerServer(running, dispatcher, relay, store, metrics, scaler, scaling)
+
+
+def driver_for(settings: SchedulerSettings) -> ScaleDriver | None:
+    """The driver that carries the autoscaler's count out; None publishes it only."""
+    if settings.autoscale_driver == "kubernetes":
+        # Imported only when asked for: the client is large, and only a scheduler in a cluster needs it.
+        from shardline.autoscale.kubernetes_driver import KubernetesDriver, KubernetesDriverConfig
+
+        return KubernetesDriver(
+            KubernetesDriverConfig(
+                namespace=settings.autoscale_k8s_namespace, default_deployment=settings.autoscale_k8s_deployment
+            )
+        )
+    return None
 
 
 async def serve(settings: SchedulerSettings) -> None:

@@ -4,6 +4,7 @@ import math
 import secrets
 import time
 from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
 
 import grpc
 from google.protobuf import duration_pb2, timestamp_pb2
@@ -19,6 +20,9 @@ from shardline.request_record import RequestRecord
 from shardline.request_store import RequestStore
 from tracing.grpc_context import inject_metadata
 
+if TYPE_CHECKING:  # imported by the server only when autoscaling is on
+    from scheduler_svc.pool_scaler import PoolScaler
+
 
 def _seconds(ts: timestamp_pb2.Timestamp) -> float:
     return ts.ToNanoseconds() / 1e9
@@ -27,11 +31,19 @@ def _seconds(ts: timestamp_pb2.Timestamp) -> float:
 class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     """Serves shardline.v1.Scheduler; bad input raises shardline.errors, which the server maps to codes."""
 
-    def __init__(self, settings: SchedulerSettings, dispatcher: Dispatcher, store: RequestStore, relay: Relay) -> None:
+    def __init__(
+        self,
+        settings: SchedulerSettings,
+        dispatcher: Dispatcher,
+        store: RequestStore,
+        relay: Relay,
+        scaler: "PoolScaler | None" = None,
+    ) -> None:
         self._settings = settings
         self._dispatcher = dispatcher
         self._store = store
         self._relay = relay
+        self._scaler = scaler
 
     async def Submit(
         self, request: scheduler_pb2.SubmitRequest, context: grpc.aio.ServicerContext
@@ -63,6 +75,15 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             params.seed = secrets.randbits(63)
         # The Submit call's context, so the worker's engine spans join the caller's trace.
         traceparent = dict(inject_metadata()).get("traceparent", "")
+        arrival_ts = _seconds(request.arrival_time) if request.HasField("arrival_time") else time.time()
+        ttft_deadline_ts = None
+        if request.HasField("ttft_target"):
+            target_s = request.ttft_target.ToNanoseconds() / 1e9
+            if target_s <= 0:
+                raise InvalidArgument("ttft_target", f"must be positive, got {target_s:g}s")
+            ttft_deadline_ts = arrival_ts + target_s
+        elif request.refuse_late:
+            raise InvalidArgument("refuse_late", "needs a ttft_target to be late against")
         live = LiveRequest(
             request_id=request.request_id,
             gateway_id=request.gateway_id,
@@ -71,13 +92,15 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             prompt_token_ids=list(request.prompt_token_ids),
             params=params,
             eos_token_ids=list(request.eos_token_ids),
-            arrival_ts=_seconds(request.arrival_time) if request.HasField("arrival_time") else time.time(),
+            arrival_ts=arrival_ts,
             deadline_ts=_seconds(request.deadline) if request.HasField("deadline") else None,
             traceparent=traceparent,
             owner=request.owner,
             tenant=request.tenant,
             # Unset (a gateway without tenants) or nonsense weighs as 1: the gateway checks the file's.
             tenant_weight=request.tenant_weight if 0 < request.tenant_weight < math.inf else 1.0,
+            ttft_deadline_ts=ttft_deadline_ts,
+            refuse_late=request.refuse_late,
         )
         position = await self._dispatcher.submit(live)
         return scheduler_pb2.SubmitResponse(queue_position=position)
@@ -117,6 +140,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         if info.max_num_seqs == 0:
             raise InvalidArgument("worker.max_num_seqs", "must be at least 1")
         await self._dispatcher.register_worker(info)
+        if self._scaler is not None:
+            self._scaler.registered(info)
         interval = duration_pb2.Duration()
         interval.FromNanoseconds(round(self._settings.heartbeat_interval_s * 1e9))
         return scheduler_pb2.RegisterWorkerResponse(heartbeat_interval=interval)
@@ -124,6 +149,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     async def Heartbeat(
         self, request: scheduler_pb2.HeartbeatRequest, context: grpc.aio.ServicerContext
     ) -> scheduler_pb2.HeartbeatResponse:
+        if self._scaler is not None and self._scaler.retired(request.worker_id):
+            return scheduler_pb2.HeartbeatResponse(registered=False, retired=True)
         registered = self._dispatcher.heartbeat(
             request.worker_id, request.running, request.waiting, request.kv_blocks_used
         )
@@ -145,6 +172,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 waiting=worker.waiting,
                 kv_blocks_used=worker.kv_blocks_used,
                 alive=True,
+                draining=worker.draining,
             )
             state.last_seen.FromNanoseconds(round(worker.last_seen_wall * 1e9))
             states.append(state)
@@ -157,6 +185,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             queue_depth=self._dispatcher.queue.depth_by_priority(),
             running=self._dispatcher.running(),
             workers=len(self._dispatcher.registry),
+            scale=self._scaler.stats() if self._scaler is not None else [],
         )
 
     async def _request_info(self, request_id: str) -> common_pb2.RequestInfo:

@@ -1,6 +1,8 @@
 """The one place where the scheduler reads its environment."""
 
-from pydantic import Field
+from typing import Literal
+
+from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -16,6 +18,9 @@ class SchedulerSettings(BaseSettings):
     redis_url: str = "redis://127.0.0.1:6379/0"
     # Queued requests beyond which Submit answers RESOURCE_EXHAUSTED.
     queue_capacity: int = Field(1024, ge=1)
+    # Order within a priority class: fair (tenants by VTC, earliest deadline first within a tenant) or
+    # fifo (arrival order, whatever the tenants and deadlines: the baseline of the fairness benchmarks).
+    queue_order: Literal["fair", "fifo"] = "fair"
     # How often workers heartbeat, and how long a silent worker stays registered.
     heartbeat_interval_s: float = Field(2.0, gt=0)
     heartbeat_timeout_s: float = Field(10.0, gt=0)
@@ -47,3 +52,30 @@ class SchedulerSettings(BaseSettings):
     tracing: bool = True
     # service.instance.id on this scheduler's spans.
     instance_id: str = "scheduler-0"
+    # The autoscaler (scheduler_svc/pool_scaler.py, docs/autoscaling.md): the policy that decides each
+    # model's worker count, one of static (off: the pool is what was started), reactive, naive, lt-u and
+    # lt-ua; its forecaster (ewma or arima); the bounds; how often it decides.
+    autoscale_policy: Literal["static", "reactive", "naive", "lt-u", "lt-ua"] = "static"
+    autoscale_forecaster: Literal["ewma", "arima"] = "ewma"
+    autoscale_min_workers: int = Field(1, ge=0)
+    autoscale_max_workers: int = Field(1, ge=1)
+    autoscale_interval_s: float = Field(10.0, gt=0)
+    # The cold start planned with until a worker reports its own (start to ready), in seconds.
+    autoscale_cold_start_s: float = Field(60.0, gt=0)
+    # How long a worker chosen for removal may take to finish its requests; past it they move to other
+    # workers with their tokens so far, as on a worker failure, without counting as one.
+    autoscale_drain_timeout_s: float = Field(300.0, gt=0)
+    # What carries the count out: none publishes it (GetStats, /metrics: `shardline up --autoscale`,
+    # KEDA and compose follow it), kubernetes patches the worker Deployment's replicas.
+    autoscale_driver: Literal["none", "kubernetes"] = "none"
+    autoscale_k8s_namespace: str = "shardline"
+    autoscale_k8s_deployment: str = "gpu-worker"
+
+    @model_validator(mode="after")
+    def _bounds(self) -> "SchedulerSettings":
+        if self.autoscale_min_workers > self.autoscale_max_workers:
+            raise ValueError(
+                f"autoscale_min_workers ({self.autoscale_min_workers}) exceeds "
+                f"autoscale_max_workers ({self.autoscale_max_workers})"
+            )
+        return self

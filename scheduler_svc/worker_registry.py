@@ -20,6 +20,7 @@ class RegisteredWorker:
     running: int = 0  # requests it reported running
     waiting: int = 0  # requests it reported waiting inside it
     kv_blocks_used: int = 0  # KV blocks it reported in use
+    draining: bool = False  # the autoscaler is removing it: no new requests
 
     @property
     def worker_id(self) -> str:
@@ -32,7 +33,7 @@ class RegisteredWorker:
 
     @property
     def has_room(self) -> bool:
-        return len(self.in_flight) < self.capacity
+        return not self.draining and len(self.in_flight) < self.capacity
 
     def serves(self, model: str) -> bool:
         """True when it serves `model`; an empty model name takes any worker."""

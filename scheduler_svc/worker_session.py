@@ -45,6 +45,7 @@ class WorkerSession:
         self._steps: asyncio.Queue[worker_pb2.StepOutput | str] = asyncio.Queue()
         self._close_reason: str | None = None  # set when the scheduler itself ends the session
         self._unrecorded = False  # a batch of steps could not be recorded: the ones after it are dropped
+        self.migrated = False  # the scheduler ended it to move the worker's requests elsewhere
         self._call = worker_pb2_grpc.WorkerStub(channel).Session()
         self._writer = asyncio.create_task(self._write(), name=f"session-write-{worker_id}")
         self._tasks = [
@@ -78,9 +79,13 @@ class WorkerSession:
         """Queues a command; it is dropped if the stream has already ended."""
         self._commands.put_nowait(command)
 
-    async def close(self, reason: str) -> None:
-        """Breaks the stream (the worker is declared dead) and waits for the death handler to finish."""
+    async def close(self, reason: str, migrate: bool = False) -> None:
+        """Breaks the stream (the worker is declared dead) and waits for the death handler to finish.
+
+        `migrate`: the worker is fine and leaves the pool; its requests move on without counting
+        the move as a failed attempt."""
         self._close_reason = reason
+        self.migrated = migrate
         self._call.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
 

@@ -79,3 +79,7 @@ class Unavailable(ShardlineError):
 # delta's offset is recorded, and the request runs on (or waits to), so the client gets UNAVAILABLE
 # and resumes at that offset instead of an answer cut short.
 STREAM_INTERRUPTED = "stream interrupted"
+
+# Starts the error of a request refused because its TTFT target could no longer be met while it
+# waited (it asked to be refused rather than served late): gateways answer 503, the reason given.
+SLO_UNMET = "ttft target unmet"

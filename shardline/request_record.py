@@ -59,6 +59,8 @@ class RequestRecord:
     owner: str = ""  # digest of the API key that submitted it; empty without keys
     tenant: str = ""  # the tenant its key belongs to; empty from a gateway that names none
     tenant_weight: float = 1.0  # that tenant's share of service within its priority class
+    ttft_deadline_ts: float | None = None  # when its first token is due (its TTFT target); None: no target
+    refuse_late: bool = False  # fail it once that deadline passes while it waits, rather than serve it late
 
 
 def encode_record(record: RequestRecord, prompt_len: int) -> list[str | int | float]:
@@ -79,6 +81,8 @@ def encode_record(record: RequestRecord, prompt_len: int) -> list[str | int | fl
         "owner": record.owner or None,
         "tenant": record.tenant or None,
         "tenant_weight": record.tenant_weight if record.tenant_weight != 1.0 else None,
+        "ttft_deadline_ts": record.ttft_deadline_ts,
+        "refuse_late": 1 if record.refuse_late else None,
     }
     return [item for name, value in fields.items() if value is not None for item in (name, value)]
 
@@ -113,4 +117,6 @@ def decode_record(request_id: str, raw: dict[bytes, bytes], num_output_tokens: i
         owner=h.get("owner", ""),
         tenant=h.get("tenant", ""),
         tenant_weight=float(h.get("tenant_weight", 1.0)),
+        ttft_deadline_ts=optional_float("ttft_deadline_ts"),
+        refuse_late=h.get("refuse_late") == "1",
     )

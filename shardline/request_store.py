@@ -9,6 +9,7 @@ Keys, all under `shardline:`:
   and what a re-dispatch needs: eos_token_ids (JSON), deadline_ts, traceparent; owner (the
   digest of the API key that submitted it, when the gateway takes keys); tenant and
   tenant_weight (whose fair share it counts against, once the gateway names one);
+  ttft_deadline_ts and refuse_late (its TTFT target's deadline, and whether to refuse it once late);
 - `shardline:req:<id>:prompt`: prompt token ids, packed little-endian uint32;
 - `shardline:req:<id>:tokens`: generated token ids, packed the same way and
   grown with APPEND, so reading from an offset is one GETRANGE;

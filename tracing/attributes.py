@@ -47,4 +47,20 @@ TOKENS_PER_S = "shardline.tokens_per_s"
 MFU = "shardline.mfu"
 MBU = "shardline.mbu"
 
-COUNTER_ATTRIBUTES = (QUEUE_DEPTH, BATCH_SIZE, KV_BLOCKS_USED, TOKENS_PER_S, MFU, MBU)
+# The scheduler's autoscaler, on its `autoscale` span each interval: the workers it wants, those
+# serving, and the arrival rate it forecasts.
+DESIRED_WORKERS = "shardline.desired_workers"
+READY_WORKERS = "shardline.ready_workers"
+FORECAST_RPS = "shardline.forecast_rps"
+
+COUNTER_ATTRIBUTES = (
+    QUEUE_DEPTH,
+    BATCH_SIZE,
+    KV_BLOCKS_USED,
+    TOKENS_PER_S,
+    MFU,
+    MBU,
+    DESIRED_WORKERS,
+    READY_WORKERS,
+    FORECAST_RPS,
+)

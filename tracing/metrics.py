@@ -54,6 +54,18 @@ SPEC_DRAFT_TOKENS = Counter("shardline_spec_decode_num_draft_tokens", "Draft tok
 SPEC_ACCEPTED_TOKENS = Counter(
     "shardline_spec_decode_num_accepted_tokens", "Draft tokens confirmed by sampling and kept as output."
 )
+# The scheduler's autoscaler, per model: what a KEDA ScaledObject or an HPA can follow
+# (deploy/k8s/keda-scaledobject.yaml), and why it decided as it did.
+AUTOSCALER_DESIRED = Gauge("shardline_autoscaler_desired_workers", "Workers the autoscaler wants.", ["model"])
+AUTOSCALER_READY = Gauge("shardline_autoscaler_ready_workers", "Workers registered and not draining.", ["model"])
+AUTOSCALER_FORECAST = Gauge(
+    "shardline_autoscaler_forecast_requests_per_second", "Forecast arrival rate over the cold start.", ["model"]
+)
+AUTOSCALER_DECISION = Gauge(
+    "shardline_autoscaler_decision",
+    "1 for the reason of the latest decision (one series per model).",
+    ["model", "reason"],
+)
 SPANS_DROPPED = Counter(
     "shardline_tracing_spans_dropped",
     "Finished spans dropped because the export queue was full.",

@@ -30,6 +30,7 @@ from gpu_worker_svc.model.dummy import is_dummy
 from gpu_worker_svc.model.layers.quantize import QUANTIZATIONS
 from gpu_worker_svc.model.loader import parse_dtype
 from gpu_worker_svc.server.engine_loop import EngineLoop
+from gpu_worker_svc.server.process_age import process_age_s
 from gpu_worker_svc.server.registration import SchedulerRegistration
 from gpu_worker_svc.server.servicer import WorkerServicer
 from gpu_worker_svc.server.settings import WorkerSettings
@@ -227,10 +228,26 @@ async def _serve_engine(
         interceptors=[TracingServerInterceptor(tracing.tracer)],
     )
     info.address = s.address(server.port)  # known only now when the port was 0
-    log.info("worker %s serving %s on port %d", info.worker_id, info.model, server.port)
+    info.startup_s = process_age_s()  # the cold start, which the scheduler's autoscaler plans with
+    log.info(
+        "worker %s serving %s on port %d, %.1fs after its start",
+        info.worker_id,
+        info.model,
+        server.port,
+        info.startup_s,
+    )
     started()
     metrics_server = start_metrics_server(s.metrics_port) if s.metrics_port > 0 else None
-    registration = asyncio.create_task(SchedulerRegistration(s.scheduler_address, info, lambda: engine_loop.load).run())
+    registration = asyncio.create_task(
+        SchedulerRegistration(
+            s.scheduler_address,
+            info,
+            lambda: engine_loop.load,
+            # The process itself stays healthy (a liveness probe must not restart it): only the
+            # Worker service stops, until the driver that scales the pool stops the worker.
+            on_retired=lambda: server.set_serving(False, [SERVICE_NAME]),
+        ).run()
+    )
     watchdog = asyncio.create_task(_stop_when_dead(engine_died, server))
     try:
         await server.wait_for_signal(

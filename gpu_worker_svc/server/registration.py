@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import grpc
 
@@ -28,12 +28,23 @@ class SchedulerRegistration:
     A heartbeat answered with registered=false (the scheduler restarted and
     forgot us) registers again; failed heartbeats are logged and retried at the
     next interval, since the scheduler notices a dead worker on its own.
+
+    A heartbeat answered with retired=true (the autoscaler drained this worker and took it out of
+    the pool) ends the loop: `on_retired` stops the worker serving, and it waits, registered
+    nowhere, for the driver that scales the pool to stop it.
     """
 
-    def __init__(self, address: str, info: worker_pb2.WorkerInfo, load: Callable[[], WorkerLoad]) -> None:
+    def __init__(
+        self,
+        address: str,
+        info: worker_pb2.WorkerInfo,
+        load: Callable[[], WorkerLoad],
+        on_retired: Callable[[], Awaitable[None]] | None = None,
+    ) -> None:
         self._address = address
         self._info = info
         self._load = load
+        self._on_retired = on_retired
 
     async def run(self) -> None:
         async with grpc.aio.insecure_channel(
@@ -57,6 +68,13 @@ class SchedulerRegistration:
                 except grpc.aio.AioRpcError as exc:
                     log.warning("heartbeat to %s failed: %s %s", self._address, exc.code().name, exc.details())
                     continue
+                if reply.retired:
+                    log.info(
+                        "scheduler %s retired this worker: no longer serving, waiting to be stopped", self._address
+                    )
+                    if self._on_retired is not None:
+                        await self._on_retired()
+                    return
                 if not reply.registered:
                     log.warning("scheduler %s no longer knows this worker: registering again", self._address)
                     interval = await self._register(stub)

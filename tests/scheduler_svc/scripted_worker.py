@@ -68,6 +68,7 @@ class ScriptedWorker(worker_pb2_grpc.WorkerServicer):
         self._channel: grpc.aio.Channel | None = None
         self._heartbeat_task: asyncio.Task | None = None
         self.session_ended = asyncio.Event()
+        self.retired = asyncio.Event()  # a heartbeat said the autoscaler took it out of the pool
 
     async def start(self, scheduler_port: int) -> "ScriptedWorker":
         self._server = await start_grpc_server(
@@ -97,6 +98,9 @@ class ScriptedWorker(worker_pb2_grpc.WorkerServicer):
             reply = await self.scheduler.Heartbeat(
                 scheduler_pb2.HeartbeatRequest(worker_id=self.info.worker_id, running=len(self.running))
             )
+            if reply.retired:  # as the real worker does: no longer registering, waiting to be stopped
+                self.retired.set()
+                return
             if not reply.registered and self.reregister:  # as the real worker does: a new session
                 self.running.clear()
                 self._aborts.clear()

@@ -1,4 +1,4 @@
-"""RequestQueue: priority classes, FIFO, bounded admission."""
+"""RequestQueue: priority classes, arrival order, deadlines, bounded admission."""
 
 import pytest
 
@@ -75,3 +75,45 @@ def test_remove_and_skip_unservable_models() -> None:
     assert not queue.remove(other)
     _admit(queue, other)
     assert queue.remove(other) and len(queue) == 0
+
+
+def _timed(request_id: str, arrival: float, ttft_due: float | None = None, tenant: str = "t") -> LiveRequest:
+    request = _request(request_id)
+    request.arrival_ts, request.ttft_deadline_ts, request.tenant = arrival, ttft_due, tenant
+    return request
+
+
+def test_earliest_deadline_first_within_a_tenant_then_arrival() -> None:
+    """A tight TTFT target overtakes a loose one that came earlier; no target goes after any target,
+    in arrival order; a request's own deadline counts when it has no TTFT target."""
+    queue = RequestQueue(capacity=10)
+    loose = _timed("loose", arrival=0.0, ttft_due=10.0)
+    tight = _timed("tight", arrival=1.0, ttft_due=2.0)
+    plain_1, plain_2 = _timed("plain-1", arrival=0.5), _timed("plain-2", arrival=0.7)
+    timed_out = _timed("own-deadline", arrival=3.0)
+    timed_out.deadline_ts = 5.0
+    for request in (loose, plain_1, tight, plain_2, timed_out):
+        _admit(queue, request)
+    assert _drain(queue) == ["tight", "own-deadline", "loose", "plain-1", "plain-2"]
+
+
+def test_fifo_order_ignores_deadlines_and_tenants() -> None:
+    queue = RequestQueue(capacity=10, order="fifo")
+    for request in (
+        _timed("a", arrival=0.0, ttft_due=10.0, tenant="x"),
+        _timed("b", arrival=1.0, ttft_due=1.5, tenant="y"),
+        _timed("c", arrival=2.0, tenant="x"),
+    ):
+        _admit(queue, request)
+    queue.counters.served("x", 1.0, 10_000)  # would send x last under VTC
+    assert _drain(queue) == ["a", "b", "c"]
+    with pytest.raises(ValueError, match="fair or fifo"):
+        RequestQueue(capacity=1, order="lifo")
+
+
+def test_returning_requests_keep_going_first_under_deadlines() -> None:
+    queue = RequestQueue(capacity=10)
+    _admit(queue, _timed("urgent", arrival=5.0, ttft_due=5.5))
+    queue.push_front(_timed("retry-late", arrival=2.0, ttft_due=50.0))
+    queue.push_front(_timed("retry-early", arrival=1.0))
+    assert _drain(queue) == ["retry-early", "retry-late", "urgent"]

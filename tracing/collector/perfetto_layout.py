@@ -28,6 +28,9 @@ COUNTERS: dict[str, tuple[str, str]] = {
     attr.TOKENS_PER_S: ("tokens/s", "tokens/s"),
     attr.MFU: ("MFU", "fraction"),
     attr.MBU: ("MBU", "fraction"),
+    attr.DESIRED_WORKERS: ("desired workers", "workers"),
+    attr.READY_WORKERS: ("ready workers", "workers"),
+    attr.FORECAST_RPS: ("forecast arrivals", "requests/s"),
 }
 # Linux pids stay below 2**22, and tools assume it.
 _PID_SPACE = 1 << 22
