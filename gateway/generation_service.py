@@ -13,8 +13,9 @@ from gateway.auth import ApiKeys
 from gateway.backends import RPC_TIMEOUT_S, upstream
 from gateway.chat_request import chat_request
 from gateway.request_attach import stream_for_record
-from gateway.request_runner import GenerationSpec, Prompt, RequestRunner
+from gateway.request_runner import GenerationSpec, Prompt, RequestRunner, SubmittedRequest
 from gateway.request_stream import StreamChunk, drain
+from gateway.tenant_limiter import RateLimited
 from gateway.tool_calls import ToolCallOutput
 from gateway.tool_params import ToolRequest, constrain, keep_tool_call_tags, resolve_parser, tools_from_grpc
 from shardline.errors import InvalidArgument, NotFound, Unavailable
@@ -48,7 +49,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         self._runner.admission.check()
         spec, tools = await self._spec(request, self._keys.grpc_owner(context))
         with self._tracer.start_as_current_span("gateway.request", attributes=_tool_attributes(tools)) as span:
-            live = await self._runner.start(spec, span)
+            live = await self._start(spec, span, context)
             try:
                 completion = await live.collect()
             finally:
@@ -85,7 +86,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         span = self._tracer.start_span("gateway.request", attributes=_tool_attributes(tools))
         try:
             with trace.use_span(span):  # current while submitting: the Submit rpc carries the trace
-                live = await self._runner.start(spec, span)
+                live = await self._start(spec, span, context)
             stream_out = self._tracer.start_span(
                 "stream_out", context=trace.set_span_in_context(span), attributes={attr.REQUEST_ID: spec.request_id}
             )
@@ -103,6 +104,16 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             raise
         finally:
             span.end()
+
+    async def _start(
+        self, spec: GenerationSpec, span: trace.Span, context: grpc.aio.ServicerContext
+    ) -> SubmittedRequest:
+        """Submit `spec`; over a tenant's limit, RESOURCE_EXHAUSTED with `retry-after` in the trailers."""
+        try:
+            return await self._runner.start(spec, span)
+        except RateLimited as exc:
+            await context.abort(exc.code, str(exc), trailing_metadata=exc.grpc_metadata())
+            raise  # abort() raises; this only tells the type checker
 
     async def Cancel(
         self, request: common_pb2.CancelRequest, context: grpc.aio.ServicerContext

@@ -31,6 +31,16 @@ REQUESTS = Counter(
     "Requests ended, by finish reason (stop, length, abort, timeout, error).",
     [MODEL_LABEL, "finish_reason"],
 )
+# A tenant's requests refused for its limits (gateway/tenant_limiter.py), by the limit: requests,
+# tokens (per minute) or concurrency; and those let through unchecked because Redis did not answer.
+THROTTLED = Counter(
+    "shardline_gateway_throttled", "Requests refused for their tenant's limits, by reason.", ["tenant", "reason"]
+)
+RATE_LIMITS_UNCHECKED = Counter(
+    "shardline_gateway_rate_limits_unchecked",
+    "Requests of limited tenants let through unchecked: Redis could not be reached (the limits fail open).",
+    ["tenant"],
+)
 
 SCRAPE_TIMEOUT_S = 2.0
 # Gauges the scheduler and workers set in their own processes; here they come from the scheduler.

@@ -27,6 +27,7 @@ from gateway.openai_response import ResponseFormatter, error_body
 from gateway.params import OPENAI_COMPLETIONS_DEFAULT_MAX_TOKENS
 from gateway.request_attach import ID_HEADER
 from gateway.request_runner import ModelNotFound, RequestRunner
+from gateway.tenant_limiter import RateLimited
 from gateway.tokenize_http import TokenizeApi
 from gateway.tool_params import keep_tool_call_tags, resolve_parser
 from shardline.errors import InvalidArgument, ShardlineError
@@ -59,12 +60,17 @@ class BodyUnreadable(InvalidArgument):
 
 
 def error_response(
-    status: int, message: str, param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None
+    status: int,
+    message: str,
+    param: str | None = None,
+    code: str | None = None,
+    headers: dict[str, str] | None = None,
+    kind: str | None = None,
 ) -> web.Response:
     headers = dict(headers or {})
     if status in (429, 503):
-        headers["Retry-After"] = str(RETRY_AFTER_S)
-    return web.json_response(error_body(status, message, param, code), status=status, headers=headers)
+        headers.setdefault("Retry-After", str(RETRY_AFTER_S))  # a tenant's limit gives its own
+    return web.json_response(error_body(status, message, param, code, kind), status=status, headers=headers)
 
 
 @web.middleware
@@ -76,7 +82,12 @@ async def openai_errors(
         return await handler(request)
     except ShardlineError as exc:
         response = error_response(
-            exc.http_status, str(exc), getattr(exc, "field", None), getattr(exc, "openai_code", None)
+            exc.http_status,
+            str(exc),
+            getattr(exc, "field", None),
+            getattr(exc, "openai_code", None),
+            exc.headers if isinstance(exc, RateLimited) else None,
+            exc.openai_type if isinstance(exc, RateLimited) else None,
         )
         if isinstance(exc, (BodyTimeout, BodyUnreadable)):
             # The rest of the body may still come, or cannot be read: this connection can serve no other.
@@ -187,9 +198,8 @@ class OpenAIHttpApi:
             if (failure := completion.failure()) is not None:
                 raise failure
         usage = total_usage(choices, [completion.usage for completion in completions], parsed.echo_only)
-        return web.json_response(
-            ResponseFormatter.whole_of(formatters, completions, usage), headers={"X-Request-Id": request_id}
-        )
+        headers = {"X-Request-Id": request_id, **choices[-1].live.rate_limit_headers}
+        return web.json_response(ResponseFormatter.whole_of(formatters, completions, usage), headers=headers)
 
     async def _stream(
         self,
@@ -200,7 +210,12 @@ class OpenAIHttpApi:
         parsed: OpenAIRequest,
     ) -> web.StreamResponse:
         response = web.StreamResponse(
-            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Request-Id": request_id}
+            headers={
+                "Content-Type": "text/event-stream",
+                "Cache-Control": "no-cache",
+                "X-Request-Id": request_id,
+                **choices[-1].live.rate_limit_headers,  # the latest admission's
+            }
         )
         await response.prepare(request)
         usages: list[sampling_pb2.Usage | None] = [None] * len(choices)

@@ -27,9 +27,12 @@ _ERROR_KINDS = {
 }
 
 
-def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
-    """`{"error": {...}}` as the OpenAI API sends it; `code` overrides the status's own."""
-    kind, default_code = _ERROR_KINDS.get(status, ("server_error", "internal_error"))
+def error_body(
+    status: int, message: str, param: str | None = None, code: str | None = None, kind: str | None = None
+) -> dict[str, Any]:
+    """`{"error": {...}}` as the OpenAI API sends it; `code` and `kind` (its type) override the status's own."""
+    default_kind, default_code = _ERROR_KINDS.get(status, ("server_error", "internal_error"))
+    kind = kind or default_kind
     code = code or default_code
     if status == 404 and param == "model":
         code = "model_not_found"

@@ -18,22 +18,23 @@ from opentelemetry import trace
 
 from gateway.admission import Admission
 from gateway.backends import RPC_TIMEOUT_S, Backends, upstream
+from gateway.collected_output import CollectedOutput
 from gateway.metrics import GENERATION_TOKENS, PROMPT_TOKENS, REQUESTS
 from gateway.params import ContextLengthExceeded, ModelLimits, resolve_max_tokens, validate_sampling
 from gateway.prompt_bound import PromptBound
 from gateway.request_attach import attach_existing
-from gateway.request_stream import RequestStream, StreamChunk, failure_of
+from gateway.request_stream import RequestStream, StreamChunk
 from gateway.settings import GatewaySettings
 from gateway.stop_matcher import StopMatcher
 from gateway.stream_hub import StreamHub
-from gateway.tenants import TenantDirectory, tenant_of
+from gateway.tenant_limiter import Hold, RateLimited, limiter_for
+from gateway.tenants import Tenant, TenantDirectory, tenant_of
 from shardline.errors import (
     AlreadyExists,
     DeadlineExceeded,
     InvalidArgument,
     NotFound,
     ResourceExhausted,
-    ShardlineError,
     Unavailable,
 )
 from shardline.proto import generation_pb2, sampling_pb2, scheduler_pb2, tokenizer_pb2
@@ -103,34 +104,6 @@ class PreparedRequest:
     prompt_ids: list[int]
 
 
-@dataclass(slots=True)
-class CollectedOutput:
-    """A whole generation, gathered from its chunks."""
-
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[sampling_pb2.TokenLogprob] = field(default_factory=list)
-    token_texts: dict[int, str] = field(default_factory=dict)
-    token_bytes: dict[int, bytes] = field(default_factory=dict)
-    finish_reason: str | None = None
-    usage: sampling_pb2.Usage | None = None
-    error: str = ""
-    prompt_logprobs: list[sampling_pb2.TokenLogprob] = field(default_factory=list)  # when asked for
-
-    def add(self, chunk: StreamChunk) -> None:
-        self.text += chunk.text
-        self.token_ids += chunk.token_ids
-        self.logprobs += chunk.logprobs
-        self.prompt_logprobs += chunk.prompt_logprobs
-        self.token_texts.update(chunk.token_texts)
-        self.token_bytes.update(chunk.token_bytes)
-        self.finish_reason, self.usage, self.error = chunk.finish_reason, chunk.usage, chunk.error
-
-    def failure(self) -> ShardlineError | None:
-        """The client's error when the generation failed or timed out."""
-        return failure_of(self.finish_reason, self.error)
-
-
 class SubmittedRequest:
     """A submitted request: its chunks, and the bookkeeping when its consumer is done."""
 
@@ -143,6 +116,7 @@ class SubmittedRequest:
         span: trace.Span,
         deadline_s: float,
         prompt_ids: list[int],
+        hold: Hold | None = None,
     ) -> None:
         self.request_id = spec.request_id
         self.model = model
@@ -155,6 +129,8 @@ class SubmittedRequest:
         self._span = span
         self._deadline_s = deadline_s
         self._last: StreamChunk | None = None
+        self._hold = hold  # its charge to its tenant's limits, ended when the request ends
+        self.rate_limit_headers = hold.headers if hold is not None else {}  # OpenAI's x-ratelimit-*
 
     async def chunks(self) -> AsyncIterator[StreamChunk]:
         """The output as it is produced; the last chunk has finish_reason and usage."""
@@ -172,6 +148,8 @@ class SubmittedRequest:
                     "", [], completed, finish_reason="abort", error=self._timed_out(), usage=self._stream.usage()
                 )
             self._last = chunk
+            if chunk.finish_reason is not None and self._hold is not None and self._runner.limiter is not None:
+                await self._runner.limiter.settle(self._hold, chunk)  # before the client has it: its slot is free
             yield chunk
 
     def _timed_out(self) -> str:
@@ -190,6 +168,8 @@ class SubmittedRequest:
         self._runner.hub.release(self.request_id, cancel=not self._spec.idempotent, grace_s=grace_s)
         timing, now = self._stream.timing, time.perf_counter()
         finished = self._last is not None and self._last.finish_reason is not None
+        if not finished and self._hold is not None and self._runner.limiter is not None:
+            self._runner.limiter.detach(self._hold)  # it still holds its slot until it ends
         usage = self._last.usage if finished else self._stream.usage()
         labels = {"gen_ai_request_model": self.model}
         if timing.first_token_s is not None:
@@ -228,6 +208,7 @@ class RequestRunner:
         self.admission = Admission(settings.max_admitting, settings.queue_full_hold_s)
         self.prompt_bound = PromptBound(backends)
         self.tenants = TenantDirectory(settings.tenants_file) if settings.tenants_file else None
+        self.limiter = limiter_for(settings, self.tenants, backends)
 
     async def start(self, spec: GenerationSpec, span: trace.Span) -> SubmittedRequest:
         """Submit `spec`; call inside `span` (current), so the Submit rpc carries the request's trace."""
@@ -287,7 +268,7 @@ class RequestRunner:
             stop_token_ids=frozenset(info.eos_token_ids) | frozenset(params.stop_token_ids),
         )
         self.hub.register(stream)
-        tenant = tenant_of(self.tenants, spec.owner)
+        tenant, hold = tenant_of(self.tenants, spec.owner), None
         prepared.span.set_attribute(attr.TENANT, tenant.name)
         submit = scheduler_pb2.SubmitRequest(
             request_id=spec.request_id,
@@ -304,20 +285,38 @@ class RequestRunner:
             tenant_weight=tenant.weight,
         )
         try:
+            hold = await self._admit(tenant, prepared)
             with upstream("scheduler"):
                 await self.backends.scheduler.Submit(submit, timeout=RPC_TIMEOUT_S)
         except AlreadyExists:
             self.hub.release(spec.request_id, cancel=False)
+            if self.limiter is not None:  # a resend follows the request admitted before, which keeps its slot
+                self.limiter.release_unsubmitted(hold, free_slot=False)
             if not spec.idempotent:
                 raise
             return await attach_existing(self, prepared, spec.arrival_s + timeout_s)
         except BaseException as exc:
-            if isinstance(exc, ResourceExhausted):
+            if isinstance(exc, ResourceExhausted) and not isinstance(exc, RateLimited):
                 self.admission.queue_full()
             # A Submit interrupted by a client that left may still have landed: cancel it to be sure.
             self.hub.release(spec.request_id, cancel=isinstance(exc, asyncio.CancelledError))
+            if self.limiter is not None:
+                self.limiter.release_unsubmitted(hold)
             raise
-        return SubmittedRequest(self, spec, info.model, stream, prepared.span, spec.arrival_s + timeout_s, prompt_ids)
+        deadline_s = spec.arrival_s + timeout_s
+        return SubmittedRequest(self, spec, info.model, stream, prepared.span, deadline_s, prompt_ids, hold)
+
+    async def _admit(self, tenant: Tenant, prepared: PreparedRequest) -> Hold | None:
+        """Charge the request to its tenant's limits, if it has any: others cost no Redis round trip."""
+        if self.limiter is None or not tenant.limits.enforced:
+            return None
+        spec, params, prompt_tokens = prepared.spec, prepared.params, len(prepared.prompt_ids)
+        # max_tokens unset: up to the context's end, which is what the request may use
+        max_tokens = (
+            params.max_tokens if params.HasField("max_tokens") else prepared.info.max_context_length - prompt_tokens
+        )
+        field = spec.field_prefix + spec.max_tokens_field
+        return await self.limiter.admit(tenant, spec.request_id, prompt_tokens, max_tokens, field)
 
     async def served_models(self, timeout_s: float = RPC_TIMEOUT_S) -> list[generation_pb2.ModelInfo]:
         """This gateway's model, when at least one live worker serves it (the tokenizer fixes the model)."""

@@ -20,6 +20,7 @@ from gateway.openai_http import OpenAIHttpApi
 from gateway.request_runner import RequestRunner
 from gateway.settings import GatewaySettings
 from gateway.stream_hub import StreamHub
+from gateway.tenant_limiter import TenantLimiter
 from shardline.grpc_server import GrpcService, RunningServer, start_grpc_server
 from shardline.proto import batches_pb2_grpc, generation_pb2, generation_pb2_grpc
 from shardline.service_main import started
@@ -47,6 +48,7 @@ class GatewayServer:
     http: web.AppRunner  # the OpenAI HTTP server
     http_port: int  # the bound HTTP port
     health: HealthMirror  # keeps the gRPC health equal to the dependencies' state
+    limiter: TenantLimiter | None = None  # the tenants' limits, when some may have them
 
     async def stop(self, grace_s: float = 5.0) -> None:
         await self.health.stop()
@@ -54,6 +56,8 @@ class GatewayServer:
         await self.http.cleanup()
         await self.grpc.stop(grace_s)
         await self.hub.stop()
+        if self.limiter is not None:
+            await self.limiter.close()
         await self.backends.close()
 
 
@@ -71,6 +75,8 @@ async def start_gateway(settings: GatewaySettings, tracer: trace.Tracer | None =
                 "scheduler at %s not reachable yet; requests get 503 until it is", settings.scheduler_address
             )
         runner = RequestRunner(settings, backends, hub, tracer)
+        if runner.limiter is not None:
+            undo.push_async_callback(runner.limiter.close)
         keys = ApiKeys(settings.api_keys, runner.tenants)  # the tenants file's keys are accepted too
         http_api = OpenAIHttpApi(runner, keys)  # holds the Batch API's service, which gRPC Batches serves too
         services = [
@@ -105,7 +111,7 @@ async def start_gateway(settings: GatewaySettings, tracer: trace.Tracer | None =
         http_port = http.addresses[0][1]
         undo.pop_all()
     logger.info("gateway %s: HTTP on %d, gRPC on %d", settings.gateway_id, http_port, grpc_server.port)
-    return GatewayServer(settings, backends, hub, grpc_server, http, http_port, health)
+    return GatewayServer(settings, backends, hub, grpc_server, http, http_port, health, runner.limiter)
 
 
 async def serve(settings: GatewaySettings) -> None:
@@ -119,6 +125,8 @@ async def serve(settings: GatewaySettings) -> None:
         finally:
             await gateway.health.stop()
             await gateway.hub.stop()
+            if gateway.limiter is not None:
+                await gateway.limiter.close()
             await gateway.backends.close()
     finally:
         await asyncio.to_thread(tracing.shutdown)

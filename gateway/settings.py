@@ -54,7 +54,8 @@ class GatewaySettings(BaseSettings):
     # 3.1+ JSON calls), or "none" to refuse "auto"; empty (the default) follows the chat template, as the
     # tokenizer service reports it.
     tool_call_parser: Literal["", "none", "hermes", "llama3_json"] = ""
-    # Redis for the Batch API (/v1/files, /v1/batches: batch records, Celery's broker); empty turns it off (503).
+    # Redis for the Batch API (/v1/files, /v1/batches: batch records, Celery's broker) and the tenants' limits;
+    # empty turns the Batch API off (503) and leaves tenants' limits unenforced (logged at start).
     redis_url: str = ""
     # Folder of uploaded files and batch results; the batch workers mount the same one.
     files_dir: str = "shardline-files"
@@ -67,6 +68,9 @@ class GatewaySettings(BaseSettings):
     # YAML file of tenants (gateway/tenants.py): each API key's tenant, weight and priority class, keys stored
     # as sha256 digests, re-read when it changes. Empty: one default tenant, and SHARDLINE_API_KEYS alone.
     tenants_file: str = ""
+    # Lease of a tenant's concurrency slot in Redis: the gateway running the request renews it, so the
+    # slots of a gateway that died free themselves this long after it.
+    rate_limit_lease_s: float = Field(30.0, gt=0)
 
     @field_validator("api_keys", mode="before")
     @classmethod

@@ -42,11 +42,21 @@ def key_digest(key: str) -> str:
 
 @dataclass(frozen=True, slots=True)
 class TenantLimits:
-    """A tenant's limits, as the file gives them; None is no limit. Not enforced yet."""
+    """A tenant's limits, as the file gives them; None is no limit. The gateway enforces them across
+    all gateways through Redis (gateway/tenant_limiter.py); each choice of a request counts as one."""
 
     requests_per_minute: int | None = None  # requests admitted per minute
-    tokens_per_minute: int | None = None  # prompt + max_tokens admitted per minute
+    tokens_per_minute: int | None = None  # prompt + max_tokens admitted per minute, unused ones given back
     max_concurrent: int | None = None  # requests unfinished at once
+
+    @property
+    def enforced(self) -> bool:
+        """Whether there is any limit: a tenant without one costs its requests no Redis round trip."""
+        return (
+            self.requests_per_minute is not None
+            or self.tokens_per_minute is not None
+            or (self.max_concurrent is not None)
+        )
 
 
 @dataclass(frozen=True, slots=True)
