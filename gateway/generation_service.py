@@ -15,6 +15,7 @@ from gateway.chat_request import chat_request
 from gateway.request_attach import stream_for_record
 from gateway.request_runner import GenerationSpec, Prompt, RequestRunner, SubmittedRequest
 from gateway.request_stream import StreamChunk, drain
+from gateway.slo_params import Slo, checked_target
 from gateway.tenant_limiter import RateLimited
 from gateway.tool_calls import ToolCallOutput
 from gateway.tool_params import ToolRequest, constrain, keep_tool_call_tags, resolve_parser, tools_from_grpc
@@ -225,6 +226,12 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             field_prefix="params.",
             structured_output_field=structured_output_field,
             owner=owner,
+            slo=Slo(
+                checked_target(_positive_seconds(request.ttft_target, "ttft_target"), "ttft_target")
+                if request.HasField("ttft_target")
+                else None,
+                request.refuse_late if request.HasField("refuse_late") else None,
+            ),
         ), tools
 
 

@@ -65,6 +65,7 @@ def choice_specs(
                     structured_output_field=parsed.structured_output_field or "structured_output",
                     owner=owner,
                     idempotent=idempotent,
+                    slo=parsed.slo,
                 )
             )
     return specs

@@ -34,6 +34,8 @@ _COMMON = frozenset(
         "logprobs",
         "prompt_logprobs",
         "priority",
+        "ttft_target_ms",
+        "refuse_late",
         "n",
         "stream",
         "stream_options",

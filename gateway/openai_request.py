@@ -10,6 +10,7 @@ from gateway.chat_request import chat_request
 from gateway.openai_fields import refuse_unknown_fields
 from gateway.params import MAX_CHOICES, json_field, sampling_from_openai
 from gateway.request_runner import Prompt
+from gateway.slo_params import Slo, slo_from_openai
 from gateway.structured_params import structured_output_from_openai
 from gateway.tool_params import ToolRequest, constrain, tool_calls_from_message, tools_from_openai
 from shardline.errors import InvalidArgument
@@ -37,6 +38,7 @@ class OpenAIRequest:
     prompt_logprobs: bool = False  # vLLM's prompt_logprobs field was sent: answer it in vLLM's shape
     structured_output_field: str = ""  # where params.structured_output came from (response_format...)
     tools: ToolRequest | None = None  # chat: the functions the model may call, and how
+    slo: Slo = Slo()  # ttft_target_ms and refuse_late, as sent
 
     @property
     def num_choices(self) -> int:
@@ -93,6 +95,7 @@ def parse_request(body: Any, chat: bool) -> OpenAIRequest:
         body.get("prompt_logprobs") is not None,
         structured_output_field,
         tools,
+        slo_from_openai(body),
     )
 
 

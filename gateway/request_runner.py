@@ -25,6 +25,7 @@ from gateway.prompt_bound import PromptBound
 from gateway.request_attach import attach_existing
 from gateway.request_stream import RequestStream, StreamChunk
 from gateway.settings import GatewaySettings
+from gateway.slo_params import Slo
 from gateway.stop_matcher import StopMatcher
 from gateway.stream_hub import StreamHub
 from gateway.tenant_limiter import Hold, RateLimited, limiter_for
@@ -91,6 +92,7 @@ class GenerationSpec:
     # Named by the client over HTTP: a resend attaches to it (request_attach.py), and its client
     # leaving does not cancel it, so that the resend finds it running or finished.
     idempotent: bool = False
+    slo: Slo = Slo()  # its TTFT target and refuse_late, as the client gave them (its tenant's fill in)
 
 
 @dataclass(slots=True)
@@ -223,6 +225,11 @@ class RequestRunner:
             raise ModelNotFound(f"model {spec.model!r} is not served here; this gateway serves {info.model!r}")
         limits = self.limits(info)
         params = validate_sampling(spec.params, limits, spec.field_prefix, spec.max_tokens_field)
+        slo = spec.slo.over(tenant_of(self.tenants, spec.owner).slo)
+        if slo.refuse_late and slo.ttft_target_s is None:
+            raise InvalidArgument(
+                "refuse_late", "needs a TTFT target to be late against: ttft_target_ms, or the tenant's"
+            )
         await self.prompt_bound.check(prompt_texts(spec.prompt), limits.max_prompt_tokens, spec.prompt.field)
         with self.tracer.start_as_current_span("tokenize", attributes={attr.REQUEST_ID: spec.request_id}) as tokenize:
             prompt_ids = await self._tokenize(spec.prompt, info)
@@ -284,6 +291,10 @@ class RequestRunner:
             tenant=tenant.name,
             tenant_weight=tenant.weight,
         )
+        slo = spec.slo.over(tenant.slo)
+        if slo.ttft_target_s is not None:
+            submit.ttft_target.FromNanoseconds(round(slo.ttft_target_s * 1e9))
+            submit.refuse_late = bool(slo.refuse_late)
         try:
             hold = await self._admit(tenant, prepared)
             with upstream("scheduler"):

@@ -9,6 +9,7 @@ The file is YAML; keys are stored as the sha256 hex digest of the key, never in 
         priority: 0        # its class: its requests may ask for a later class, never an earlier one
         keys: [9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08]
         limits: {requests_per_minute: 600, tokens_per_minute: 200000, max_concurrent: 32}
+        slo: {ttft_target_ms: 1000, refuse_late: true}   # defaults for its requests (gateway/slo_params.py)
 
 The gateway re-reads it when its modification time or size changes, checked at most once a
 second, so keys and weights change without a restart; a file that no longer parses is logged
@@ -27,6 +28,8 @@ from pathlib import Path
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from gateway.slo_params import MAX_TTFT_TARGET_S, Slo
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +70,7 @@ class Tenant:
     weight: float = 1.0  # share of service within its priority class, relative to other tenants'
     priority: int | None = None  # the earliest class its requests may ask for; None leaves theirs
     limits: TenantLimits = field(default_factory=TenantLimits)
+    slo: Slo = Slo()  # its requests' TTFT target and refuse_late, where they name none
 
     def priority_for(self, requested: int) -> int:
         """The class a request of this tenant that asked for `requested` is queued in (lower is earlier)."""
@@ -86,6 +90,16 @@ class _LimitsEntry(BaseModel):
     max_concurrent: int | None = Field(None, ge=1)
 
 
+class _SloEntry(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    ttft_target_ms: float | None = Field(None, gt=0, le=MAX_TTFT_TARGET_S * 1000)
+    refuse_late: bool = False
+
+    def slo(self) -> Slo:
+        return Slo(None if self.ttft_target_ms is None else self.ttft_target_ms / 1000.0, self.refuse_late)
+
+
 class _TenantEntry(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -93,6 +107,7 @@ class _TenantEntry(BaseModel):
     priority: int = Field(0, ge=-(2**31), lt=2**31)
     keys: list[str] = []
     limits: _LimitsEntry = _LimitsEntry()
+    slo: _SloEntry = _SloEntry()
 
     @field_validator("weight")
     @classmethod
@@ -140,7 +155,10 @@ def parse_tenants(text: str, source: str = "tenants file") -> TenantTable:
     for name, entry in parsed.tenants.items():
         if not name or len(name) > 64 or not all(c.isalnum() or c in "._-" for c in name):
             raise TenantsFileError(f"{source}: tenant {name!r}: names are 1-64 letters, digits, '.', '_' or '-'")
-        tenant = Tenant(name, entry.weight, entry.priority, TenantLimits(**entry.limits.model_dump()))
+        if entry.slo.refuse_late and entry.slo.ttft_target_ms is None:
+            raise TenantsFileError(f"{source}: tenant {name!r}: slo.refuse_late needs slo.ttft_target_ms")
+        limits = TenantLimits(**entry.limits.model_dump())
+        tenant = Tenant(name, entry.weight, entry.priority, limits, entry.slo.slo())
         tenants[name] = tenant
         for digest in entry.keys:
             if digest in by_digest:
