@@ -140,6 +140,10 @@ class RequestQueue:
         """Queued requests per priority class, for GetStats."""
         return {priority: self._depth(tenants) for priority, tenants in sorted(self._classes.items())}
 
+    def depth_by_tenant(self) -> dict[str, int]:
+        """Queued requests per tenant, over every class, for GetStats."""
+        return dict(self._queued)
+
     def depth_for(self, model: str) -> int:
         """Queued requests for `model`, for the autoscaler (a walk of the queue, once an interval)."""
         return sum(

@@ -186,6 +186,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             running=self._dispatcher.running(),
             workers=len(self._dispatcher.registry),
             scale=self._scaler.stats() if self._scaler is not None else [],
+            queue_depth_by_tenant=self._dispatcher.queue.depth_by_tenant(),
         )
 
     async def _request_info(self, request_id: str) -> common_pb2.RequestInfo:

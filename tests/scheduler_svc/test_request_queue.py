@@ -117,3 +117,14 @@ def test_returning_requests_keep_going_first_under_deadlines() -> None:
     queue.push_front(_timed("retry-late", arrival=2.0, ttft_due=50.0))
     queue.push_front(_timed("retry-early", arrival=1.0))
     assert _drain(queue) == ["retry-early", "retry-late", "urgent"]
+
+
+def test_depth_by_tenant_counts_every_class() -> None:
+    queue = RequestQueue(capacity=10)
+    for request_id, tenant, priority in (("a", "x", 0), ("b", "x", 5), ("c", "y", 0)):
+        request = _timed(request_id, arrival=0.0, tenant=tenant)
+        request.priority = priority
+        _admit(queue, request)
+    assert queue.depth_by_tenant() == {"x": 2, "y": 1}
+    _drain(queue)
+    assert queue.depth_by_tenant() == {}

@@ -6,7 +6,7 @@ import pytest
 from google.protobuf import duration_pb2
 
 from shardline.errors import SLO_UNMET
-from shardline.proto import sampling_pb2
+from shardline.proto import sampling_pb2, scheduler_pb2
 from shardline.request_record import RequestStatus
 from shardline.request_store import RequestStore
 from tests.scheduler_svc.harness import cluster
@@ -35,6 +35,8 @@ async def test_a_late_request_is_refused_while_one_not_asking_waits_on(redis_url
         assert refused.status == RequestStatus.FAILED and refused.refuse_late
         assert patient.status == RequestStatus.QUEUED and not patient.refuse_late
         assert patient.ttft_deadline_ts == pytest.approx(patient.arrival_ts + 0.3)
+        stats = await c.stub.GetStats(scheduler_pb2.GetStatsRequest())
+        assert dict(stats.queue_depth_by_tenant) == {"": 1}  # the patient one, from a gateway naming none
         # A worker arrives: the patient request is served late, as it asked.
         await c.worker("w0")
         await gateway.wait_finished("patient")
