@@ -224,6 +224,8 @@ def build_request(
     request_id: str | None = None,
     priority: int = 0,
     timeout: float | None = None,
+    ttft_target: float | None = None,
+    refuse_late: bool | None = None,
     tools: list[dict[str, Any]] | None = None,
     tool_choice: str | dict[str, Any] | None = None,
     parallel_tool_calls: bool | None = None,
@@ -239,7 +241,12 @@ def build_request(
     answer with its "tool_call_id". `tools` are OpenAI tool
     definitions; `tool_choice` is "auto" (the default), "none", "required", a function's name, or
     OpenAI's {"type": "function", "function": {"name": ...}}. `chat_template_kwargs` (variables for
-    the template), `continue_final_message` and `add_generation_prompt` are vLLM's chat options."""
+    the template), `continue_final_message` and `add_generation_prompt` are vLLM's chat options.
+
+    `ttft_target` (seconds): the first token should come within it (the tenant's target when unset);
+    the gateway's tenant queue serves the earliest deadline first. `refuse_late`: once the target
+    can no longer be met while the request waits, fail it (UNAVAILABLE, its message starting "ttft
+    target unmet") instead of serving it late; unset, the tenant's choice."""
     req = generation_pb2.GenerateRequest(model=model, priority=priority)
     if messages is not None:
         req.messages.messages.extend(_chat_message(m) for m in messages)
@@ -265,6 +272,12 @@ def build_request(
         if timeout <= 0:
             raise ValueError(f"timeout must be positive, got {timeout}")
         req.timeout.FromMilliseconds(max(1, round(timeout * 1000)))
+    if ttft_target is not None:
+        if not ttft_target > 0:
+            raise ValueError(f"ttft_target must be positive, got {ttft_target}")
+        req.ttft_target.FromMicroseconds(max(1, round(ttft_target * 1e6)))
+    if refuse_late is not None:
+        req.refuse_late = refuse_late
     for name, value in params.items():
         if value is None:
             continue

@@ -35,6 +35,11 @@ def test_sdk_request_building_takes_what_callers_pass():
     assert [m.role for m in developer.messages.messages] == ["system", "user"]
     with pytest.raises(ValueError, match="timeout"):
         build_request("hi", timeout=0)
+    slo = build_request("hi", ttft_target=0.25, refuse_late=True)
+    assert slo.ttft_target.ToMilliseconds() == 250 and slo.refuse_late and slo.HasField("refuse_late")
+    assert not build_request("hi").HasField("ttft_target") and not build_request("hi").HasField("refuse_late")
+    with pytest.raises(ValueError, match="ttft_target"):
+        build_request("hi", ttft_target=-1)
 
 
 def test_bad_worker_settings_are_one_line(monkeypatch, capsys):
