@@ -242,3 +242,29 @@ def test_trace_processor_sees_steps_per_rank_and_counters(walk_trace: tuple[Path
     assert by_name["tokens/s rank 0"]["peak"] == 100.0 * STEPS
     assert {f"{n} rank {r}" for n in ("MFU", "MBU") for r in WORKER_RANKS} <= set(by_name)
     assert {row["process"] for row in counters} == {"scheduler-0", "worker-0"}
+
+
+def test_the_autoscalers_rounds_become_counter_tracks_of_the_scheduler() -> None:
+    """Each `autoscale` span (one a round) samples the desired and ready workers and the forecast:
+    the dashboard's view of a scale-out, desired stepping up before ready follows."""
+    from tests.tracing.collector.fake_request import SpanFactory
+
+    f = SpanFactory()
+    rounds = [(1, 1, 0.5), (3, 1, 4.0), (3, 2, 4.2), (3, 3, 4.1)]
+    spans = [
+        f.span(
+            "autoscale",
+            "scheduler",
+            "scheduler-0",
+            10 * i,
+            10 * i + 1,
+            **{attr.DESIRED_WORKERS: desired, attr.READY_WORKERS: ready, attr.FORECAST_RPS: rps},
+        )
+        for i, (desired, ready, rps) in enumerate(rounds)
+    ]
+    decoded = decode(encode_pftrace(spans)[0])
+    by_name = {t.name: uuid for uuid, t in decoded.tracks.items() if t.HasField("counter")}
+    assert set(by_name) == {"desired workers", "ready workers", "forecast arrivals"}
+    assert [v for _, v in decoded.counters[by_name["desired workers"]]] == [1, 3, 3, 3]
+    assert [v for _, v in decoded.counters[by_name["ready workers"]]] == [1, 1, 2, 3]
+    assert [v for _, v in decoded.counters[by_name["forecast arrivals"]]] == pytest.approx([0.5, 4.0, 4.2, 4.1])
