@@ -43,7 +43,16 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from shardline.cli import batch_cmd, bench_cmd, generate_cmd, run_batch_cmd, status_cmd, trace_cmd, up_cmd
+    from shardline.cli import (
+        autoscale_cmd,
+        batch_cmd,
+        bench_cmd,
+        generate_cmd,
+        run_batch_cmd,
+        status_cmd,
+        trace_cmd,
+        up_cmd,
+    )
 
     parser = argparse.ArgumentParser(prog="shardline", description="Shardline: LLM serving in Python")
     sub = parser.add_subparsers(metavar="command")
@@ -55,6 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     trace_cmd.add_parser(sub)
     batch_cmd.add_parser(sub)
     run_batch_cmd.add_parser(sub)
+    autoscale_cmd.add_parser(sub)
     return parser
 
 
