@@ -1,4 +1,4 @@
-"""The gateway's /metrics: its own request metrics, plus the scheduler's queue and pool, read at scrape time.
+"""The gateway's /metrics: its request metrics, per model and per tenant, and the scheduler's, read at scrape time.
 
 The scheduler and workers export their gauges on metrics ports of their own (compose
 sets them), but `shardline up` opens none, and a gateway exporting those gauges
@@ -14,10 +14,19 @@ from collections.abc import Awaitable, Callable, Iterator
 
 import grpc
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    REGISTRY,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from gateway.tenants import DEFAULT_TENANT
 from shardline.errors import ShardlineError
 from shardline.proto import scheduler_pb2, scheduler_pb2_grpc
 from tracing.metrics import KV_CACHE_USAGE, MODEL_LABEL, QUEUE_DEPTH, RUNNING_REQUESTS, TOKENS_PER_SECOND
@@ -42,6 +51,29 @@ RATE_LIMITS_UNCHECKED = Counter(
     ["tenant"],
 )
 
+# The same per tenant, the tenant a request counts against (gateway/tenants.py): names from the tenants
+# file, or "default", so the label stays bounded. The TTFT histogram and the SLO outcomes (met,
+# missed, refused; gateway/request_metrics.py) give a tenant's attainment of its TTFT targets.
+TENANT_REQUESTS = Counter(
+    "shardline_tenant_requests", "Requests ended, per tenant, by finish reason.", ["tenant", "finish_reason"]
+)
+TENANT_PROMPT_TOKENS = Counter("shardline_tenant_prompt_tokens", "Prompt tokens of ended requests.", ["tenant"])
+TENANT_GENERATION_TOKENS = Counter(
+    "shardline_tenant_generation_tokens", "Tokens generated for ended requests.", ["tenant"]
+)
+TENANT_TIME_TO_FIRST_TOKEN = Histogram(
+    "shardline_tenant_time_to_first_token_seconds",
+    "Time from request arrival to the first generated token, per tenant.",
+    ["tenant"],
+    # gen_ai_server_time_to_first_token_seconds's buckets, so the two read alike
+    buckets=(0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0),
+)
+TENANT_SLO_REQUESTS = Counter(
+    "shardline_tenant_slo_requests",
+    "Ended requests that had a TTFT target, by outcome: met, missed, or refused as late (SLO_UNMET).",
+    ["tenant", "outcome"],
+)
+
 SCRAPE_TIMEOUT_S = 2.0
 # Gauges the scheduler and workers set in their own processes; here they come from the scheduler.
 _ELSEWHERE = frozenset(g.describe()[0].name for g in (QUEUE_DEPTH, RUNNING_REQUESTS, KV_CACHE_USAGE, TOKENS_PER_SECOND))
@@ -61,6 +93,7 @@ class _SchedulerView(Collector):
     def collect(self) -> Iterator[Metric]:
         yield _gauge(QUEUE_DEPTH, sum(self._stats.queue_depth.values()))
         yield _gauge(RUNNING_REQUESTS, self._stats.running)
+        yield _tenant_queue_depth(self._stats)
         yield GaugeMetricFamily(
             "shardline_workers_alive", "Live workers in the scheduler's registry.", self._stats.workers
         )
@@ -69,6 +102,20 @@ class _SchedulerView(Collector):
             if state.alive:
                 kv.add_metric([state.worker.worker_id], state.kv_blocks_used / max(1, state.worker.kv_blocks_total))
         yield kv
+
+
+def _tenant_queue_depth(stats: scheduler_pb2.SchedulerStats) -> GaugeMetricFamily:
+    family = GaugeMetricFamily(
+        "shardline_tenant_queue_depth", "Requests waiting in the scheduler's queue, per tenant.", labels=["tenant"]
+    )
+    depths: dict[str, int] = {}
+    for tenant, depth in stats.queue_depth_by_tenant.items():
+        # A request from a gateway that names no tenant is the default tenant's, as the gateway names it.
+        name = tenant or DEFAULT_TENANT.name
+        depths[name] = depths.get(name, 0) + depth
+    for name, depth in sorted(depths.items()):
+        family.add_metric([name], depth)
+    return family
 
 
 def _gauge(like: Gauge, value: float | None = None, labels: list[str] | None = None) -> GaugeMetricFamily:

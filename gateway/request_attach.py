@@ -60,7 +60,7 @@ async def attach_existing(runner: RequestRunner, prepared: PreparedRequest, dead
     except BaseException:
         hub.release(spec.request_id, cancel=False)  # the request is the first send's: leave it running
         raise
-    return SubmittedRequest(runner, spec, info.model, stream, prepared.span, deadline_s, prepared.prompt_ids)
+    return SubmittedRequest(runner, spec, info.model, stream, prepared.span, deadline_s, prepared)
 
 
 def _same_request(info: common_pb2.RequestInfo, prepared: PreparedRequest) -> bool:

@@ -19,10 +19,10 @@ from opentelemetry import trace
 from gateway.admission import Admission
 from gateway.backends import RPC_TIMEOUT_S, Backends, upstream
 from gateway.collected_output import CollectedOutput
-from gateway.metrics import GENERATION_TOKENS, PROMPT_TOKENS, REQUESTS
 from gateway.params import ContextLengthExceeded, ModelLimits, resolve_max_tokens, validate_sampling
 from gateway.prompt_bound import PromptBound
 from gateway.request_attach import attach_existing
+from gateway.request_metrics import RequestEnd, record_end
 from gateway.request_stream import RequestStream, StreamChunk
 from gateway.settings import GatewaySettings
 from gateway.slo_params import Slo
@@ -40,7 +40,6 @@ from shardline.errors import (
 )
 from shardline.proto import generation_pb2, sampling_pb2, scheduler_pb2, tokenizer_pb2
 from tracing import attributes as attr
-from tracing.metrics import REQUEST_DURATION, TIME_PER_OUTPUT_TOKEN, TIME_TO_FIRST_TOKEN
 
 logger = logging.getLogger(__name__)
 
@@ -104,6 +103,8 @@ class PreparedRequest:
     info: tokenizer_pb2.TokenizerInfo  # the served model's tokenizer facts
     params: sampling_pb2.SamplingParameters  # resolved, max_tokens included
     prompt_ids: list[int]
+    tenant: Tenant  # the tenant it counts against
+    slo: Slo  # its effective SLO: its own, else its tenant's
 
 
 class SubmittedRequest:
@@ -117,14 +118,15 @@ class SubmittedRequest:
         stream: RequestStream,
         span: trace.Span,
         deadline_s: float,
-        prompt_ids: list[int],
+        prepared: PreparedRequest,
         hold: Hold | None = None,
     ) -> None:
         self.request_id = spec.request_id
         self.model = model
         self.prompt_tokens = stream.prompt_tokens
         self.prompt = spec.prompt  # as the client sent it
-        self.prompt_ids = prompt_ids  # as the model reads it
+        self.prompt_ids = prepared.prompt_ids  # as the model reads it
+        self._tenant, self._ttft_target_s = prepared.tenant.name, prepared.slo.ttft_target_s
         self._runner = runner
         self._spec = spec
         self._stream = stream
@@ -168,35 +170,23 @@ class SubmittedRequest:
         """The consumer is done or gone: cancel upstream if unfinished (after `grace_s`, unless the
         request is resumed meanwhile), record metrics and spans."""
         self._runner.hub.release(self.request_id, cancel=not self._spec.idempotent, grace_s=grace_s)
-        timing, now = self._stream.timing, time.perf_counter()
         finished = self._last is not None and self._last.finish_reason is not None
         if not finished and self._hold is not None and self._runner.limiter is not None:
             self._runner.limiter.detach(self._hold)  # it still holds its slot until it ends
-        usage = self._last.usage if finished else self._stream.usage()
-        labels = {"gen_ai_request_model": self.model}
-        if timing.first_token_s is not None:
-            TIME_TO_FIRST_TOKEN.labels(**labels).observe(timing.first_token_s - self._spec.arrival_s)
-            if usage.completion_tokens > 1 and timing.last_token_s is not None:
-                per_token = (timing.last_token_s - timing.first_token_s) / (usage.completion_tokens - 1)
-                TIME_PER_OUTPUT_TOKEN.labels(**labels).observe(per_token)
-        REQUEST_DURATION.labels(**labels).observe(now - self._spec.arrival_s)
-        self._span.set_attribute(attr.GEN_AI_USAGE_INPUT_TOKENS, usage.prompt_tokens)
-        self._span.set_attribute(attr.GEN_AI_USAGE_OUTPUT_TOKENS, usage.completion_tokens)
-        reason = self._last.finish_reason if finished else "abort"
-        PROMPT_TOKENS.labels(**labels).inc(usage.prompt_tokens)
-        GENERATION_TOKENS.labels(**labels).inc(usage.completion_tokens)
-        timed_out = isinstance(self._last.failure() if finished else None, DeadlineExceeded)
-        REQUESTS.labels(**labels, finish_reason="timeout" if timed_out else reason).inc()
-        self._span.set_attribute(attr.GEN_AI_RESPONSE_FINISH_REASONS, [reason])
-        if timing.detokenize_calls:
-            # One span per request for all its per-step detokenize calls, which are batched across requests.
-            span = self._runner.tracer.start_span(
-                "detokenize",
-                context=trace.set_span_in_context(self._span),
-                start_time=timing.detokenize_start_ns,
-                attributes={attr.REQUEST_ID: self.request_id, "shardline.detokenize_calls": timing.detokenize_calls},
-            )
-            span.end(end_time=timing.detokenize_end_ns)
+        end = RequestEnd(
+            request_id=self.request_id,
+            model=self.model,
+            tenant=self._tenant,
+            ttft_target_s=self._ttft_target_s,
+            arrival_s=self._spec.arrival_s,
+            timing=self._stream.timing,
+            end_s=time.perf_counter(),
+            usage=self._last.usage if finished else self._stream.usage(),
+            finish_reason=self._last.finish_reason if finished else "abort",
+            timed_out=isinstance(self._last.failure() if finished else None, DeadlineExceeded),
+            error=self._last.error if finished else "",
+        )
+        record_end(end, self._span, self._runner.tracer)
 
 
 class RequestRunner:
@@ -225,7 +215,8 @@ class RequestRunner:
             raise ModelNotFound(f"model {spec.model!r} is not served here; this gateway serves {info.model!r}")
         limits = self.limits(info)
         params = validate_sampling(spec.params, limits, spec.field_prefix, spec.max_tokens_field)
-        slo = spec.slo.over(tenant_of(self.tenants, spec.owner).slo)
+        tenant = tenant_of(self.tenants, spec.owner)
+        slo = spec.slo.over(tenant.slo)
         if slo.refuse_late and slo.ttft_target_s is None:
             raise InvalidArgument(
                 "refuse_late", "needs a TTFT target to be late against: ttft_target_ms, or the tenant's"
@@ -255,7 +246,7 @@ class RequestRunner:
         )
         if params.HasField("max_tokens"):  # unset: up to the worker's context length
             span.set_attribute(attr.GEN_AI_REQUEST_MAX_TOKENS, params.max_tokens)
-        return PreparedRequest(spec, span, info, params, prompt_ids)
+        return PreparedRequest(spec, span, info, params, prompt_ids, tenant, slo)
 
     async def submit(self, prepared: PreparedRequest) -> SubmittedRequest:
         """Submit a prepared request; call inside its span (current), so the Submit rpc carries its trace."""
@@ -275,7 +266,7 @@ class RequestRunner:
             stop_token_ids=frozenset(info.eos_token_ids) | frozenset(params.stop_token_ids),
         )
         self.hub.register(stream)
-        tenant, hold = tenant_of(self.tenants, spec.owner), None
+        tenant, slo, hold = prepared.tenant, prepared.slo, None
         prepared.span.set_attribute(attr.TENANT, tenant.name)
         submit = scheduler_pb2.SubmitRequest(
             request_id=spec.request_id,
@@ -291,10 +282,10 @@ class RequestRunner:
             tenant=tenant.name,
             tenant_weight=tenant.weight,
         )
-        slo = spec.slo.over(tenant.slo)
         if slo.ttft_target_s is not None:
             submit.ttft_target.FromNanoseconds(round(slo.ttft_target_s * 1e9))
             submit.refuse_late = bool(slo.refuse_late)
+            prepared.span.set_attribute(attr.TTFT_TARGET_MS, slo.ttft_target_s * 1000)
         try:
             hold = await self._admit(tenant, prepared)
             with upstream("scheduler"):
@@ -315,7 +306,7 @@ class RequestRunner:
                 self.limiter.release_unsubmitted(hold)
             raise
         deadline_s = spec.arrival_s + timeout_s
-        return SubmittedRequest(self, spec, info.model, stream, prepared.span, deadline_s, prompt_ids, hold)
+        return SubmittedRequest(self, spec, info.model, stream, prepared.span, deadline_s, prepared, hold)
 
     async def _admit(self, tenant: Tenant, prepared: PreparedRequest) -> Hold | None:
         """Charge the request to its tenant's limits, if it has any: others cost no Redis round trip."""

@@ -192,12 +192,17 @@ def _dashboard_rendered(request_ids: list[str]) -> str:
 
 @pytest.mark.skipif(find_chromium() is None, reason="needs chromium (scripts/setup.sh installs it)")
 def test_dashboard_in_headless_chromium(served: Served) -> None:
-    async def drive() -> tuple[str, str]:
+    async def drive() -> tuple[str, str, int]:
         async with HeadlessChromium(find_chromium(), window=(1500, 700)) as browser:
             await browser.navigate(f"{served.dashboard}/")
             await browser.wait_for(_dashboard_rendered(served.request_ids))
+            # The tenants table: without a tenants file every request is the default tenant's.
+            await browser.wait_for("!!document.querySelector('#tenants tr[data-tenant=\"default\"]')")
             await browser.screenshot(ARTIFACTS / "dashboard.png")
             dom = await browser.dom()
+            tenant_requests = await browser.evaluate(
+                "Number(document.querySelector('#tenants tr[data-tenant=\"default\"]').cells[1].textContent)"
+            )
             link = await browser.evaluate(
                 f"document.querySelector('tr[data-request-id=\"{served.traced_id}\"] a[target=_blank]').href"
             )
@@ -206,12 +211,14 @@ def test_dashboard_in_headless_chromium(served: Served) -> None:
             await browser.wait_for(f"document.body.innerText.includes('request {served.traced_id}')", timeout_s=90)
             await asyncio.sleep(1)  # let the timeline paint its slices
             await browser.screenshot(ARTIFACTS / "perfetto.png")
-            return dom, link
+            return dom, link, tenant_requests
 
-    dom, link = asyncio.run(drive())
+    dom, link, tenant_requests = asyncio.run(drive())
     (ARTIFACTS / "dashboard.html").write_text(dom)
     for rid in served.request_ids:
         assert f'data-request-id="{rid}"' in dom
     assert link.startswith(f"{served.dashboard}/perfetto/#!/viewer?url=")
+    assert tenant_requests >= len(served.request_ids)
+    assert '<td class="tenant">default</td>' in dom  # the requests table's tenant column
     assert (ARTIFACTS / "dashboard.png").stat().st_size > 10_000
     assert (ARTIFACTS / "perfetto.png").stat().st_size > 10_000

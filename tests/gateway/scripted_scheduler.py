@@ -126,7 +126,12 @@ class ScriptedScheduler(scheduler_pb2_grpc.SchedulerServicer):
 
     async def GetStats(self, request, context):
         running = sum(r.status == sampling_pb2.REQUEST_STATUS_RUNNING for r in self.records.values())
-        return scheduler_pb2.SchedulerStats(queue_depth={0: 2, 5: 1}, running=running, workers=int(self.workers_alive))
+        return scheduler_pb2.SchedulerStats(
+            queue_depth={0: 2, 5: 1},
+            running=running,
+            workers=int(self.workers_alive),
+            queue_depth_by_tenant={"": 1, "acme": 2},  # "": from a gateway that names no tenant
+        )
 
     async def ListWorkers(self, request, context):
         worker = worker_pb2.WorkerInfo(worker_id="worker-0", model=MODEL, tp_size=1, kv_blocks_total=64)

@@ -4,6 +4,7 @@ Routes:
 
 - ``/``                          the page (tracing/collector/dashboard/), which reads the JSON API;
 - ``/api/requests?limit=N``      the N most recent requests, with TTFT, TPOT, E2E and stages;
+- ``/api/tenants?limit=N``       those requests summed by tenant: tokens, TTFT p50/p99, SLO outcomes;
 - ``/api/trace?request=ID``      a request's .pftrace (repeat ``request`` for several);
 - ``/api/trace?last=N``          the N most recent requests' .pftrace;
 - ``/api/trace?since=&until=``   every span in a window (unix seconds or ISO 8601);
@@ -19,15 +20,18 @@ from aiohttp import web
 from redis.exceptions import RedisError
 
 from tracing.collector import perfetto_ui, trace_export
-from tracing.collector.dashboard_stats import summarize
+from tracing.collector.dashboard_stats import RequestSummary, summarize
 from tracing.collector.perfetto_writer import encode_pftrace
 from tracing.collector.span_store import SpanStore
 from tracing.collector.stored_span import StoredSpan
+from tracing.collector.tenant_stats import by_tenant
 
 logger = logging.getLogger(__name__)
 
 STATIC_DIR = Path(__file__).parent / "dashboard"
 DEFAULT_LIMIT = 50
+# The tenants view sums more requests than the page lists, so that its percentiles mean something.
+DEFAULT_TENANTS_LIMIT = 500
 MAX_LIMIT = 1000
 STORE = web.AppKey("store", SpanStore)
 PFTRACE_TYPE = "application/octet-stream"
@@ -58,9 +62,7 @@ async def health(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok"})
 
 
-async def requests_api(request: web.Request) -> web.Response:
-    store = request.app[STORE]
-    limit = _positive_int(request, "limit", DEFAULT_LIMIT)
+async def _recent_summaries(store: SpanStore, limit: int) -> list[RequestSummary]:
     request_ids = await store.recent_requests(limit)
     traces = await store.by_requests(request_ids)
     rows = []
@@ -68,8 +70,18 @@ async def requests_api(request: web.Request) -> web.Response:
         summary = summarize(request_id, spans)
         # None when a trim removed the request's spans between the two reads.
         if summary is not None:
-            rows.append(summary.to_json())
-    return web.json_response({"requests": rows})
+            rows.append(summary)
+    return rows
+
+
+async def requests_api(request: web.Request) -> web.Response:
+    rows = await _recent_summaries(request.app[STORE], _positive_int(request, "limit", DEFAULT_LIMIT))
+    return web.json_response({"requests": [row.to_json() for row in rows]})
+
+
+async def tenants_api(request: web.Request) -> web.Response:
+    rows = await _recent_summaries(request.app[STORE], _positive_int(request, "limit", DEFAULT_TENANTS_LIMIT))
+    return web.json_response({"requests": len(rows), "tenants": [t.to_json() for t in by_tenant(rows)]})
 
 
 async def trace_api(request: web.Request) -> web.Response:
@@ -122,6 +134,7 @@ def build_app(store: SpanStore) -> web.Application:
     app.router.add_get("/", index)
     app.router.add_get("/health", health)
     app.router.add_get("/api/requests", requests_api)
+    app.router.add_get("/api/tenants", tenants_api)
     app.router.add_get("/api/trace", trace_api)
     app.router.add_static("/static/", STATIC_DIR)
     perfetto_ui.add_routes(app)

@@ -59,6 +59,11 @@ class RequestSummary:
     # Every service instance with a span in the request's traces.
     instances: list[str] = field(default_factory=list)
     error: str = ""
+    # The tenant it counted against, "" when the gateway did not name one (refused before its Submit).
+    tenant: str = ""
+    # Its TTFT target, and met, missed or refused against it (gateway/request_metrics.py); None without one.
+    ttft_target_ms: float | None = None
+    slo_outcome: str | None = None
 
     def to_json(self) -> dict[str, object]:
         """The row as the ``/api/requests`` JSON object."""
@@ -77,6 +82,9 @@ class RequestSummary:
             "worker": self.worker,
             "instances": self.instances,
             "error": self.error,
+            "tenant": self.tenant,
+            "ttft_target_ms": self.ttft_target_ms,
+            "slo_outcome": self.slo_outcome,
         }
 
 
@@ -117,6 +125,12 @@ def summarize(request_id: str, spans: list[StoredSpan]) -> RequestSummary | None
     summary.model = str(described.attributes.get(attr.GEN_AI_REQUEST_MODEL) or "")
     summary.input_tokens = _int(described.attributes.get(attr.GEN_AI_USAGE_INPUT_TOKENS))
     summary.output_tokens = _int((root or own[-1]).attributes.get(attr.GEN_AI_USAGE_OUTPUT_TOKENS))
+    if root is not None:
+        summary.tenant = str(root.attributes.get(attr.TENANT) or "")
+        target = root.attributes.get(attr.TTFT_TARGET_MS)
+        summary.ttft_target_ms = float(target) if isinstance(target, int | float) else None
+        outcome = root.attributes.get(attr.SLO_OUTCOME)
+        summary.slo_outcome = str(outcome) if outcome else None
     workers = named.get("prefill") or named.get("decode") or []
     summary.worker = workers[-1].instance_id if workers else ""
 

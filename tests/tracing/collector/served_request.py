@@ -11,9 +11,16 @@ MODEL = "SmolLM2-135M-Instruct"
 
 
 def served_request(
-    f: SpanFactory, request_id: str, trace_id: str, at_ms: float = 0, output_tokens: int = 8, finish: str = "stop"
+    f: SpanFactory,
+    request_id: str,
+    trace_id: str,
+    at_ms: float = 0,
+    output_tokens: int = 8,
+    finish: str = "stop",
+    **gateway_attributes: AttrValue,
 ) -> list[StoredSpan]:
-    """One finished request, offsets in ms from ``at_ms``.
+    """One finished request, offsets in ms from ``at_ms``; ``gateway_attributes`` go on its
+    gateway.request span (its tenant, its SLO).
 
     Stage ends: tokenize 3, queue 10, first token (prefill end) 20, last token
     (decode end) 90, response end 100. The gateway sees the first tokens at 22
@@ -38,6 +45,7 @@ def served_request(
                 attr.GEN_AI_USAGE_INPUT_TOKENS: 12,
                 attr.GEN_AI_USAGE_OUTPUT_TOKENS: output_tokens,
                 attr.GEN_AI_RESPONSE_FINISH_REASONS: [finish],
+                **gateway_attributes,
             },
         ),
         span("tokenize", "gateway", "gateway-0", 1, 3, **rid, **{attr.NUM_TOKENS: 12}),

@@ -10,6 +10,7 @@ from perfetto.protos.perfetto.trace import perfetto_trace_pb2 as pb
 from tests.tracing.collector.fake_request import T0, SpanFactory
 from tests.tracing.collector.served_request import engine_steps, served_request, to_otlp
 from tests.tracing.run_async import run_async
+from tracing import attributes as attr
 from tracing.collector import perfetto_ui
 from tracing.collector.dashboard_app import build_app
 from tracing.collector.span_store import SpanStore
@@ -68,6 +69,39 @@ async def test_requests_api_lists_newest_first_with_latencies(redis_url: str) ->
 
 
 @run_async
+async def test_tenants_api_sums_the_stored_requests_by_tenant(redis_url: str) -> None:
+    f = SpanFactory()
+    slo = {attr.TTFT_TARGET_MS: 50.0}
+    spans = (
+        served_request(f, "r-1", "01" * 16, **{attr.TENANT: "acme", attr.SLO_OUTCOME: "met"}, **slo)
+        + served_request(f, "r-2", "02" * 16, at_ms=50, **{attr.TENANT: "acme", attr.SLO_OUTCOME: "missed"}, **slo)
+        + served_request(f, "r-3", "03" * 16, at_ms=100, output_tokens=4, **{attr.TENANT: "free"})
+    )
+    store = SpanStore.from_url(redis_url, max_spans=10_000, max_age_s=1e12)
+    await store.add(to_otlp(spans))
+    try:
+        async with dashboard(store) as (base, http):
+            async with http.get(f"{base}/api/tenants") as response:
+                assert response.status == 200
+                body = await response.json()
+            async with http.get(f"{base}/api/tenants?limit=1") as response:
+                newest = await response.json()
+            async with http.get(f"{base}/api/tenants?limit=0") as response:
+                assert response.status == 400
+            async with http.get(f"{base}/api/requests?limit=1") as response:
+                (row,) = (await response.json())["requests"]
+    finally:
+        await store.close()
+    assert body["requests"] == 3
+    acme, free = body["tenants"]
+    assert (acme["tenant"], acme["requests"], acme["output_tokens"], acme["ttft_p50_ms"]) == ("acme", 2, 16, 22.0)
+    assert (acme["slo"], acme["slo_attainment"]) == ({"met": 1, "missed": 1, "refused": 0}, 0.5)
+    assert (free["tenant"], free["requests"], free["output_tokens"], free["slo_attainment"]) == ("free", 1, 4, None)
+    assert [(t["tenant"], t["requests"]) for t in newest["tenants"]] == [("free", 1)]
+    assert (row["tenant"], row["ttft_target_ms"], row["slo_outcome"]) == ("free", None, None)
+
+
+@run_async
 async def test_trace_api_selects_by_request_last_and_window(redis_url: str) -> None:
     store = await stored(redis_url)
     try:
@@ -120,7 +154,7 @@ async def test_page_static_and_local_perfetto_ui(redis_url: str) -> None:
     finally:
         await store.close()
     assert "<title>Shardline traces</title>" in page and "/static/dashboard.js" in page
-    assert "/api/requests" in script and "/perfetto/#!/viewer?url=" in script
+    assert "/api/requests" in script and "/api/tenants" in script and "/perfetto/#!/viewer?url=" in script
     assert "<title>Perfetto UI</title>" in ui
 
 

@@ -1,4 +1,4 @@
-// The dashboard page: renders /api/requests and builds trace links. No framework, no network
+// The dashboard page: renders /api/requests and /api/tenants, and builds trace links. No framework, no network
 // beyond this service, so it works where the stack has no internet.
 "use strict";
 
@@ -62,11 +62,13 @@ function render(requests) {
     const id = cell(row, r.request_id, "id");
     id.title = `trace ${r.trace_id}\nservices: ${r.instances.join(", ")}`;
     cell(row, new Date(r.start_unix_s * 1000).toLocaleTimeString(), "time");
+    cell(row, r.tenant || "–", "tenant");
     const status = cell(row, r.status, `status ${r.status}`);
     if (r.error) status.title = r.error;
     cell(row, r.input_tokens, "num");
     cell(row, r.output_tokens, "num");
-    cell(row, fmt(r.ttft_ms, 1), "num");
+    const ttft = cell(row, fmt(r.ttft_ms, 1), r.slo_outcome ? `num slo ${r.slo_outcome}` : "num");
+    if (r.ttft_target_ms !== null) ttft.title = `TTFT target ${r.ttft_target_ms} ms: ${r.slo_outcome ?? "pending"}`;
     cell(row, fmt(r.tpot_ms, 2), "num");
     cell(row, fmt(r.e2e_ms, 1), "num");
     breakdown(row.insertCell(), r, maxE2e);
@@ -81,12 +83,36 @@ function render(requests) {
   document.getElementById("empty").hidden = requests.length > 0;
 }
 
+function renderTenants(summary) {
+  const body = document.querySelector("#tenants tbody");
+  body.replaceChildren();
+  for (const t of summary.tenants) {
+    const row = body.insertRow();
+    row.dataset.tenant = t.tenant;
+    cell(row, t.tenant || "(none)", "tenant");
+    for (const n of [t.requests, t.running, t.errors, t.input_tokens, t.output_tokens]) cell(row, n, "num");
+    cell(row, fmt(t.ttft_p50_ms, 1), "num");
+    cell(row, fmt(t.ttft_p99_ms, 1), "num");
+    for (const outcome of ["met", "missed", "refused"]) {
+      cell(row, t.slo[outcome], t.slo[outcome] ? `num slo ${outcome}` : "num"); // colour only what happened
+    }
+    cell(row, t.slo_attainment === null ? "–" : `${(100 * t.slo_attainment).toFixed(1)}%`, "num attainment");
+  }
+  document.getElementById("tenant-count").textContent = `(last ${summary.requests} requests)`;
+}
+
+async function getJson(path) {
+  const response = await fetch(path);
+  if (!response.ok) throw new Error(`${response.status} ${await response.text()}`);
+  return response.json();
+}
+
 async function refresh() {
   const error = document.getElementById("error");
   try {
-    const response = await fetch("/api/requests?limit=50");
-    if (!response.ok) throw new Error(`${response.status} ${await response.text()}`);
-    render((await response.json()).requests);
+    const [requests, tenants] = await Promise.all([getJson("/api/requests?limit=50"), getJson("/api/tenants")]);
+    render(requests.requests);
+    renderTenants(tenants);
     error.hidden = true;
   } catch (err) {
     error.textContent = `Could not load requests: ${err.message}`;
