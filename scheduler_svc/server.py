@@ -71,11 +71,12 @@ async def start_scheduler(settings: SchedulerSettings, tracer: trace.Tracer | No
     relay = Relay(settings.subscriber_queue_size)
     dispatcher = Dispatcher(settings, store, relay, tracer)
     await dispatcher.start()
-    scaler = (
-        None
-        if settings.autoscale_policy == "static"
-        else PoolScaler(settings, dispatcher, driver_for(settings), tracer)
-    )
+    scaler = None
+    if settings.autoscale_policy != "static":
+        # Imported only when on: the forecasters pull in statsmodels, a second of start-up.
+        from scheduler_svc.pool_scaler import PoolScaler
+
+        scaler = PoolScaler(settings, dispatcher, driver_for(settings), tracer)
     servicer = SchedulerService(settings, dispatcher, store, relay, scaler)
     running = await start_grpc_server(
         [GrpcService(servicer, scheduler_pb2_grpc.add_SchedulerServicer_to_server, SERVICE_NAME)],

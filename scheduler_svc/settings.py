@@ -60,6 +60,10 @@ class SchedulerSettings(BaseSettings):
     autoscale_min_workers: int = Field(1, ge=0)
     autoscale_max_workers: int = Field(1, ge=1)
     autoscale_interval_s: float = Field(10.0, gt=0)
+    # The share of a worker's slots the policies plan to keep busy, and how long a fall in the count
+    # waits for every recommendation of the window to agree (a Kubernetes HPA's stabilisation).
+    autoscale_target_utilisation: float = Field(0.75, gt=0, lt=1)
+    autoscale_scale_down_window_s: float = Field(300.0, ge=0)
     # The cold start planned with until a worker reports its own (start to ready), in seconds.
     autoscale_cold_start_s: float = Field(60.0, gt=0)
     # How long a worker chosen for removal may take to finish its requests; past it they move to other

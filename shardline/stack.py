@@ -46,6 +46,10 @@ class StackConfig:
     scheduler_port: int = 0
     worker_base_port: int = 0  # 0: a free port per worker
     batch_workers: int = 0  # batch workers (Celery, `shardline serve batch`) running the Batch API's jobs
+    # The scheduler's autoscaling policy and bounds (SHARDLINE_AUTOSCALE_*); "static": `workers` stays.
+    autoscale: str = "static"
+    min_workers: int = 1
+    max_workers: int = 1
     redis_url: str | None = None  # None: start an embedded redis-server with AOF in data_dir
     data_dir: Path | None = None
     tracing: bool = False  # start the tracing service first and export every service's spans to it
@@ -179,7 +183,14 @@ class LocalStack:
             ),
             ServiceSpec(
                 "scheduler",
-                {"HOST": LOOPBACK, "PORT": c.scheduler_port, "REDIS_URL": self.redis_url},
+                {
+                    "HOST": LOOPBACK,
+                    "PORT": c.scheduler_port,
+                    "REDIS_URL": self.redis_url,
+                    "AUTOSCALE_POLICY": c.autoscale,
+                    "AUTOSCALE_MIN_WORKERS": c.min_workers,
+                    "AUTOSCALE_MAX_WORKERS": max(c.max_workers, c.min_workers),
+                },
                 f"127.0.0.1:{c.scheduler_port}",
             ),
             *(self._worker(i) for i in range(c.workers)),
@@ -205,6 +216,13 @@ class LocalStack:
     def add_worker(self, index: int) -> Child:
         spec = self._worker(index)
         return self._spawn(spec.name, spec.settings, spec.health, spec.service)
+
+    def remove(self, name: str) -> subprocess.Popen:
+        """Takes a service out of the stack (no longer supervised) and SIGTERMs it; the caller reaps it."""
+        child = next(c for c in self.children if c.name == name)
+        self.children.remove(child)
+        _signal_group(child.proc, signal.SIGTERM)
+        return child.proc
 
     def _worker(self, index: int) -> ServiceSpec:
         c = self.config

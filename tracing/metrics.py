@@ -61,10 +61,10 @@ AUTOSCALER_READY = Gauge("shardline_autoscaler_ready_workers", "Workers register
 AUTOSCALER_FORECAST = Gauge(
     "shardline_autoscaler_forecast_requests_per_second", "Forecast arrival rate over the cold start.", ["model"]
 )
-AUTOSCALER_DECISION = Gauge(
-    "shardline_autoscaler_decision",
-    "1 for the reason of the latest decision (one series per model).",
-    ["model", "reason"],
+AUTOSCALER_DECISIONS = Counter(
+    "shardline_autoscaler_decisions",
+    "Decisions per model and direction (up, down, hold); each one's reason is in `shardline status` and its span.",
+    ["model", "direction"],
 )
 SPANS_DROPPED = Counter(
     "shardline_tracing_spans_dropped",

@@ -80,11 +80,22 @@ def _print_scheduler(address: str) -> bool:
         print(
             f"  {info.worker_id:<12}{'alive' if w.alive else 'DEAD':<6}{info.address:<18}"
             f"running {w.running}/{info.max_num_seqs}  waiting {w.waiting}  KV {kv}  seen {seen_s:.1f}s ago"
+            + ("  DRAINING" if w.draining else "")
         )
     queued = sum(stats.queue_depth.values())
     by_priority = ", ".join(f"priority {p}: {n}" for p, n in sorted(stats.queue_depth.items()) if n)
     print(f"\nqueue: {queued} queued" + (f" ({by_priority})" if by_priority else ""))
     print(f"  {stats.running} running on {stats.workers} live worker(s)")
+    for scale in stats.scale:
+        print(
+            f"\nautoscaler ({scale.policy}): {scale.model} wants {scale.desired} worker(s): {scale.ready} ready, "
+            f"{scale.starting} starting, {scale.draining} draining"
+            + (f", retired {', '.join(scale.retired)}" if scale.retired else "")
+        )
+        print(
+            f"  forecast {scale.forecast_rps:.2f} requests/s over a {scale.cold_start_s:.0f}s cold start: "
+            + scale.reason
+        )
     return bool(workers) and all(w.alive for w in workers)
 
 

@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+from shardline.autoscale.local_driver import LocalWorkerScaler
 from shardline.cli.arg_types import at_least_one, at_least_zero, tcp_port
 from shardline.cli.service_logs import ServiceLogFollower
 from shardline.service_main import redacted
@@ -26,6 +27,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--workers", type=at_least_one, default=1, help="number of GPU worker services")
     p.add_argument("--tp", type=at_least_one, default=1, help="tensor-parallel size of each worker")
+    p.add_argument(
+        "--autoscale",
+        choices=["static", "reactive", "naive", "lt-u", "lt-ua"],
+        default="static",
+        help="the scheduler's autoscaling policy (docs/autoscaling.md); static (default): --workers stay",
+    )
+    p.add_argument(
+        "--min-workers", type=at_least_one, default=None, help="with --autoscale: fewest workers (default --workers)"
+    )
+    p.add_argument(
+        "--max-workers", type=at_least_one, default=None, help="with --autoscale: most workers (default --min-workers)"
+    )
     p.add_argument(
         "--batch-workers", type=at_least_zero, default=1, help="Celery workers running /v1/batches jobs (default 1)"
     )
@@ -67,9 +80,18 @@ def run(args: argparse.Namespace) -> int:
     # Without --verbose the services' logs go to files, as `docker compose up -d` keeps them, and the
     # console shows the progress, the endpoints and the errors; --verbose alone keeps them on it.
     log_dir = args.log_dir or (None if args.verbose else args.data_dir / "logs")
+    min_workers = args.min_workers or args.workers
+    max_workers = args.max_workers or min_workers
+    if max_workers < min_workers:
+        print(f"shardline up: --max-workers {max_workers} is below --min-workers {min_workers}", file=sys.stderr)
+        return 2
+    autoscaling = args.autoscale != "static"
     config = StackConfig(
         model=args.model,
-        workers=args.workers,
+        workers=min_workers if autoscaling else args.workers,
+        autoscale=args.autoscale,
+        min_workers=min_workers,
+        max_workers=max_workers,
         batch_workers=args.batch_workers,
         tp_size=args.tp,
         http_port=args.http_port,
@@ -84,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
     stack = LocalStack(config)
     t0 = time.monotonic()
     print(
-        f"shardline: starting {args.workers} worker(s) at TP {args.tp} with "
+        f"shardline: starting {config.workers} worker(s) at TP {args.tp} with "
         f"{args.model or 'SmolLM2-135M-Instruct (default)'} ...",
         flush=True,
     )
@@ -134,10 +156,15 @@ def _run(args: argparse.Namespace, stack: LocalStack, t0: float) -> int:
     # Redis, and the scheduler re-dispatches a dead worker's requests meanwhile. One that crash-loops
     # is restarted with backoff and reported, and the others keep serving.
     supervisor = stack.supervisor(report=lambda msg: _to_stderr(f"shardline: {msg}"))
+    scaler = None
+    if config.autoscale != "static":  # the scheduler decides; this process starts and stops the workers
+        scaler = LocalWorkerScaler(stack, report=lambda msg: print(f"shardline: {msg}", flush=True))
     try:
         while not received:
             time.sleep(0.2)  # a signal ends the sleep early only if its handler raises; 0.2 s is soon enough
             supervisor.check()
+            if scaler is not None:
+                scaler.check()
             services = _services(stack)
             if services != state.services:  # a restart: `status` checks the new process
                 state.services = services
@@ -145,6 +172,8 @@ def _run(args: argparse.Namespace, stack: LocalStack, t0: float) -> int:
         print("shardline: shutting down ...", flush=True)
         stack.stop()
     finally:
+        if scaler is not None:
+            scaler.close()
         state.remove(args.data_dir)
     return 0
 
@@ -188,6 +217,8 @@ def _banner(stack: LocalStack, state: StackState, took_s: float) -> str:
         else ""
     )
     logs = f"\n  logs          {c.log_dir}/<service>.log" if c.log_dir is not None else ""
+    if c.autoscale != "static":
+        logs += f"\n  autoscale     {c.autoscale}, {c.min_workers} to {c.max_workers} workers (shardline status)"
     status = "" if c.data_dir == Path(".shardline") else f" --data-dir {c.data_dir}"
     return f"""
 shardline is up ({took_s:.1f}s):
