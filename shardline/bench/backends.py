@@ -8,6 +8,7 @@ import logging
 import threading
 import time
 
+import grpc
 import torch
 
 from gpu_worker_svc.engine.llm_engine import EngineConfig, LLMEngine
@@ -18,23 +19,34 @@ from shardline.client import AsyncShardlineClient
 
 log = logging.getLogger(__name__)
 
+# gRPC's refusals, as the HTTP statuses the gateway's OpenAI API gives the same ones (shardline/errors.py).
+_STATUS_OF_CODE = {grpc.StatusCode.RESOURCE_EXHAUSTED: 429, grpc.StatusCode.UNAVAILABLE: 503}
+
 
 class StackBackend:
     """Streams each request through the gateway's gRPC API, as a client would."""
 
-    def __init__(self, target: str) -> None:
-        self.client = AsyncShardlineClient(target, retries=0)
+    def __init__(self, target: str, api_key: str | None = None, priority: int = 0) -> None:
+        self.client = AsyncShardlineClient(target, api_key=api_key, retries=0)
+        self.priority = priority  # the class its requests ask for (a tenant's, in a multi-tenant load)
 
     async def send(self, prompt: list[int], output_len: int, timing: RequestTiming) -> None:
         start = time.perf_counter()
-        async for chunk in self.client.stream(prompt, max_tokens=output_len, ignore_eos=True, temperature=0.0):
-            if chunk.token_ids:
-                timing.chunk_times.append(time.perf_counter() - start)
-                timing.output_len += len(chunk.token_ids)
-            if chunk.finish_reason == "error":
-                raise RuntimeError(f"request {chunk.request_id} failed")
-            if chunk.usage is not None:
-                timing.cached_tokens = chunk.usage.cached_tokens
+        stream = self.client.stream(
+            prompt, max_tokens=output_len, ignore_eos=True, temperature=0.0, priority=self.priority
+        )
+        try:
+            async for chunk in stream:
+                if chunk.token_ids:
+                    timing.chunk_times.append(time.perf_counter() - start)
+                    timing.output_len += len(chunk.token_ids)
+                if chunk.finish_reason == "error":
+                    raise RuntimeError(f"request {chunk.request_id} failed")
+                if chunk.usage is not None:
+                    timing.cached_tokens = chunk.usage.cached_tokens
+        except grpc.aio.AioRpcError as exc:
+            timing.status = _STATUS_OF_CODE.get(exc.code(), 0)
+            raise
 
     async def vocab_size(self) -> int:
         """The served model's vocabulary size: random prompts must be ids it has."""

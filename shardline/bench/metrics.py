@@ -16,6 +16,7 @@ class RequestTiming:
     cached_tokens: int = 0  # prompt tokens a worker's prefix cache served (0 where unknown)
     ok: bool = True
     error: str = ""
+    status: int = 0  # the HTTP status that refused it (429, 503...), also for an error event; 0: none did
 
     @property
     def ttft(self) -> float:

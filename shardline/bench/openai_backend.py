@@ -18,6 +18,10 @@ log = logging.getLogger(__name__)
 # stops sending for this long has failed the request.
 _TIMEOUT = aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=300)
 
+# An error event carries no HTTP status (the stream's headers said 200): OpenAI's error `type` says
+# which refusal it was, so that throttled (429) and refused-late (503) requests are counted apart.
+_STATUS_OF_TYPE = {"rate_limit_error": 429, "service_unavailable_error": 503}
+
 
 def api_root(base_url: str) -> str:
     """`http://host:port`, `http://host:port/` and `http://host:port/v1` all name the same server."""
@@ -60,8 +64,11 @@ class OpenAIBackend:
         api_key: str | None = None,
         ignore_eos: bool = True,
         detokenize: Callable[[list[int]], str] | None = None,
+        extra_body: dict | None = None,
     ) -> None:
         self.root = api_root(base_url)
+        # Fields every request adds, e.g. a tenant's priority, ttft_target_ms and refuse_late.
+        self.extra_body = dict(extra_body or {})
         self.model = model  # None: the first of GET /v1/models, asked on first use
         self.ignore_eos = ignore_eos
         self.detokenize = detokenize
@@ -105,7 +112,7 @@ class OpenAIBackend:
         }
         if self.ignore_eos:  # a vLLM, SGLang and llama.cpp extension; OpenAI itself refuses it
             body["ignore_eos"] = True
-        return body
+        return body | self.extra_body
 
     async def send(self, prompt: list[int], output_len: int, timing: RequestTiming) -> None:
         """One streamed request; its chunks' arrival times and token counts go into `timing`."""
@@ -117,6 +124,7 @@ class OpenAIBackend:
         start = time.perf_counter()
         async with self.session.post(f"{self.root}/v1/completions", json=body) as response:
             if response.status != 200:
+                timing.status = response.status
                 raise RuntimeError(f"HTTP {response.status}: {_message(await response.text())}")
             usage = await read_stream(response.content, start, timing)
         if not timing.chunk_times:
@@ -178,6 +186,7 @@ async def read_stream(lines: AsyncIterable[bytes], start: float, timing: Request
         except json.JSONDecodeError as exc:
             raise RuntimeError(f"a chunk that is not JSON: {value[:80]!r}") from exc
         if event == "error" or "error" in data:
+            timing.status = _status_of(data)
             raise RuntimeError(f"error event: {_message(value)}")
         if data.get("usage"):
             usage = data["usage"]
@@ -186,6 +195,17 @@ async def read_stream(lines: AsyncIterable[bytes], start: float, timing: Request
                 timing.chunk_times.append(at - start)
                 break
     raise RuntimeError("the stream ended before [DONE]")
+
+
+def _status_of(data: dict) -> int:
+    """The HTTP status an error event stands for: a numeric `code` (vLLM's), else its OpenAI `type`; 0
+    where it says neither."""
+    error = data.get("error", data)
+    if not isinstance(error, dict):
+        return 0
+    if isinstance(error.get("code"), int):
+        return error["code"]
+    return _STATUS_OF_TYPE.get(str(error.get("type")), 0)
 
 
 def _message(text: str) -> str:

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import json
 import math
 import statistics
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -95,6 +97,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="alternate the backends this many times, on fresh prompts each round, and report medians "
         "(on a shared machine either side's speed drifts from minute to minute)",
     )
+    p.add_argument(
+        "--tenants",
+        type=Path,
+        default=None,
+        help="a multi-tenant workload (YAML or JSON: tenants with keys, rates, lengths, SLOs; docs/benchmarks.md): "
+        "reported per tenant, with Jain's fairness index and goodput; replaces the single-load flags",
+    )
+    p.add_argument("--json", action="store_true", help="print the results as JSON on stdout (the table goes to stderr)")
     p.add_argument("--out", type=Path, default=Path("results/bench.json"))
     p.add_argument("-v", "--verbose", action="store_true")
     p.set_defaults(func=one_line_errors("bench", run))
@@ -143,12 +153,32 @@ async def _measure(
 
 
 def run(args: argparse.Namespace) -> int:
+    if not args.json:
+        return _run(args)
+    stdout = sys.stdout
+    with contextlib.redirect_stdout(sys.stderr):  # the table to stderr: stdout holds one JSON document
+        rc = _run(args)
+    if rc == 0:  # what --out holds, less the per-request detail
+        doc = json.loads(args.out.read_text())
+        print(json.dumps({k: v for k, v in doc.items() if k not in ("rounds", "detail")}, indent=2), file=stdout)
+    return rc
+
+
+def _run(args: argparse.Namespace) -> int:
     # Imported here: they pull in torch, which would slow every other subcommand's start.
     from gpu_worker_svc.model.loader import load_config
 
     if args.rounds < 1:
         print("--rounds must be at least 1")
         return 2
+    if args.tenants is not None:
+        from shardline.cli.bench_tenants import TenantFlagsError, run_tenant_bench
+
+        try:
+            return run_tenant_bench(args)
+        except TenantFlagsError as exc:
+            print(exc)
+            return 2
     if not args.request_rate > 0:
         print("--request-rate must be above 0 (inf: all at once)")
         return 2
