@@ -24,7 +24,19 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name("decode_attention.cpp")]
+_HERE = Path(__file__).parent
+SOURCES = [
+    _HERE / name
+    for name in (
+        "decode_attention.cpp",
+        "gguf_linear.cpp",
+        "gguf_dot_scalar.cpp",
+        "gguf_dot_avx2.cpp",
+        "gguf_dot_avx512.cpp",
+        "gguf_dot_avx512vnni.cpp",
+    )
+]
+HEADERS = [_HERE / "gguf_dot.h", _HERE / "gguf_dot_avx512.inc"]  # not compiled alone, but part of the build
 _NAME = "shardline_cpu_kernels"
 _FLAGS = ["-O3", "-march=native", "-fopenmp"]  # -fopenmp: at::parallel_for runs on torch's own OpenMP pool
 
@@ -37,7 +49,7 @@ def build_dir() -> Path:
         pass
     # The sources too: two checkouts of different versions on one machine then never rebuild over
     # each other's library, which a process of the other might be loading at that moment.
-    sources = b"".join(source.read_bytes() for source in SOURCES)
+    sources = b"".join(source.read_bytes() for source in SOURCES + HEADERS)
     key = hashlib.sha256(f"{torch.__version__}\n{cpu}\n".encode() + sources).hexdigest()[:12]
     root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     return root / "shardline" / "kernels" / key
@@ -70,23 +82,39 @@ def load() -> None:
         )
 
 
-@functools.cache
-def paged_decode_attention() -> Callable | None:
-    """torch.ops.shardline_cpu.paged_decode_attention, or None where the kernels cannot be built here."""
+def loaded() -> bool:
+    """Whether the kernels are in torch.ops.shardline_cpu: built (here, or before) and loaded.
+
+    Each op's getter below asks once a process; a second load of the library is a no-op."""
     try:
         load()
     except Exception as exc:  # noqa: BLE001 - any failure to build means the torch path, not a dead worker
         logger.warning(
             "Shardline's CPU kernels could not be built here (%s): decode attention takes the torch "
-            "path, which is slower on CPU",
+            "path and GGUF weights are dequantized, which is slower on CPU",
             str(exc).strip().splitlines()[-1] if str(exc).strip() else exc,
         )
-        return None
+        return False
     logger.info("Shardline's CPU kernels loaded from %s", build_dir())
-    return torch.ops.shardline_cpu.paged_decode_attention.default
+    return True
+
+
+@functools.cache
+def paged_decode_attention() -> Callable | None:
+    """torch.ops.shardline_cpu.paged_decode_attention, or None where the kernels cannot be built here."""
+    return torch.ops.shardline_cpu.paged_decode_attention.default if loaded() else None
+
+
+@functools.cache
+def gguf_linear() -> Callable | None:
+    """torch.ops.shardline_cpu.gguf_linear (kernels/gguf_linear.cpp), or None where the kernels cannot be built."""
+    return torch.ops.shardline_cpu.gguf_linear.default if loaded() else None
 
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    op = paged_decode_attention()
-    print(f"Shardline CPU kernels: {'built in ' + str(build_dir()) if op is not None else 'not built; torch path'}")
+    if loaded():
+        kernels = ", ".join(torch.ops.shardline_cpu.gguf_kernels())
+        print(f"Shardline CPU kernels: built in {build_dir()}; GGUF kernels this CPU runs: {kernels}")
+    else:
+        print("Shardline CPU kernels: not built; torch path")

@@ -1,0 +1,64 @@
+"""GGUF's Q4_0, Q4_1 and Q8_0 weights kept in the file's own blocks on CPU, behind `quantization="gguf"`.
+
+A batch-1 decode step on CPU is bound by the bytes of weight it streams: the default model's
+linear layers and LM head are 96 MB as the file stores them (Q4_1, and Q8_0 for the tied
+embedding), against 540 MB dequantized to fp32. kernels/gguf_linear.cpp multiplies the blocks as
+they are, as llama.cpp does: each activation row is quantized to int8 blocks of 32, every block's
+dot product is exact in integers, and only the sum over a row's blocks is fp32. A row's output
+depends on that row alone, bit for bit, so the engine's batch invariance holds.
+
+Numerics: the weights are the file's (no rounding beyond what its author chose); the activations
+gain int8 rounding per block of 32, as in llama.cpp.
+"""
+
+from __future__ import annotations
+
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from torch import nn
+
+from gpu_worker_svc.model.layers.kernels import cpu_build
+
+# The block formats the kernel multiplies as stored; other GGUF types are dequantized at load.
+KERNEL_TYPES = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0)
+
+
+def block_row_bytes(qtype: GGMLQuantizationType, in_features: int) -> int:
+    """Bytes of one weight row of `in_features` elements in `qtype`'s blocks."""
+    block, type_size = GGML_QUANT_SIZES[qtype]
+    if in_features % block:
+        raise ValueError(f"{qtype.name} rows hold whole blocks of {block}; {in_features} inputs do not fit")
+    return in_features // block * type_size
+
+
+class GGUFWeight(nn.Module):
+    """One linear layer's (sharded) weight as GGUF blocks: `blocks` is uint8 [out_features, row bytes]."""
+
+    def __init__(self, qtype: GGMLQuantizationType, blocks: torch.Tensor, in_features: int, isa: str = "") -> None:
+        super().__init__()
+        if qtype not in KERNEL_TYPES:
+            raise ValueError(f"the GGUF kernel takes {', '.join(t.name for t in KERNEL_TYPES)}, not {qtype.name}")
+        if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] != block_row_bytes(qtype, in_features):
+            raise ValueError(
+                f"{qtype.name} weight of {in_features} inputs: expected uint8 rows of "
+                f"{block_row_bytes(qtype, in_features)} bytes, got {blocks.dtype} {tuple(blocks.shape)}"
+            )
+        op = cpu_build.gguf_linear()
+        if op is None:
+            raise RuntimeError("the GGUF kernel needs Shardline's CPU kernels, which cannot be built here")
+        self._op = op
+        self.qtype = qtype
+        self.register_buffer("blocks", blocks.contiguous(), persistent=False)
+        self.in_features = in_features
+        self.out_features = blocks.shape[0]
+        self.isa = isa  # "" picks the best this CPU runs; tests name one to compare the builds
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        # The model's activations are already 2-D fp32 and contiguous: no reshape or cast that does nothing.
+        rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+        if rows.dtype != torch.float32 or not rows.is_contiguous():
+            rows = rows.float().contiguous()
+        y = self._op(rows, self.blocks, int(self.qtype), self.isa)
+        if x.dtype != torch.float32:
+            y = y.to(x.dtype)
+        return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
