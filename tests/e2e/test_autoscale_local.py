@@ -10,6 +10,7 @@ the tokens an unmoved run gives.
 from __future__ import annotations
 
 import asyncio
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -34,7 +35,7 @@ RAMP_TOKENS = 24
 # One per worker once the ramp is over (least-loaded routing, distinct prefixes), so that the two
 # workers drained away each hold one when their drain begins.
 LONG_PROMPTS = ["Write a story about a lighthouse.", "List facts about whales.", "Explain how bread rises."]
-LONG_TOKENS = 96
+SCALE_DOWN_WINDOW_S = 8
 
 
 def test_ramp_scales_out_and_drains_back(tmp_path_factory, capsys):
@@ -53,30 +54,28 @@ def test_ramp_scales_out_and_drains_back(tmp_path_factory, capsys):
             "AUTOSCALE_INTERVAL_S": "1",
             # Long enough for the long requests to start on the full pool before it shrinks; the
             # drain timeout short enough that the drained workers' requests move.
-            "AUTOSCALE_SCALE_DOWN_WINDOW_S": "8",
+            "AUTOSCALE_SCALE_DOWN_WINDOW_S": str(SCALE_DOWN_WINDOW_S),
             "AUTOSCALE_DRAIN_TIMEOUT_S": "3",
         },
     )
     with running_stack(config) as stack, ShardlineClient(f"127.0.0.1:{config.grpc_port}", timeout=300) as client:
-        params = dict(max_tokens=LONG_TOKENS, temperature=0.0, ignore_eos=True)
-        # Batched together on the one worker: batch invariance makes that the same as one by one.
-        with ThreadPoolExecutor(len(LONG_PROMPTS)) as pool:
-            runs = pool.map(lambda prompt: client.generate(prompt, **params).token_ids, LONG_PROMPTS)
-            reference = dict(zip(LONG_PROMPTS, runs))
         scaler = LocalWorkerScaler(stack, report=lambda msg: print(msg, flush=True), poll_s=0.5)
         channel = grpc.insecure_channel(f"127.0.0.1:{config.scheduler_port}")
         follow = _Follower(scaler, scheduler_pb2_grpc.SchedulerStub(channel))
 
         stop = threading.Event()
         ramp_ids: list[str] = []
+        ramp_s: list[float] = []
         errors: list[BaseException] = []
 
         def ramp(index: int) -> None:
             try:
                 while not stop.is_set():
+                    t0 = time.monotonic()
                     done = client.generate(f"Ramp {index}: tell me a fact.", max_tokens=RAMP_TOKENS, ignore_eos=True)
                     assert done.finish_reason == "length" and len(done.token_ids) == RAMP_TOKENS
                     ramp_ids.append(done.request_id)
+                    ramp_s.append(time.monotonic() - t0)
             except BaseException as exc:  # noqa: BLE001 - reported by the test thread
                 errors.append(exc)
 
@@ -91,6 +90,11 @@ def test_ramp_scales_out_and_drains_back(tmp_path_factory, capsys):
         stop.set()
         for thread in clients:
             thread.join(timeout=120)
+        # Long enough to still run when the pool shrinks, on a quiet machine as on a loaded one: the
+        # count falls a scale-down window (or a cold start, the longer) after the load's end.
+        hold_s = max(SCALE_DOWN_WINDOW_S, follow.scale().cold_start_s) + 10
+        token_s = sorted(ramp_s)[len(ramp_s) // 2] / RAMP_TOKENS  # per token at batch 4: an over-estimate
+        params = dict(max_tokens=min(1500, math.ceil(hold_s / token_s)), temperature=0.0, ignore_eos=True)
 
         long_runs: dict[str, list[int]] = {}
         started_on: dict[str, str] = {}
@@ -117,9 +121,14 @@ def test_ramp_scales_out_and_drains_back(tmp_path_factory, capsys):
             "the pool to drain back to one worker",
         )
         for thread in longs:
-            thread.join(timeout=120)
+            thread.join(timeout=300)
+        # The unscaled run: the same requests together on the one worker left (batch invariance
+        # makes that the same as one by one).
+        with ThreadPoolExecutor(len(LONG_PROMPTS)) as pool:
+            runs = pool.map(lambda prompt: client.generate(prompt, **params).token_ids, LONG_PROMPTS)
+            reference = dict(zip(LONG_PROMPTS, runs))
         channel.close()
-        print(f"scaled out in {scaled_out_s:.1f}s; drained back in {drained_s:.1f}s")
+        print(f"scaled out in {scaled_out_s:.1f}s; drained back in {drained_s:.1f}s; long: {params}")
         records = asyncio.run(_records(stack.redis_url, ramp_ids + long_ids))
 
     assert not errors, errors
@@ -133,7 +142,7 @@ def test_ramp_scales_out_and_drains_back(tmp_path_factory, capsys):
     for record, tokens in records:
         assert record.status == RequestStatus.FINISHED, record
         assert record.attempt == 1, record  # a drain's move is not a failed attempt
-        assert len(tokens) == (LONG_TOKENS if record.request_id in long_ids else RAMP_TOKENS)
+        assert len(tokens) == (params["max_tokens"] if record.request_id in long_ids else RAMP_TOKENS)
 
 
 class _Follower:
@@ -143,12 +152,15 @@ class _Follower:
         self._scaler = scaler
         self._stub = stub
 
+    def scale(self) -> scheduler_pb2.ModelScale | None:
+        stats = self._stub.GetStats(scheduler_pb2.GetStatsRequest(), timeout=5)
+        return stats.scale[0] if stats.scale else None
+
     def until(self, done: Callable[[scheduler_pb2.ModelScale], bool], timeout_s: float, what: str) -> float:
         start = time.monotonic()
         while True:
             self._scaler.check()
-            stats = self._stub.GetStats(scheduler_pb2.GetStatsRequest(), timeout=5)
-            scale = stats.scale[0] if stats.scale else None
+            scale = self.scale()
             if scale is not None and done(scale):
                 return time.monotonic() - start
             assert time.monotonic() - start < timeout_s, f"no {what} after {timeout_s}s: {scale}"
