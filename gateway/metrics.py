@@ -29,7 +29,16 @@ from prometheus_client.registry import Collector
 from gateway.tenants import DEFAULT_TENANT
 from shardline.errors import ShardlineError
 from shardline.proto import scheduler_pb2, scheduler_pb2_grpc
-from tracing.metrics import KV_CACHE_USAGE, MODEL_LABEL, QUEUE_DEPTH, RUNNING_REQUESTS, TOKENS_PER_SECOND
+from tracing.metrics import (
+    AUTOSCALER_DESIRED,
+    AUTOSCALER_FORECAST,
+    AUTOSCALER_READY,
+    KV_CACHE_USAGE,
+    MODEL_LABEL,
+    QUEUE_DEPTH,
+    RUNNING_REQUESTS,
+    TOKENS_PER_SECOND,
+)
 
 # Token and request counts per scheduler request (each of n choices is one), as vLLM's
 # vllm:prompt_tokens_total, vllm:generation_tokens_total and vllm:request_success_total.
@@ -76,7 +85,10 @@ TENANT_SLO_REQUESTS = Counter(
 
 SCRAPE_TIMEOUT_S = 2.0
 # Gauges the scheduler and workers set in their own processes; here they come from the scheduler.
-_ELSEWHERE = frozenset(g.describe()[0].name for g in (QUEUE_DEPTH, RUNNING_REQUESTS, KV_CACHE_USAGE, TOKENS_PER_SECOND))
+_SCALE_GAUGES = (AUTOSCALER_DESIRED, AUTOSCALER_READY, AUTOSCALER_FORECAST)
+_ELSEWHERE = frozenset(
+    g.describe()[0].name for g in (QUEUE_DEPTH, RUNNING_REQUESTS, KV_CACHE_USAGE, TOKENS_PER_SECOND, *_SCALE_GAUGES)
+)
 
 
 class _OwnMetrics(Collector):
@@ -102,6 +114,17 @@ class _SchedulerView(Collector):
             if state.alive:
                 kv.add_metric([state.worker.worker_id], state.kv_blocks_used / max(1, state.worker.kv_blocks_total))
         yield kv
+        yield from _autoscaler(self._stats)
+
+
+def _autoscaler(stats: scheduler_pb2.SchedulerStats) -> Iterator[GaugeMetricFamily]:
+    """The autoscaler's desired and ready workers and forecast per model, as the scheduler's own
+    /metrics has them (what a KEDA ScaledObject follows); nothing while autoscaling is off."""
+    families = [_gauge(gauge, labels=["model"]) for gauge in _SCALE_GAUGES]
+    for scale in stats.scale:
+        for family, value in zip(families, (scale.desired, scale.ready, scale.forecast_rps)):
+            family.add_metric([scale.model], value)
+    yield from families
 
 
 def _tenant_queue_depth(stats: scheduler_pb2.SchedulerStats) -> GaugeMetricFamily:

@@ -131,6 +131,7 @@ class ScriptedScheduler(scheduler_pb2_grpc.SchedulerServicer):
             running=running,
             workers=int(self.workers_alive),
             queue_depth_by_tenant={"": 1, "acme": 2},  # "": from a gateway that names no tenant
+            scale=[scheduler_pb2.ModelScale(model="test-model", policy="lt-ua", desired=3, ready=2, forecast_rps=1.5)],
         )
 
     async def ListWorkers(self, request, context):

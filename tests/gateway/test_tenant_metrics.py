@@ -95,6 +95,11 @@ def test_tenant_metrics_count_requests_tokens_and_slo_outcomes(tokenizer_address
         # From GetStats at scrape time; the tenant a gateway naming none queued under is the default one.
         assert _of(samples, "shardline_tenant_queue_depth", "default") == {frozenset(): 1}
         assert _of(samples, "shardline_tenant_queue_depth", "acme") == {frozenset(): 2}
+        # The autoscaler's figures, from the same GetStats (once: the gateway's own empty gauges left out).
+        model = frozenset({("model", "test-model")})
+        assert samples[("shardline_autoscaler_desired_workers", model)] == 3
+        assert samples[("shardline_autoscaler_ready_workers", model)] == 2
+        assert samples[("shardline_autoscaler_forecast_requests_per_second", model)] == 1.5
 
         roots = [s for s in stack.spans.get_finished_spans() if s.name == "gateway.request"]
         seen = [
