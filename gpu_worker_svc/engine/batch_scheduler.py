@@ -5,7 +5,9 @@ that is still in progress continues with its next chunk. Then waiting
 sequences are admitted by (priority, arrival time) while the token budget,
 max_num_seqs and free KV blocks allow. When a running sequence needs a block
 and none is free, the lowest-priority, newest running sequence is preempted
-by recompute: it loses its blocks and goes back to waiting.
+by recompute: it loses its blocks and goes back to waiting. A waiting sequence
+that cannot be admitted preempts running ones of a strictly worse class
+(priority_preemption.py).
 
 Background sequences (batch jobs) yield to the foreground (background_yield.py): a bounded
 number of them run beside foreground ones. Those sent back keep their full blocks in the prefix
@@ -23,11 +25,15 @@ import logging
 import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from gpu_worker_svc.engine.background_yield import BackgroundYield
 from gpu_worker_svc.engine.block_pool import BlockPool
+from gpu_worker_svc.engine.priority_preemption import free_blocks_without, lowest_newest, worse_class
+from gpu_worker_svc.engine.scheduler_output import ScheduledSeq, SchedulerOutput, StepUpdate, step_tokens
 from gpu_worker_svc.engine.sequence import Sequence, SequenceStatus
+
+__all__ = ["BatchScheduler", "ScheduledSeq", "SchedulerConfig", "SchedulerOutput", "StepUpdate"]
 
 logger = logging.getLogger(__name__)
 
@@ -55,30 +61,6 @@ class SchedulerConfig:
     def fills_a_step(self, prompt_lengths: list[int]) -> bool:
         """New requests of these lengths take every sequence slot or the whole token budget of a step."""
         return len(prompt_lengths) >= self.max_num_seqs or sum(prompt_lengths) >= self.max_num_batched_tokens
-
-
-@dataclass(slots=True)
-class ScheduledSeq:
-    seq: Sequence  # the sequence to run
-    num_new_tokens: int  # tokens computed this step, starting at seq.num_computed_tokens
-    needs_sample: bool  # this chunk reaches the end of the known tokens: sample one
-    # Guessed tokens computed after the sequence's last one (num_new_tokens counts them); the step
-    # samples a token after each of them too, and keeps those that confirm the guesses.
-    draft_token_ids: list[int] = field(default_factory=list)
-
-
-@dataclass(slots=True)
-class SchedulerOutput:
-    scheduled: list[ScheduledSeq]  # running sequences first, then admitted ones
-    preempted_ids: list[str]  # request ids preempted this step
-    num_batched_tokens: int  # sum of num_new_tokens
-    num_prefix_cached_tokens: int  # prefix-cache hit tokens of sequences admitted this step
-
-
-@dataclass(slots=True)
-class StepUpdate:
-    new_tokens: list[tuple[Sequence, list[int]]]  # (seq, its new tokens) in scheduled order
-    finished: list[Sequence]  # sequences that finished this step
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -165,7 +147,10 @@ class BatchScheduler:
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
         scheduled: dict[str, ScheduledSeq] = {}
-        preempted_ids: list[str] = []  # for want of blocks
+        preempted_ids: list[str] = []  # for want of blocks, or for a better class
+        # A sequence preempted this step would otherwise be readmitted at once, only to be preempted
+        # again: only classes better than every one preempted are admitted this step.
+        floor = float("inf")
         foreground = self._yield.foreground_present(self._running, self._waiting)
         yielded = self._yield_to_foreground() if foreground else []
 
@@ -177,11 +162,8 @@ class BatchScheduler:
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             while not self._allocate_slots(seq, num_new):
                 victim = self._pick_victim()
-                self._preempt(victim)
-                preempted_ids.append(victim.request_id)
-                undone = scheduled.pop(victim.request_id, None)
-                if undone is not None:
-                    budget += undone.num_new_tokens
+                budget += self._preempt_now(victim, scheduled, preempted_ids)
+                floor = min(floor, victim.priority)
                 if victim is seq:
                     break
             if seq.status != SequenceStatus.RUNNING:
@@ -190,26 +172,30 @@ class BatchScheduler:
             budget -= num_new
 
         num_prefix_cached = 0
-        # A preempted sequence would otherwise be readmitted at once, only to
-        # be preempted again: wait a step for running ones to free blocks.
-        if not preempted_ids:
-            background_running = self._yield.count(self._running) if foreground else 0
-            while self._waiting and budget > 0:
-                if len(self._running) >= self.config.max_num_seqs:
-                    break
-                head = self._waiting[0]
-                if foreground and self._yield.is_background(head):
-                    if background_running >= self.config.background_max_seqs:
-                        break  # the queue is in priority order: only background work is behind it
-                    background_running += 1
-                item = self._admit(head, budget)
-                if item is None:
+        background_running = self._yield.count(self._running) if foreground else 0
+        while self._waiting and budget > 0 and self._waiting[0].priority < floor:
+            head = self._waiting[0]
+            background = foreground and self._yield.is_background(head)
+            if background and background_running >= self.config.background_max_seqs:
+                break  # the queue is in priority order: only background work is behind it
+            item = self._admit(head, budget) if len(self._running) < self.config.max_num_seqs else None
+            if item is None:
+                victim = self._class_victim(head, budget, scheduled)
+                if victim is None:
                     break  # strict order: nothing overtakes the head of the queue
-                self._waiting.pop(0)
-                self._running.append(item.seq)
-                scheduled[item.seq.request_id] = item
-                budget -= item.num_new_tokens
-                num_prefix_cached += item.seq.num_cached_tokens
+                self._cache_full_blocks(victim)
+                budget += self._preempt_now(victim, scheduled, preempted_ids)
+                floor = min(floor, victim.priority)
+                if foreground and self._yield.is_background(victim):
+                    background_running -= 1
+                continue
+            if background:
+                background_running += 1
+            self._waiting.pop(0)
+            self._running.append(item.seq)
+            scheduled[item.seq.request_id] = item
+            budget -= item.num_new_tokens
+            num_prefix_cached += item.seq.num_cached_tokens
 
         for seq in self._running:  # drafts are for this step only: used now, or dropped
             drafts, seq.draft_token_ids = seq.draft_token_ids, []
@@ -239,7 +225,7 @@ class BatchScheduler:
                 f"sampled_token_ids has {len(sampled_token_ids)} entries for "
                 f"{len(output.scheduled)} scheduled sequences"
             )
-        news = [_as_tokens(item, sampled) for item, sampled in zip(output.scheduled, sampled_token_ids, strict=True)]
+        news = [step_tokens(item, sampled) for item, sampled in zip(output.scheduled, sampled_token_ids, strict=True)]
         new_tokens: list[tuple[Sequence, list[int]]] = []
         finished: list[Sequence] = []
         for item, tokens in zip(output.scheduled, news, strict=True):
@@ -284,25 +270,30 @@ class BatchScheduler:
         drafts = drafts[: max(0, slots - seq.num_tokens)]  # its next token takes position num_tokens - 1
         return drafts if drafts and self._allocate_slots(seq, 1 + len(drafts)) else []
 
-    def _admit(self, seq: Sequence, budget: int) -> ScheduledSeq | None:
-        """Give a waiting sequence its blocks and first chunk, or None if it can't fit."""
+    def _admission(self, seq: Sequence, budget: int) -> tuple[list[int], int, int, int]:
+        """Admitting a waiting sequence within `budget`: its prefix-cache hits, the tokens it computes
+        (over budget only without chunked prefill), the blocks it allocates, and the free ones it takes."""
         pool = self.block_pool
-        token_ids = seq.all_token_ids
         # Leave at least one token to compute, so the step yields its logits.
         max_hit_blocks = (seq.num_tokens - 1) // self.block_size
         # A prefix served from the cache yields no logits, and prompt logprobs need them all.
-        hit_ids = [] if seq.wants_prompt_logprobs else pool.get_cached_prefix(token_ids)[:max_hit_blocks]
+        hit_ids = [] if seq.wants_prompt_logprobs else pool.get_cached_prefix(seq.all_token_ids)[:max_hit_blocks]
         num_cached = len(hit_ids) * self.block_size
         num_new = seq.num_tokens - num_cached
-        if num_new > budget:
-            if not self.config.enable_chunked_prefill:
-                return None
-            num_new = budget
+        if self.config.enable_chunked_prefill:
+            num_new = min(num_new, budget)
         num_alloc = _cdiv(num_cached + num_new, self.block_size) - len(hit_ids)
         # Evictable hits count as free now but stop being free once acquired.
         num_evictable_hits = sum(1 for b in hit_ids if pool.ref_count(b) == 0)
-        if num_alloc + num_evictable_hits > pool.num_free_blocks:
+        return hit_ids, num_new, num_alloc, num_alloc + num_evictable_hits
+
+    def _admit(self, seq: Sequence, budget: int) -> ScheduledSeq | None:
+        """Give a waiting sequence its blocks and first chunk, or None if it can't fit."""
+        pool = self.block_pool
+        hit_ids, num_new, num_alloc, num_taken = self._admission(seq, budget)
+        if num_new > budget or num_taken > pool.num_free_blocks:
             return None
+        num_cached = len(hit_ids) * self.block_size
         pool.acquire(hit_ids)
         seq.block_ids = hit_ids + pool.allocate(num_alloc)
         seq.block_hashes = [pool.block_hash(b) for b in hit_ids]
@@ -313,6 +304,19 @@ class BatchScheduler:
         seq.status = SequenceStatus.RUNNING
         pool.record_prefix_lookup(seq.num_tokens, num_cached)
         return self._scheduled(seq, num_new)
+
+    def _class_victim(self, head: Sequence, budget: int, scheduled: dict[str, ScheduledSeq]) -> Sequence | None:
+        """The running sequence the head of the queue preempts to be admitted, or None: one of a
+        worse class, and only if all of those gone would give it a seat, its tokens and its blocks."""
+        worse = worse_class(self._running, head)
+        if not worse or len(self._running) - len(worse) >= self.config.max_num_seqs:
+            return None
+        # The least it needs: with chunked prefill a one-token chunk, else all of its uncached tokens.
+        _, num_new, _, num_taken = self._admission(head, 1 if self.config.enable_chunked_prefill else head.num_tokens)
+        refund = sum(item.num_new_tokens for s in worse if (item := scheduled.get(s.request_id)) is not None)
+        if num_new > budget + refund or num_taken > free_blocks_without(worse, self.block_pool):
+            return None
+        return lowest_newest(worse)
 
     def _allocate_slots(self, seq: Sequence, num_new: int) -> bool:
         """Make sure seq has a slot for every position it computes this step."""
@@ -334,8 +338,14 @@ class BatchScheduler:
         return [seq.request_id for seq in victims]
 
     def _pick_victim(self) -> Sequence:
-        # Lowest priority (highest value) first, then the newest arrival.
-        return max(self._running, key=lambda s: (s.priority, s.arrival_time))
+        return lowest_newest(self._running)
+
+    def _preempt_now(self, victim: Sequence, scheduled: dict[str, ScheduledSeq], preempted_ids: list[str]) -> int:
+        """Preempts a running sequence during schedule(); the budget it gives back if already scheduled."""
+        self._preempt(victim)
+        preempted_ids.append(victim.request_id)
+        undone = scheduled.pop(victim.request_id, None)
+        return undone.num_new_tokens if undone is not None else 0
 
     def _preempt(self, seq: Sequence) -> None:
         logger.debug("preempting %s to free %d blocks", seq.request_id, len(seq.block_ids))
@@ -367,20 +377,6 @@ class BatchScheduler:
 
     def _enqueue(self, seq: Sequence) -> None:
         bisect.insort(self._waiting, seq, key=_queue_key)
-
-
-def _as_tokens(item: ScheduledSeq, sampled: int | list[int] | None) -> list[int]:
-    """A scheduled sequence's new tokens from update()'s argument, checked against its drafts."""
-    if not item.needs_sample:
-        return []
-    if sampled is None:
-        raise ValueError(f"no sampled token for {item.seq.request_id!r}")
-    tokens = [sampled] if isinstance(sampled, int) else list(sampled)
-    drafts = item.draft_token_ids
-    # Every token but the last must confirm a draft: their KV was computed from the drafts.
-    if not tokens or len(tokens) > 1 + len(drafts) or tokens[:-1] != drafts[: len(tokens) - 1]:
-        raise ValueError(f"tokens {tokens} for {item.seq.request_id!r} do not follow its drafts {drafts}")
-    return tokens
 
 
 def _queue_key(seq: Sequence) -> tuple[int, float]:
