@@ -219,12 +219,13 @@ class Dispatcher:
             return
         adds: dict[str, list[worker_pb2.NewRequest]] = defaultdict(list)
         dispatched: list[tuple[LiveRequest, trace.Span]] = []
-        while self.registry.has_room():
-            request = self.queue.pop(lambda r: bool(self.registry.with_room(r.model)))
+        # A full worker still takes a class better than the worst it holds, for its engine to preempt.
+        while self.registry.has_room(self.queue.best_priority()):
+            request = self.queue.pop(lambda r: bool(self.registry.with_room(r.model, r.priority)))
             if request is None:
                 break
-            worker = self._router.choose(request, self.registry.with_room(request.model))
-            worker.in_flight.add(request.request_id)
+            worker = self._router.choose(request, self.registry.with_room(request.model, request.priority))
+            worker.hold(request.request_id, request.priority)
             request.worker_id, request.attempt = worker.worker_id, request.attempt + 1
             request.dispatched_at = self.meter.now()
             span = self._tracer.start_span(

@@ -128,6 +128,10 @@ class RequestQueue:
                         return request
         return None
 
+    def best_priority(self) -> int | None:
+        """The best (lowest) class with a request queued; None when the queue is empty."""
+        return min(self._classes, default=None)
+
     def remove(self, request: LiveRequest) -> bool:
         """Takes a request out of the queue (Cancel, deadline); False if it was not queued."""
         lane = self._classes.get(request.priority, {}).get(self._tenant(request))

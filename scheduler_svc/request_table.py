@@ -245,7 +245,7 @@ class RequestTable:
         self._meter.finished(request.model, request.dispatched_at)
         worker = self._registry.get(request.worker_id or "")
         if worker is not None:
-            worker.in_flight.discard(request.request_id)
+            worker.release(request.request_id, request.priority)
         if request.queue_span is not None:
             request.queue_span.end()
             request.queue_span = None

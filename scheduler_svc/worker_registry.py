@@ -2,6 +2,7 @@
 
 import math
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -17,6 +18,7 @@ class RegisteredWorker:
     last_seen: float  # monotonic time of its last heartbeat or step
     last_seen_wall: float  # the same instant as unix time, for ListWorkers
     in_flight: set[str] = field(default_factory=set)  # requests dispatched to it and not finished
+    classes: Counter[int] = field(default_factory=Counter)  # how many of those per priority class
     running: int = 0  # requests it reported running
     waiting: int = 0  # requests it reported waiting inside it
     kv_blocks_used: int = 0  # KV blocks it reported in use
@@ -34,6 +36,30 @@ class RegisteredWorker:
     @property
     def has_room(self) -> bool:
         return not self.draining and len(self.in_flight) < self.capacity
+
+    def has_room_for(self, priority: int) -> bool:
+        """Room for a request of class `priority`: a free place, or, for a class strictly better than
+        the worst it holds, one of max_num_seqs more, so that its engine can preempt that class
+        instead of the request waiting here for one of them to finish."""
+        if self.has_room:
+            return True
+        headroom = self.capacity + max(1, self.info.max_num_seqs)
+        return not self.draining and len(self.in_flight) < headroom and priority < max(self.classes, default=priority)
+
+    def hold(self, request_id: str, priority: int) -> None:
+        """Counts a request dispatched to it."""
+        self.in_flight.add(request_id)
+        self.classes[priority] += 1
+
+    def release(self, request_id: str, priority: int) -> None:
+        """Forgets a request it held, finished or moved; one it does not hold is left alone."""
+        if request_id not in self.in_flight:
+            return
+        self.in_flight.discard(request_id)
+        if self.classes[priority] > 1:
+            self.classes[priority] -= 1
+        else:
+            del self.classes[priority]
 
     def serves(self, model: str) -> bool:
         """True when it serves `model`; an empty model name takes any worker."""
@@ -93,15 +119,22 @@ class WorkerRegistry:
         deadline = self._clock() - self._timeout_s
         return [worker_id for worker_id, worker in self._workers.items() if worker.last_seen < deadline]
 
-    def with_room(self, model: str) -> list[RegisteredWorker]:
-        """Workers serving `model` that can take another request."""
-        return [worker for worker in self._workers.values() if worker.has_room and worker.serves(model)]
+    def with_room(self, model: str, priority: int | None = None) -> list[RegisteredWorker]:
+        """Workers serving `model` that can take another request; with a `priority`, when none has
+        a free place, those whose engine can preempt a worse class for it (has_room_for)."""
+        serving = [worker for worker in self._workers.values() if worker.serves(model)]
+        free = [worker for worker in serving if worker.has_room]
+        if free or priority is None:
+            return free
+        return [worker for worker in serving if worker.has_room_for(priority)]
 
     def longest_sequence(self, model: str) -> int | None:
         """The longest sequence any registered worker of `model` holds; None when none says."""
         lengths = [w.info.max_model_len for w in self._workers.values() if w.serves(model) and w.info.max_model_len]
         return max(lengths) if lengths else None
 
-    def has_room(self) -> bool:
-        """True when any worker can take another request."""
-        return any(worker.has_room for worker in self._workers.values())
+    def has_room(self, priority: int | None = None) -> bool:
+        """True when any worker can take another request (of class `priority`: has_room_for)."""
+        if priority is None:
+            return any(worker.has_room for worker in self._workers.values())
+        return any(worker.has_room_for(priority) for worker in self._workers.values())
