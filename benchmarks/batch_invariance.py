@@ -18,13 +18,13 @@ from benchmarks.engine_vs_hf import bench_engine, random_prompts
 from gpu_worker_svc.engine.batch_scheduler import SchedulerConfig
 from gpu_worker_svc.engine.llm_engine import EngineConfig, LLMEngine
 from gpu_worker_svc.engine.model_runner import RunnerConfig
-from gpu_worker_svc.model.layers.quantize import QUANTIZATIONS
+from gpu_worker_svc.model.layers.quantize import CPU_WEIGHT_FORMATS
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="HF folder, .gguf, or dummy:<shape>; default: the default model")
-    ap.add_argument("--quantization", default=None, choices=sorted(QUANTIZATIONS))
+    ap.add_argument("--quantization", default=None, choices=CPU_WEIGHT_FORMATS)
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])

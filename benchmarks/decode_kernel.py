@@ -21,7 +21,7 @@ from gpu_worker_svc.engine.llm_engine import EngineConfig, LLMEngine
 from gpu_worker_svc.engine.model_runner import RunnerConfig
 from gpu_worker_svc.engine.ngram_proposer import SpeculativeConfig
 from gpu_worker_svc.model.layers.kernels import cpu_build
-from gpu_worker_svc.model.layers.quantize import QUANTIZATIONS
+from gpu_worker_svc.model.layers.quantize import CPU_WEIGHT_FORMATS
 
 SIDES = ("kernel", "torch")
 
@@ -29,7 +29,7 @@ SIDES = ("kernel", "torch")
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="HF folder or .gguf; default: the default model")
-    ap.add_argument("--quantization", default=None, choices=sorted(QUANTIZATIONS))
+    ap.add_argument("--quantization", default=None, choices=CPU_WEIGHT_FORMATS)
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=64)

@@ -29,7 +29,7 @@ from gpu_worker_svc.engine.model_runner import RunnerConfig
 from gpu_worker_svc.engine.ngram_proposer import SpeculativeConfig
 from gpu_worker_svc.engine.sampling_params import SamplingParams
 from gpu_worker_svc.model.dummy import dummy_config, is_dummy
-from gpu_worker_svc.model.layers.quantize import QUANTIZATIONS
+from gpu_worker_svc.model.layers.quantize import CPU_WEIGHT_FORMATS
 from shardline.model_path import resolve_model_path
 
 PEAK_BANDWIDTH = {"cuda": 4.8e12}  # H200 HBM3e, bytes/s
@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--quantization",
         default=None,
-        choices=sorted(QUANTIZATIONS),
+        choices=CPU_WEIGHT_FORMATS,
         help="a CPU weight format (gpu_worker_svc/model/layers/quantize.py)",
     )
     ap.add_argument(

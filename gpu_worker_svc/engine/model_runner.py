@@ -24,6 +24,7 @@ from gpu_worker_svc.engine.outputs import TokenLogprobs
 from gpu_worker_svc.engine.sampler import token_logprobs
 from gpu_worker_svc.model.attention_metadata import StepBatch, build_step
 from gpu_worker_svc.model.config import ModelConfig
+from gpu_worker_svc.model.gguf_weights import load_gguf_blocks
 from gpu_worker_svc.model.layers.invariant_attention import check_invariant_attention
 from gpu_worker_svc.model.layers.onednn import onednn_available
 from gpu_worker_svc.model.layers.quantize import pack_fp32_for_onednn, quantize_model
@@ -65,7 +66,9 @@ class RunnerConfig:
     num_blocks: int | None = None  # fixed block count (tests use tiny caches); None: derived from memory
     max_model_len: int | None = None
     cuda_graphs: bool = True  # capture decode steps on CUDA
-    quantization: str | None = None  # CPU only: "int8" (W8A8, fastest) or "int4" (weight-only); see layers/quantize.py
+    # CPU only: "gguf" (a .gguf file's own Q4_0/Q4_1/Q8_0 blocks, model/gguf_weights.py), "int8" (W8A8),
+    # "fp16" or "int4" (layers/quantize.py); None: the model's dtype.
+    quantization: str | None = None
     onednn_weights: bool = True  # CPU float32 without quantization: oneDNN-packed weights (layers/onednn.py)
     # CPU: attention whose rounding no batch-mate, padding or chunking changes (layers/invariant_attention.py).
     # With int8, whose GEMMs are exact, a request's tokens are then bitwise the same alone, batched,
@@ -84,9 +87,15 @@ def _check_batch_invariance(config: RunnerConfig, dtype: torch.dtype) -> None:
         raise ValueError("batch_invariant attention is built from torch's CPU kernels: give device cpu")
     # int8's integer GEMMs are exact; oneDNN's packed fp32 GEMM rounds a row alike at any row count
     # (measured). fp16, int4 and torch's F.linear do not (fp16 and F.linear: ~1e-6 alone vs batched).
+    # gguf's kernel is bitwise batch-invariant too (kernels/gguf_linear.cpp); layers of other types use oneDNN's.
     if not (
         config.quantization == "int8"
-        or (config.quantization is None and dtype == torch.float32 and config.onednn_weights and onednn_available())
+        or (
+            config.quantization in (None, "gguf")
+            and dtype == torch.float32
+            and config.onednn_weights
+            and onednn_available()
+        )
     ):
         mode = config.quantization or f"{config.dtype} without oneDNN-packed weights"
         raise ValueError(
@@ -118,9 +127,12 @@ class ShardWorker:
             attn = self.model.model.layers[0].self_attn.attn
             check_invariant_attention((attn.num_heads, attn.num_kv_heads, attn.head_dim))
             self.model.model.norm.check_paths_agree()
-        if config.quantization is not None:
-            if self.device != "cpu":
-                raise ValueError(f"quantization {config.quantization} uses torch's CPU kernels: give device cpu")
+        if config.quantization is not None and self.device != "cpu":
+            raise ValueError(f"quantization {config.quantization} uses CPU kernels: give device cpu")
+        if config.quantization == "gguf":
+            n = load_gguf_blocks(self.model, config.model)
+            log.info("rank %d: %d linear layers keep the GGUF file's blocks", rank, n)
+        if config.quantization not in (None, "gguf"):
             n = quantize_model(
                 self.model,
                 config.quantization,
@@ -128,7 +140,7 @@ class ShardWorker:
             )
             log.info("rank %d: %d linear layers quantized to %s", rank, n, config.quantization)
         elif self.device == "cpu" and self.dtype == torch.float32 and config.onednn_weights and onednn_available():
-            n = pack_fp32_for_onednn(self.model)
+            n = pack_fp32_for_onednn(self.model)  # with gguf: the layers the file has in other types
             log.info("rank %d: %d linear layers packed for oneDNN", rank, n)
         if self.device.startswith("cuda") and config.num_blocks is None:
             profile_forward(self.model, config.profile_tokens, config.block_size, self.dtype, self.device)

@@ -110,6 +110,11 @@ def gguf_to_hf_name(name: str) -> str | None:
     return f"{mapped}.{parts[1]}" if mapped else None
 
 
+def unpermute_rows(rows: np.ndarray, head_dim: int) -> np.ndarray:
+    """llama.cpp's Q/K row order within each head back to HF's (a permutation of whole rows)."""
+    return rows.reshape(-1, head_dim // 2, 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
+
+
 @dataclass(slots=True)
 class GGUFCheckpointTensor:
     name: str
@@ -126,8 +131,7 @@ class GGUFCheckpointTensor:
             rows = self.file.load(self.gguf_name)
             rows = rows[:, start:end] if dim == 1 else np.take(rows, range(start, end), axis=dim)
         if self.unpermute_head_dim is not None:
-            d = self.unpermute_head_dim
-            rows = rows.reshape(-1, d // 2, 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
+            rows = unpermute_rows(rows, self.unpermute_head_dim)
         rows = np.ascontiguousarray(rows)
         # Unquantized tensors are views of the read-only file map; torch wants writable memory.
         return torch.from_numpy(rows if rows.flags.writeable else rows.copy())

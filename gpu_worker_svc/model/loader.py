@@ -70,11 +70,7 @@ def load_model(
         name = tensor.name
         if "rotary_emb.inv_freq" in name or (cfg.tie_word_embeddings and name.startswith("lm_head.")):
             continue
-        shard_id = None
-        for ckpt_key, (fused, shard) in LlamaForCausalLM.packed_modules_mapping.items():
-            if f".{ckpt_key}." in name:
-                name, shard_id = name.replace(ckpt_key, fused), shard
-                break
+        name, shard_id = fused_parameter(name)
         param = params.get(name)
         want = _checkpoint_shape(cfg, tensor.name)
         if param is None and want is None:
@@ -112,6 +108,14 @@ def load_model(
         time.perf_counter() - t0,
     )
     return model
+
+
+def fused_parameter(name: str) -> tuple[str, object]:
+    """A checkpoint tensor's parameter in the model, and its shard there (`up_proj` is shard 1 of `gate_up_proj`)."""
+    for ckpt_key, (fused, shard) in LlamaForCausalLM.packed_modules_mapping.items():
+        if f".{ckpt_key}." in name:
+            return name.replace(ckpt_key, fused), shard
+    return name, None
 
 
 def _checkpoint_shape(cfg: ModelConfig, name: str) -> tuple[int, ...] | None:

@@ -27,7 +27,7 @@ from gpu_worker_svc.engine.llm_engine import EngineConfig, LLMEngine
 from gpu_worker_svc.engine.model_runner import RunnerConfig
 from gpu_worker_svc.engine.ngram_proposer import SpeculativeConfig
 from gpu_worker_svc.model.dummy import is_dummy
-from gpu_worker_svc.model.layers.quantize import QUANTIZATIONS
+from gpu_worker_svc.model.layers.quantize import CPU_WEIGHT_FORMATS
 from gpu_worker_svc.model.loader import parse_dtype
 from gpu_worker_svc.server.engine_loop import EngineLoop
 from gpu_worker_svc.server.process_age import process_age_s
@@ -77,8 +77,8 @@ def parse_args(argv: list[str] | None) -> WorkerSettings:
     )
     p.add_argument(
         "--quantization",
-        choices=sorted(QUANTIZATIONS),
-        help="CPU weight format: int8 (fastest), fp16 (near-lossless) or int4 (smallest)",
+        choices=CPU_WEIGHT_FORMATS,
+        help="CPU weight format: gguf (a .gguf file's own blocks), int8, fp16 (near-lossless) or int4",
     )
     p.add_argument(
         "--no-onednn-weights",

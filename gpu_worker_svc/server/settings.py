@@ -56,8 +56,9 @@ class WorkerSettings(BaseSettings):
     # the worker spread over tens of ms (the previous burst's last tokens are relayed first): at 5 ms,
     # `shardline bench` saw 2 of 3 such bursts split, one request alone and 15 a whole step later.
     admission_gap_ms: float | None = Field(None, ge=0)
-    # CPU weight format (gpu_worker_svc/model/layers/quantize.py): "int8" (W8A8 with smoothing, fastest),
-    # "fp16" (fp16 weights, fp32 math, near-lossless) or "int4" (weight-only); None: the model's dtype.
+    # CPU weight format (gpu_worker_svc/model/layers/quantize.py): "gguf" (a .gguf model's own Q4_0/Q4_1/Q8_0
+    # blocks, model/gguf_weights.py), "int8" (W8A8 with smoothing), "fp16" (fp16 weights, fp32 math,
+    # near-lossless) or "int4" (weight-only); None: the model's dtype.
     quantization: str | None = None
     # float32 on CPU without quantization: reorder the weights once for oneDNN's GEMM (~1.3x faster decode
     # steps, same arithmetic; gpu_worker_svc/model/layers/onednn.py). Off: torch's F.linear.

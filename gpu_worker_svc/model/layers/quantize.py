@@ -1,6 +1,8 @@
 """Swap a loaded model's linear weights for a quantized copy (`RunnerConfig.quantization`).
 
-CPU modes, fastest first (SmolLM2-135M on a 2-core AVX2 machine, batch-16 decode step):
+CPU modes, fastest first (SmolLM2-135M on a 2-core AVX2 machine, batch-16 decode step); "gguf",
+the GGUF file's own blocks (model/gguf_weights.py, layers/gguf.py), is not a re-quantization and
+is set up apart:
 - "int8": 7-bit weights and per-token 8-bit activations through fbgemm's integer GEMM,
   with SmoothQuant smoothing calibrated at load. Rows are bitwise batch-invariant.
 - "fp16": fp16 weights, fp32 arithmetic (fbgemm). Numerics within fp16 weight rounding.
@@ -26,6 +28,9 @@ from gpu_worker_svc.model.layers.onednn import OneDNNWeight
 from gpu_worker_svc.model.layers.smoothing import smooth
 
 QUANTIZATIONS = {"int8": Int8Weight, "fp16": FP16Weight, "int4": Int4Weight}
+# Every CPU weight format a worker takes: these, and "gguf", a .gguf file's own Q4_0/Q4_1/Q8_0 blocks,
+# which model/gguf_weights.py reads from the file (its bytes, not a float weight, are the input).
+CPU_WEIGHT_FORMATS = sorted([*QUANTIZATIONS, "gguf"])
 
 
 def quantize_model(model: nn.Module, method: str, calibrate: Callable[[], None] | None = None) -> int:
