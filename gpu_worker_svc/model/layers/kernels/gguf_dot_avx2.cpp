@@ -1,5 +1,5 @@
 // The GGUF dot products with AVX2 + FMA + F16C: one block of 32 a step, as llama.cpp's
-// ggml_vec_dot_q4_1_q8_1 and its siblings do.
+// ggml_vec_dot_q4_1_q8_1 and its siblings do, for up to four activation rows at once.
 #pragma GCC target("avx2,fma,f16c")
 #include <immintrin.h>
 
@@ -23,14 +23,11 @@ inline __m256i nibbles(const uint8_t* p) {
 }
 
 // Eight int32 partial sums of u8 x s8 products. vpmaddubsw adds adjacent pairs into int16 with
-// saturation; the codes here keep a pair under 2 * 15 * 127 (Q4_1) or 2 * 128 * 127 (signed, below),
+// saturation; the codes here keep a pair under 2 * 15 * 127 (Q4_1) or 2 * 128 * 127 (|w| times x, see dot_rows),
 // so it never saturates, and vpmaddwd then adds pairs of those into int32 exactly.
 inline __m256i sum_u8_s8(__m256i u, __m256i s) {
   return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
 }
-
-// The same for two signed operands: vpmaddubsw wants one unsigned, so take |w| and give x w's sign.
-inline __m256i sum_s8_s8(__m256i w, __m256i x) { return sum_u8_s8(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w)); }
 
 // A fixed tree over the eight lanes, so a dot product rounds alike wherever it is computed.
 inline float hsum(__m256 v) {
@@ -42,58 +39,77 @@ inline float hsum(__m256 v) {
 
 inline __m256i codes(const int8_t* q) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)); }
 
-float dot_q4_0(const uint8_t* w, const int8_t* q, const float* d, int64_t blocks) {
-  __m256 acc = _mm256_setzero_ps();
-  for (int64_t b = 0; b < blocks; ++b, w += 18, q += QK) {
-    const __m256i wq = _mm256_sub_epi8(nibbles(w + 2), _mm256_set1_epi8(8));
-    const __m256 scale = _mm256_set1_ps(half(w) * d[b]);
-    acc = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(sum_s8_s8(wq, codes(q))), acc);
+template <QType T>
+constexpr int64_t BLOCK_BYTES = T == Q4_0 ? 18 : T == Q4_1 ? 20 : 34;
+
+// Dot products of one weight row with R activation rows i..i+R-1, into out[0..R). Each block's
+// weights are unpacked once for all R rows (a batch's rows share them), and each row's
+// accumulation is the same sequence of operations whatever R is: a row's result has the same bits
+// alone (R = 1) as in a group of four. mins uses an explicit fma, so no compiler contraction choice
+// can differ between the two.
+template <QType T, int R>
+void dot_rows(const uint8_t* w, const Tile& t, int64_t i, float* out) {
+  const int64_t blocks = t.x.blocks;
+  const int8_t* q[R];
+  const float* d[R];
+  const float* s[R];
+  __m256 acc[R];
+  float mins[R];
+  for (int r = 0; r < R; ++r) {
+    q[r] = t.x.codes + (i + r) * blocks * QK;
+    d[r] = t.x.d + (i + r) * blocks;
+    s[r] = t.x.s + (i + r) * blocks;
+    acc[r] = _mm256_setzero_ps();
+    mins[r] = 0.0f;
   }
-  return hsum(acc);
+  for (int64_t b = 0; b < blocks; ++b, w += BLOCK_BYTES<T>) {
+    const float dw = half(w);
+    __m256i wq;
+    if constexpr (T == Q4_0) wq = _mm256_sub_epi8(nibbles(w + 2), _mm256_set1_epi8(8));
+    if constexpr (T == Q4_1) wq = nibbles(w + 4);
+    if constexpr (T == Q8_0) wq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 2));
+    // Signed weights: vpmaddubsw wants one unsigned operand, so |w| here and w's sign on x below.
+    const __m256i unsigned_w = T == Q4_1 ? wq : _mm256_sign_epi8(wq, wq);
+    for (int r = 0; r < R; ++r) {
+      const __m256i x = codes(q[r] + b * QK);
+      const __m256i sum = sum_u8_s8(unsigned_w, T == Q4_1 ? x : _mm256_sign_epi8(x, wq));
+      acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dw * d[r][b]), _mm256_cvtepi32_ps(sum), acc[r]);
+      if constexpr (T == Q4_1) mins[r] = __builtin_fmaf(half(w + 2), s[r][b], mins[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r] = hsum(acc[r]) + mins[r];
 }
 
-float dot_q4_1(const uint8_t* w, const int8_t* q, const float* d, const float* s, int64_t blocks) {
-  __m256 acc = _mm256_setzero_ps();
-  float mins = 0.0f;
-  for (int64_t b = 0; b < blocks; ++b, w += 20, q += QK) {
-    const __m256 scale = _mm256_set1_ps(half(w) * d[b]);
-    acc = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(sum_u8_s8(nibbles(w + 4), codes(q))), acc);
-    mins += half(w + 2) * s[b];
+// Rows four at a time, then one at a time: the same bits either way (see dot_rows).
+template <QType T>
+void tile(const Tile& t) {
+  for (int64_t i0 = 0; i0 < t.rows; i0 += ROW_TILE) {
+    const int64_t i1 = i0 + ROW_TILE < t.rows ? i0 + ROW_TILE : t.rows;
+    for (int64_t n = t.n0; n < t.n1; ++n) {
+      const uint8_t* w = t.weight + n * t.weight_row_bytes;
+      float out[4];
+      int64_t i = i0;
+      for (; i + 4 <= i1; i += 4) {
+        dot_rows<T, 4>(w, t, i, out);
+        for (int r = 0; r < 4; ++r) t.y[(i + r) * t.ldy + n] = out[r];
+      }
+      for (; i < i1; ++i) {
+        dot_rows<T, 1>(w, t, i, out);
+        t.y[i * t.ldy + n] = out[0];
+      }
+    }
   }
-  return hsum(acc) + mins;
-}
-
-float dot_q8_0(const uint8_t* w, const int8_t* q, const float* d, int64_t blocks) {
-  __m256 acc = _mm256_setzero_ps();
-  for (int64_t b = 0; b < blocks; ++b, w += 34, q += QK) {
-    const __m256i wq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 2));
-    const __m256 scale = _mm256_set1_ps(half(w) * d[b]);
-    acc = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(sum_s8_s8(wq, codes(q))), acc);
-  }
-  return hsum(acc);
 }
 
 }  // namespace
 
 void tile_avx2(const Tile& t) {
-  for (int64_t i0 = 0; i0 < t.rows; i0 += ROW_TILE) {
-    const int64_t i1 = i0 + ROW_TILE < t.rows ? i0 + ROW_TILE : t.rows;
-    for (int64_t n = t.n0; n < t.n1; ++n) {
-      const uint8_t* w = t.weight + n * t.weight_row_bytes;
-      for (int64_t i = i0; i < i1; ++i) {
-        const int8_t* q = t.x.codes + i * t.x.blocks * QK;
-        const float* d = t.x.d + i * t.x.blocks;
-        float v;
-        if (t.type == Q4_0) {
-          v = dot_q4_0(w, q, d, t.x.blocks);
-        } else if (t.type == Q4_1) {
-          v = dot_q4_1(w, q, d, t.x.s + i * t.x.blocks, t.x.blocks);
-        } else {
-          v = dot_q8_0(w, q, d, t.x.blocks);
-        }
-        t.y[i * t.ldy + n] = v;
-      }
-    }
+  if (t.type == Q4_0) {
+    tile<Q4_0>(t);
+  } else if (t.type == Q4_1) {
+    tile<Q4_1>(t);
+  } else {
+    tile<Q8_0>(t);
   }
 }
 
