@@ -50,19 +50,19 @@ constexpr int64_t BLOCK_BYTES = T == Q4_0 ? 18 : T == Q4_1 ? 20 : 34;
 template <QType T, int R>
 void dot_rows(const uint8_t* w, const Tile& t, int64_t i, float* out) {
   const int64_t blocks = t.x.blocks;
-  const int8_t* q[R];
-  const float* d[R];
-  const float* s[R];
+  // One pointer per array, advanced a block at a time, and each row at a fixed stride from it:
+  // a pointer per row and array would not fit in the registers, and the loop would spill them.
+  const int64_t code_stride = blocks * QK;
+  const int8_t* q = t.x.codes + i * code_stride;
+  const float* d = t.x.d + i * blocks;
+  const float* s = t.x.s + i * blocks;
   __m256 acc[R];
   float mins[R];
   for (int r = 0; r < R; ++r) {
-    q[r] = t.x.codes + (i + r) * blocks * QK;
-    d[r] = t.x.d + (i + r) * blocks;
-    s[r] = t.x.s + (i + r) * blocks;
     acc[r] = _mm256_setzero_ps();
     mins[r] = 0.0f;
   }
-  for (int64_t b = 0; b < blocks; ++b, w += BLOCK_BYTES<T>) {
+  for (int64_t b = 0; b < blocks; ++b, w += BLOCK_BYTES<T>, q += QK, ++d, ++s) {
     const float dw = half(w);
     __m256i wq;
     if constexpr (T == Q4_0) wq = _mm256_sub_epi8(nibbles(w + 2), _mm256_set1_epi8(8));
@@ -70,11 +70,12 @@ void dot_rows(const uint8_t* w, const Tile& t, int64_t i, float* out) {
     if constexpr (T == Q8_0) wq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 2));
     // Signed weights: vpmaddubsw wants one unsigned operand, so |w| here and w's sign on x below.
     const __m256i unsigned_w = T == Q4_1 ? wq : _mm256_sign_epi8(wq, wq);
+    const float dm = T == Q4_1 ? half(w + 2) : 0.0f;
     for (int r = 0; r < R; ++r) {
-      const __m256i x = codes(q[r] + b * QK);
+      const __m256i x = codes(q + r * code_stride);
       const __m256i sum = sum_u8_s8(unsigned_w, T == Q4_1 ? x : _mm256_sign_epi8(x, wq));
-      acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dw * d[r][b]), _mm256_cvtepi32_ps(sum), acc[r]);
-      if constexpr (T == Q4_1) mins[r] = __builtin_fmaf(half(w + 2), s[r][b], mins[r]);
+      acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dw * d[r * blocks]), _mm256_cvtepi32_ps(sum), acc[r]);
+      if constexpr (T == Q4_1) mins[r] = __builtin_fmaf(dm, s[r * blocks], mins[r]);
     }
   }
   for (int r = 0; r < R; ++r) out[r] = hsum(acc[r]) + mins[r];
