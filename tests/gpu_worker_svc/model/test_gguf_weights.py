@@ -78,6 +78,25 @@ def test_the_runner_on_the_blocks_tracks_fp32_and_a_row_is_the_same_alone_or_bat
     assert torch.equal(logits["gguf"].argmax(-1), logits[None].argmax(-1))
 
 
+def test_two_ranks_on_the_blocks_give_the_logits_of_one(gguf_path):
+    """Row-parallel layers cut on blocks, and a vocabulary (251) that pads rank 1's part of the head.
+    Each rank quantizes its own slice of an input row to the same blocks one rank would; only the
+    all-reduce's summation order differs, and a rounding flipped by it moves an activation code."""
+    prompts = random_prompts(CONFIG["vocab_size"], [9, 40], seed=10)
+    logits = {}
+    for tp in (1, 2):
+        runner = ModelRunner(RunnerConfig(model=str(gguf_path), quantization="gguf", tp_size=tp, num_blocks=32))
+        try:
+            driver = PagedDriver(runner)
+            seqs = [driver.add(p) for p in prompts]
+            logits[tp] = driver.step({s: len(p) for s, p in zip(seqs, prompts)})
+        finally:
+            runner.shutdown()
+    assert logits[2].shape == (2, CONFIG["vocab_size"])
+    assert ((logits[2] - logits[1]).norm(dim=-1) / logits[1].norm(dim=-1) < 0.01).all()
+    assert torch.equal(logits[2].argmax(-1), logits[1].argmax(-1))
+
+
 def test_gguf_is_refused_for_a_model_that_is_not_a_gguf_file(tmp_path):
     random_hf_model(LlamaConfig(**CONFIG), seed=1).save_pretrained(tmp_path)
     model = load_model(str(tmp_path), TPGroup())
