@@ -30,7 +30,6 @@ request is not goodput. Each round drains: every request completes or is refused
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import statistics
 import tempfile
@@ -44,6 +43,7 @@ from benchmarks.tenant_stacks import (
     start_stack,
     wait_idle,
     with_seed,
+    write_results,
     write_tenants_file,
 )
 from shardline.bench.metrics import Slos
@@ -186,11 +186,7 @@ def main() -> None:
         "ratio": {f"{load:g}": median_range(r) if r else None for load, r in ratios.items()},
         "ratio_median": {f"{load:g}": statistics.median(r) if r else None for load, r in ratios.items()},
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
-    args.out.with_suffix(".md").write_text(table(result) + "\n")
-    print(table(result))
-    print(f"\nwrote {args.out} and {args.out.with_suffix('.md')}")
+    write_results(args.out, result, table(result))
 
 
 if __name__ == "__main__":

@@ -22,7 +22,6 @@ arrivals within a round.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import statistics
 import tempfile
@@ -36,6 +35,7 @@ from benchmarks.tenant_stacks import (
     start_stack,
     wait_idle,
     with_seed,
+    write_results,
     write_tenants_file,
 )
 from shardline.bench.tenant_workload import TenantSpec, TenantWorkload
@@ -159,11 +159,7 @@ def main() -> None:
             "jain_index_median": statistics.median(values) if values else None,
             "all_backlogged_rounds": sum(len(rnd[side]["backlogged"]) == len(tenants) for rnd in rounds),
         }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
-    args.out.with_suffix(".md").write_text(table(result) + "\n")
-    print(table(result))
-    print(f"\nwrote {args.out} and {args.out.with_suffix('.md')}")
+    write_results(args.out, result, table(result))
 
 
 if __name__ == "__main__":

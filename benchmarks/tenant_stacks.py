@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import logging
 import secrets
 import statistics
@@ -33,6 +34,15 @@ class StackTenant:
     weight: float = 1.0
     priority: int = 0
     key: str = field(default_factory=lambda: f"sk-{secrets.token_hex(16)}")
+
+
+def write_results(out: Path, result: dict, table: str) -> None:
+    """The run's JSON and its table (.md beside it), and the table on the console."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    out.with_suffix(".md").write_text(table + "\n")
+    print(table)
+    print(f"\nwrote {out} and {out.with_suffix('.md')}")
 
 
 def write_tenants_file(path: Path, tenants: list[StackTenant]) -> None:
