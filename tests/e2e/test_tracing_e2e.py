@@ -69,6 +69,11 @@ def _rows(dashboard: str) -> dict[str, dict]:
     return {row["request_id"]: row for row in json.loads(body)["requests"]}
 
 
+def _settled(row: dict) -> bool:
+    instances = row["instances"]
+    return "batch-0" in instances and any(i.startswith("worker-0") for i in instances) and row["status"] != "running"
+
+
 @pytest.fixture(scope="module")
 def served(traced_stack: LocalStack) -> Served:
     http = f"http://127.0.0.1:{traced_stack.config.http_port}"
@@ -115,8 +120,9 @@ def test_a_batch_lines_request_is_in_the_batch_workers_trace(traced_stack: Local
         assert time.monotonic() < deadline
         time.sleep(0.25)
     dashboard = f"http://127.0.0.1:{traced_stack.config.dashboard_port}"
-    while (row := _rows(dashboard).get(f"{batch.id}-0")) is None or "batch-0" not in row["instances"]:
-        assert time.monotonic() < deadline, row  # spans are exported every half second
+    # Each service exports every half second, so the batch, gateway and worker spans land in any order.
+    while (row := _rows(dashboard).get(f"{batch.id}-0")) is None or not _settled(row):
+        assert time.monotonic() < deadline, row
         time.sleep(0.25)
     assert any(i.startswith("gateway") for i in row["instances"]), row
     assert any(i.startswith("worker-0") for i in row["instances"]) and row["status"] == "length", row
