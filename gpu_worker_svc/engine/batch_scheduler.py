@@ -24,6 +24,7 @@ import bisect
 import logging
 import random
 import time
+from collections import abc
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -213,7 +214,7 @@ class BatchScheduler:
             num_prefix_cached_tokens=num_prefix_cached,
         )
 
-    def update(self, output: SchedulerOutput, sampled_token_ids: list[int | list[int] | None]) -> StepUpdate:
+    def update(self, output: SchedulerOutput, sampled_token_ids: abc.Sequence[int | list[int] | None]) -> StepUpdate:
         """Apply a step's results: progress, block caching, new tokens, stops.
 
         Per scheduled sequence: its sampled token; or, for one with drafts, the tokens the step
@@ -365,9 +366,9 @@ class BatchScheduler:
         seq.block_hashes = []
 
     def _cache_full_blocks(self, seq: Sequence) -> None:
-        if not self.block_pool.enable_prefix_caching:
-            return
         num_full = seq.num_computed_tokens // self.block_size
+        if num_full <= len(seq.block_hashes) or not self.block_pool.enable_prefix_caching:
+            return  # most steps: no block filled up
         token_ids = seq.all_token_ids
         size = self.block_size
         for index in range(len(seq.block_hashes), num_full):

@@ -32,6 +32,10 @@ class PenaltyState:
     def __init__(self) -> None:
         self._rows: dict[str, _PenaltyRow] = {}
 
+    def forget(self) -> None:
+        """A step without penalties: no statistics are kept for the next."""
+        self._rows.clear()
+
     def apply(self, logits: torch.Tensor, seqs: list[Sequence], drafts: list[list[int]] | None = None) -> torch.Tensor:
         """Repetition (HF/vLLM) over prompt + output, presence/frequency (OpenAI) over output.
 

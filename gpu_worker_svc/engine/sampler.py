@@ -84,16 +84,35 @@ class Sampler:
         """One token per row. `drafts[r]`: draft tokens that row r follows beyond its sequence's
         output (n-gram speculation). The row samples as the sequence would with them appended: its
         output index, random draw, min_tokens, penalties and grammar mask count them."""
-        if logits.dim() != 2 or logits.shape[0] != len(seqs):
-            raise ValueError(f"logits must be [{len(seqs)}, vocab], got {list(logits.shape)}")
-        ahead = [len(d) for d in drafts] if drafts is not None else None
-        logits = logits.float()
+        _check_rows(logits, seqs)
+        lp_rows = [i for i, seq in enumerate(seqs) if seq.params.logprobs is not None]
         # Logprobs describe the model's own distribution, so they are taken
         # before penalties and temperature reshape it.
-        lp_rows = [i for i, seq in enumerate(seqs) if seq.params.logprobs is not None]
-        raw_logprobs = None
-        if lp_rows:
-            raw_logprobs = torch.log_softmax(select_rows(logits, lp_rows), dim=-1)
+        raw_logprobs = torch.log_softmax(select_rows(logits.float(), lp_rows), dim=-1) if lp_rows else None
+        token_list = self.token_ids(logits, seqs, drafts).tolist()
+        logprobs: list[TokenLogprobs | None] = [None] * len(seqs)
+        if raw_logprobs is not None:
+            lp_seqs = [seqs[i] for i in lp_rows]
+            lp_tokens = [token_list[i] for i in lp_rows]
+            for i, entry in zip(
+                lp_rows, token_logprobs(raw_logprobs, lp_tokens, [seq.params.logprobs or 0 for seq in lp_seqs])
+            ):
+                logprobs[i] = entry
+        return SamplerOutput(token_ids=token_list, logprobs=logprobs)
+
+    def token_ids(
+        self, logits: torch.Tensor, seqs: list[Sequence], drafts: list[list[int]] | None = None
+    ) -> torch.Tensor:
+        """The sampled token of each row, [rows] long, left on the logits' device (no wait for it)."""
+        _check_rows(logits, seqs)
+        ahead = [len(d) for d in drafts] if drafts is not None else None
+        logits = logits.float()
+        if drafts is None and all(_plain_greedy(seq) for seq in seqs):
+            # The common batch: nothing reshapes a logit, so each token is its row's argmax. One check
+            # per row instead of one pass per option (~0.1 ms a step at batch 64 on this CPU).
+            self._logit_bias.forget()
+            self._penalties.forget()
+            return logits.argmax(dim=-1)
 
         logits = self._logit_bias.apply(logits, seqs)
         logits = self._penalties.apply(logits, seqs, drafts)
@@ -112,17 +131,23 @@ class Sampler:
                 [seqs[i] for i in sampled_rows],
                 [ahead[i] for i in sampled_rows] if ahead is not None else None,
             )
+        return token_ids
 
-        token_list = token_ids.tolist()
-        logprobs: list[TokenLogprobs | None] = [None] * len(seqs)
-        if raw_logprobs is not None:
-            lp_seqs = [seqs[i] for i in lp_rows]
-            lp_tokens = [token_list[i] for i in lp_rows]
-            for i, entry in zip(
-                lp_rows, token_logprobs(raw_logprobs, lp_tokens, [seq.params.logprobs or 0 for seq in lp_seqs])
-            ):
-                logprobs[i] = entry
-        return SamplerOutput(token_ids=token_list, logprobs=logprobs)
+
+def _plain_greedy(seq: Sequence) -> bool:
+    p = seq.params
+    return (
+        p.is_greedy
+        and not p.logit_bias
+        and not p.has_penalties
+        and seq.grammar is None
+        and seq.num_output_tokens >= p.min_tokens
+    )
+
+
+def _check_rows(logits: torch.Tensor, seqs: list[Sequence]) -> None:
+    if logits.dim() != 2 or logits.shape[0] != len(seqs):
+        raise ValueError(f"logits must be [{len(seqs)}, vocab], got {list(logits.shape)}")
 
 
 def _index(rows: list[int], like: torch.Tensor) -> torch.Tensor:
@@ -143,6 +168,10 @@ class LogitBias:
 
     def __init__(self) -> None:
         self._rows: dict[str, tuple[Sequence, torch.Tensor, torch.Tensor]] = {}
+
+    def forget(self) -> None:
+        """A step without biases: none is kept for the next."""
+        self._rows = {}
 
     def apply(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         biased = [(i, self._tensors(seq, logits)) for i, seq in enumerate(seqs) if seq.params.logit_bias]

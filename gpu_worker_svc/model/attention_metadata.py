@@ -113,6 +113,37 @@ class AttentionMetadata:
     # What the first layer derives from the fields above for all of them (invariant: the gathers' rows).
     derived: dict[str, Any] = field(default_factory=dict)
 
+    def tensors(self) -> list[tuple[tuple[str, int | None], torch.Tensor]]:
+        """Every tensor of the metadata, keyed by (field, place in its list or None); not the groups'."""
+        found: list[tuple[tuple[str, int | None], torch.Tensor]] = []
+        for name in _TENSOR_FIELDS:
+            value = getattr(self, name)
+            if isinstance(value, torch.Tensor):
+                found.append(((name, None), value))
+            elif isinstance(value, list):
+                found += [((name, i), t) for i, t in enumerate(value) if t is not None]
+        return found
+
+    def replace_tensors(self, tensors: list[tuple[tuple[str, int | None], torch.Tensor]]) -> None:
+        """Puts tensors() back, moved: the same keys, new tensors."""
+        for (name, i), t in tensors:
+            if i is None:
+                setattr(self, name, t)
+            else:
+                getattr(self, name)[i] = t
+
+
+_TENSOR_FIELDS = (
+    "slot_mapping",
+    "prefill_gather",
+    "prefill_mask",
+    "decode_index",
+    "decode_gather",
+    "decode_mask",
+    "decode_query_rows",
+    "decode_valid",
+)
+
 
 @dataclass(slots=True)
 class DecodeGroup:
@@ -130,31 +161,42 @@ DECODE_GROUP_SPREAD = 2
 
 
 def build_step(
-    batch: StepBatch, block_size: int, device: torch.device | str = "cpu", invariant: bool = False
+    batch: StepBatch,
+    block_size: int,
+    device: torch.device | str = "cpu",
+    invariant: bool = False,
+    group_decodes: bool | None = None,
 ) -> tuple[torch.Tensor, AttentionMetadata]:
     """Positions [T] and attention metadata for a step; `invariant` lays it out for invariant_attention.
 
     A sequence's chunk of draft tokens (num_logits > 1) is attended as a decode of several queries;
-    under `invariant` as a chunk of its own, like a prefill's.
+    under `invariant` as a chunk of its own, like a prefill's. `group_decodes`: split decodes by
+    context length (DecodeGroup); None: on CPU only, as CUDA graphs take one group.
     """
+    if group_decodes is None:
+        group_decodes = str(device) == "cpu"
     num_computed = batch.num_computed.tolist()
     num_new = batch.num_new.tolist()
     num_logits = batch.num_logits.tolist() if batch.num_logits is not None and not invariant else [1] * len(num_new)
     bt = batch.block_tables
-    positions = (
-        torch.cat([torch.arange(c, c + n) for c, n in zip(num_computed, num_new)])
-        if num_new
-        else torch.empty(0, dtype=torch.long)
-    )
-    seq_of_token = torch.repeat_interleave(torch.arange(len(num_new)), torch.tensor(num_new, dtype=torch.long))
+    # Every sequence a plain decode (the common step): one token each, at its computed length, and
+    # none of the per-sequence work of chunks. Built with a few whole-batch ops, whatever the batch.
+    all_decodes = len(batch.token_ids) == len(num_new) and num_new == num_logits
+    if all_decodes:
+        positions = batch.num_computed.clone()
+        seq_of_token = torch.arange(len(num_new))
+    else:
+        seq_of_token = torch.repeat_interleave(torch.arange(len(num_new)), batch.num_new)
+        starts = torch.cumsum(batch.num_new, 0) - batch.num_new
+        positions = batch.num_computed[seq_of_token] + torch.arange(len(seq_of_token)) - starts[seq_of_token]
     slot_mapping = bt[seq_of_token, positions // block_size] * block_size + positions % block_size
 
     bounds: list[tuple[int, int]] = []
     gathers: list[torch.Tensor | None] = []
     masks: list[torch.Tensor | None] = []
-    decodes: list[int] = []  # sequence index of each single-token chunk
+    decodes: list[int] = list(range(len(num_new))) if all_decodes else []  # sequence index of each decode
     start = 0
-    for i, (c, n) in enumerate(zip(num_computed, num_new)):
+    for i, (c, n) in enumerate(() if all_decodes else zip(num_computed, num_new)):
         if n == num_logits[i]:  # a decode, with its drafts if it has any
             decodes.append(i)
         else:
@@ -186,7 +228,7 @@ def build_step(
             real = (j[None, :] < n[:, None]).flatten()
             query_rows, valid = padded.flatten().to(device), real.nonzero().flatten().to(device)
             decode_index = padded.flatten()[real].to(device)
-        split = _by_context(ctx.tolist()) if str(device) == "cpu" else []
+        split = _by_context(ctx.tolist()) if group_decodes else []
         if len(split) > 1:
             groups = [
                 DecodeGroup(

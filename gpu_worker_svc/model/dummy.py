@@ -13,6 +13,23 @@ from gpu_worker_svc.model.llama import LlamaForCausalLM
 DUMMY_PREFIX = "dummy:"
 
 SHAPES: dict[str, ModelConfig] = {
+    # So small that a step's model compute is negligible: what is left is the engine's host work.
+    "tiny": ModelConfig(
+        architecture="LlamaForCausalLM",
+        vocab_size=1024,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        eos_token_ids=[2],
+        name="dummy-tiny",
+    ),
     "smollm2-135m": ModelConfig(
         architecture="LlamaForCausalLM",
         vocab_size=49152,
