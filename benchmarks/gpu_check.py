@@ -40,15 +40,36 @@ def correctness(device: str, out: dict) -> None:
         prompts = torch.randint(0, 1000, (3, 21)).tolist()
         hf = hf.to(device)
         results = {}
-        for graphs in (False, True):
+        # (CUDA graphs, async scheduling): async is the default on CUDA (lookahead.py)
+        for graphs, lookahead in ((False, False), (True, False), (True, True), (False, True)):
             e = LLMEngine(
                 EngineConfig(
-                    runner=RunnerConfig(model=tmp, device=device, dtype="float32", cuda_graphs=graphs, num_blocks=64)
+                    runner=RunnerConfig(model=tmp, device=device, dtype="float32", cuda_graphs=graphs, num_blocks=64),
+                    async_scheduling=lookahead,
                 )
             )
-            gen = e.generate(prompts, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
-            results[graphs] = [r.token_ids for r in gen]
+            # Different lengths, so that requests finish under a launched step.
+            params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (40, 40, 40)]
+            gen = e.generate(prompts, params)
+            results[graphs, lookahead] = [r.token_ids for r in gen]
+            if lookahead:
+                out[f"lookahead_used_graphs_{graphs}"] = e.lookahead.num_used
             e.shutdown()
+        with_lengths = {}
+        for lookahead in (False, True):
+            e = LLMEngine(
+                EngineConfig(
+                    runner=RunnerConfig(model=tmp, device=device, dtype="float32", num_blocks=64),
+                    async_scheduling=lookahead,
+                )
+            )
+            params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (13, 40, 27)]
+            with_lengths[lookahead] = [r.token_ids for r in e.generate(prompts, params)]
+            e.shutdown()
+        out["async_equal_sync_with_finishes"] = with_lengths[True] == with_lengths[False]
+        out["async_equal_sync"] = results[True, True] == results[True, False]
+        out["async_eager_equal_sync"] = results[False, True] == results[False, False]
+        results = {graphs: results[graphs, False] for graphs in (False, True)}
         with torch.no_grad():
             hf_greedy = (
                 hf.generate(

@@ -11,6 +11,7 @@ import logging
 import threading
 import time
 import uuid
+from collections import abc
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,12 +20,14 @@ import torch
 from gpu_worker_svc.engine.batch_scheduler import BatchScheduler, SchedulerConfig, SchedulerOutput
 from gpu_worker_svc.engine.block_pool import BlockPool
 from gpu_worker_svc.engine.grammar import GrammarBackend
+from gpu_worker_svc.engine.lookahead import Lookahead
 from gpu_worker_svc.engine.model_runner import ModelRunner, PromptLogits, RunnerConfig
 from gpu_worker_svc.engine.ngram_proposer import NgramIndex, SpeculativeConfig
-from gpu_worker_svc.engine.outputs import GenerationResult, RequestOutput, StepOutput, StepStats, TokenLogprobs
+from gpu_worker_svc.engine.outputs import GenerationResult, RequestOutput, StepOutput, TokenLogprobs
 from gpu_worker_svc.engine.sampler import Sampler, select_rows
 from gpu_worker_svc.engine.sampling_params import SamplingParams
 from gpu_worker_svc.engine.sequence import Sequence
+from gpu_worker_svc.engine.step_stats import step_stats
 from gpu_worker_svc.model.attention_metadata import StepBatch
 from gpu_worker_svc.model.dummy import is_dummy
 from gpu_worker_svc.model.loader import rotary_positions
@@ -38,6 +41,9 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     enable_prefix_caching: bool = True
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)  # n-gram speculation; off by default
+    # Launch each decode step before the last one's tokens reach the host (lookahead.py). None: on
+    # CUDA only; on CPU the host and the model share the cores, and the step would only run twice.
+    async_scheduling: bool | None = None
 
 
 class LLMEngine:
@@ -49,6 +55,9 @@ class LLMEngine:
         self.block_pool = BlockPool(self.runner.num_blocks, self.runner.block_size, self.config.enable_prefix_caching)
         self.scheduler = BatchScheduler(self.config.scheduler, self.block_pool)
         self.sampler = Sampler()
+        on_gpu = self.config.runner.device.startswith("cuda")
+        use_lookahead = on_gpu if self.config.async_scheduling is None else self.config.async_scheduling
+        self.lookahead = Lookahead(self.runner, self.block_pool, use_lookahead)
         self.eos_token_id = self.model_config.eos_token_ids[0] if self.model_config.eos_token_ids else None
         # The longest sequence it can hold: the rotary table, and what the batch scheduler can run.
         self.max_model_len = min(
@@ -192,14 +201,25 @@ class LLMEngine:
             out.admitted_ids = [
                 s.seq.request_id for s in sched.scheduled if s.seq.num_computed_tokens == s.seq.num_cached_tokens
             ]
-            batch, prompt = self._step_batch(sched)
-            starts = batch.num_computed.tolist()
-            logits = self.runner.execute(batch, prompt)
-            if prompt is not None:
-                self._keep_prompt_logprobs(sched, batch, prompt)
-            outputs = self._postprocess(sched, logits)
+            starts = [s.seq.num_computed_tokens for s in sched.scheduled]
+            logits = self.lookahead.take(sched)  # launched by the previous step, or None
+            if logits is None:
+                batch, prompt = self._step_batch(sched)
+                logits = self.runner.execute(batch, prompt)
+                if prompt is not None:
+                    self._keep_prompt_logprobs(sched, batch, prompt)
+            # Built while the device runs this step; launched on its tokens before the host waits for them.
+            # (Not with n-gram speculation: its next step's drafts are unknown until this step's tokens are.)
+            next_step = None if self.config.speculative.enabled else self.lookahead.prepare(sched, self._step + 1)
+            if next_step is None:
+                outputs = self._postprocess(sched, logits)
+            else:
+                tokens = self.sampler.token_ids(logits, [s.seq for s in sched.scheduled])
+                outputs = self._outputs(sched, self.lookahead.launch(next_step, tokens), {})
             out.outputs += outputs
-            out.stats = self._stats(sched, starts, outputs, time.perf_counter() - t0)
+            out.stats = step_stats(sched, starts, outputs, time.perf_counter() - t0, self._step, self.scheduler)
+        else:
+            self.lookahead.drop()
         self._step += 1
         return out
 
@@ -293,6 +313,15 @@ class LLMEngine:
                 if len(kept) == k and kept[-1] == sched.scheduled[i].draft_token_ids[k - 1]:
                     kept.append(tok)
                     sample_logprobs[seq.request_id].append(lp)
+        return self._outputs(sched, sampled, sample_logprobs)
+
+    def _outputs(
+        self,
+        sched: SchedulerOutput,
+        sampled: abc.Sequence[int | list[int] | None],
+        sample_logprobs: dict[str, list[TokenLogprobs | None]],
+    ) -> list[RequestOutput]:
+        """Applies the step's tokens (per scheduled sequence, as scheduler.update takes them)."""
         update = self.scheduler.update(sched, sampled)
         outputs = []
         for seq, toks in update.new_tokens:
@@ -313,37 +342,6 @@ class LLMEngine:
                 output.prompt_logprobs, seq.prompt_logprobs = seq.prompt_logprobs, []
             outputs.append(output)
         return outputs
-
-    def _stats(
-        self, sched: SchedulerOutput, starts: list[int], outputs: list[RequestOutput], elapsed: float
-    ) -> StepStats:
-        """`starts`: each scheduled sequence's computed tokens before the step."""
-        decoding = [s for s in sched.scheduled if s.num_new_tokens == 1 or s.draft_token_ids]
-        decode = sum(s.num_new_tokens for s in decoding)
-        drafting = {s.seq.request_id for s in decoding if s.draft_token_ids}
-        pairs = kv_read = 0
-        for s, before in zip(sched.scheduled, starts):
-            n = s.num_new_tokens
-            pairs += n * before + n * (n + 1) // 2
-            kv_read += before + n
-        return StepStats(
-            step=self._step,
-            batch_size=len(sched.scheduled),
-            num_tokens=sched.num_batched_tokens,
-            num_prefill_tokens=sched.num_batched_tokens - decode,
-            num_decode_tokens=decode,
-            prefix_cache_hit_tokens=sched.num_prefix_cached_tokens,
-            kv_blocks_used=self.block_pool.num_used_blocks,
-            kv_blocks_total=self.block_pool.num_blocks,
-            num_waiting=self.scheduler.num_waiting,
-            num_running=self.scheduler.num_running,
-            num_preempted=len(sched.preempted_ids),
-            step_time_s=elapsed,
-            attention_pairs=pairs,
-            kv_tokens_read=kv_read,
-            num_draft_tokens=sum(len(s.draft_token_ids) for s in decoding),
-            num_accepted_tokens=sum(len(o.new_token_ids) - 1 for o in outputs if o.request_id in drafting),
-        )
 
     # -- offline use ----------------------------------------------------------
     def generate(
@@ -378,4 +376,5 @@ class LLMEngine:
         ]
 
     def shutdown(self) -> None:
+        self.lookahead.drop()
         self.runner.shutdown()

@@ -8,7 +8,6 @@ travel over gRPC. A rank that dies is reported as EngineDeadError, never a hang.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import multiprocessing as mp
 import multiprocessing.connection
@@ -19,10 +18,12 @@ from dataclasses import dataclass
 import torch
 
 from gpu_worker_svc.engine.cuda_graphs import DecodeGraphs
+from gpu_worker_svc.engine.device_staging import DeviceStaging, TokenFetch
 from gpu_worker_svc.engine.kv_cache import allocate_kv_cache, calibration_prefill, num_blocks_for, profile_forward
 from gpu_worker_svc.engine.outputs import TokenLogprobs
+from gpu_worker_svc.engine.rank_spans import RankSpans
 from gpu_worker_svc.engine.sampler import token_logprobs
-from gpu_worker_svc.model.attention_metadata import StepBatch, build_step
+from gpu_worker_svc.model.attention_metadata import AttentionMetadata, StepBatch, build_step
 from gpu_worker_svc.model.config import ModelConfig
 from gpu_worker_svc.model.gguf_weights import load_gguf_blocks
 from gpu_worker_svc.model.layers.invariant_attention import check_invariant_attention
@@ -48,6 +49,17 @@ class PromptLogits:
     targets: list[int]  # per row: the prompt token that follows it, whose logprob is wanted
     num_top: list[int]  # per row: how many of the most likely tokens to return
     result: list[TokenLogprobs] | None = None  # per row, filled in by the step
+
+
+@dataclass(slots=True)
+class StepInputs:
+    """A step's inputs on the rank's device, built from its StepBatch (ShardWorker.prepare)."""
+
+    token_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    meta: AttentionMetadata
+    logit_rows: torch.Tensor  # flat-batch rows whose logits are sampled
+    prompt_rows: torch.Tensor | None  # rows whose logits give prompt logprobs
 
 
 class EngineDeadError(RuntimeError):
@@ -156,34 +168,65 @@ class ShardWorker:
         if self.device.startswith("cuda") and config.cuda_graphs:
             max_context = config.max_model_len or min(self.model.config.max_position_embeddings, 8192)
             self.graphs = DecodeGraphs(self.model, self.kv_caches, self.num_blocks * self.block_size, max_context)
+        self.staging = DeviceStaging(self.device) if self.device.startswith("cuda") else None
         if rank == 0:
             log.info("KV cache: %d blocks of %d tokens per rank", self.num_blocks, self.block_size)
 
+    def prepare(self, batch: StepBatch) -> StepInputs:
+        """The step's inputs on this rank's device; a CUDA decode step's in one copy that waits for nothing."""
+        # Staged only when all decodes: a prefill chunk's mask can be megabytes, best made on the device.
+        if self.staging is None or batch.token_ids.numel() != batch.num_new.numel():
+            positions, meta = build_step(batch, self.block_size, self.device, self.batch_invariant)
+            prompt_rows = batch.prompt_logit_rows().to(self.device) if batch.prompt_logits is not None else None
+            dev = self.device
+            return StepInputs(batch.token_ids.to(dev), positions, meta, batch.logit_rows().to(dev), prompt_rows)
+        # Built on the host (a CUDA graph takes the decodes as one group), then moved at once.
+        positions, meta = build_step(batch, self.block_size, "cpu", self.batch_invariant, group_decodes=False)
+        host = [batch.token_ids, positions, batch.logit_rows()]
+        if batch.prompt_logits is not None:
+            host.append(batch.prompt_logit_rows())
+        fields = meta.tensors()
+        moved = self.staging.to_device(host + [t for _, t in fields])
+        meta.replace_tensors([(key, t) for (key, _), t in zip(fields, moved[len(host) :])])
+        token_ids, positions, last = moved[:3]
+        return StepInputs(token_ids, positions, meta, last, moved[3] if batch.prompt_logits is not None else None)
+
+    def fetch(self, tokens: torch.Tensor) -> TokenFetch:
+        """Starts bringing sampled token ids to the host, ahead of work queued after them."""
+        return self.staging.start_fetch(tokens) if self.staging is not None else TokenFetch.ready(tokens)
+
     @torch.inference_mode()
-    def step(self, batch: StepBatch, prompt: PromptLogits | None = None) -> torch.Tensor | None:
+    def step(
+        self,
+        batch: StepBatch,
+        prompt: PromptLogits | None = None,
+        inputs: StepInputs | None = None,
+        input_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor | None:
         """Logits of each sequence's last new token, [B, vocab] on rank 0; None elsewhere.
 
-        Rank 0 also fills `prompt.result` when the batch asks for prompt logits.
+        Rank 0 also fills `prompt.result` when the batch asks for prompt logits. `inputs`: the
+        batch's prepare(), made earlier; `input_ids`: its token ids, already on the device.
         """
         # Every op that takes a packed (torchbind) weight (fbgemm's int8 and fp16 GEMMs) asks that
         # weight for __torch_function__, and the lookup fails by throwing and catching a C++
         # exception: ~15 us a call, 121 calls a step. No tensor subclass runs here, so the step
         # skips those checks: 1.14x per decode step at batch 1, 1.07x at 16 (int8).
         with torch._C.DisableTorchFunctionSubclass():
-            return self._step(batch, prompt)
+            return self._step(batch, prompt, inputs or self.prepare(batch), input_ids)
 
-    def _step(self, batch: StepBatch, prompt: PromptLogits | None) -> torch.Tensor | None:
-        positions, meta = build_step(batch, self.block_size, self.device, self.batch_invariant)
-        input_ids = batch.token_ids.to(self.device)
-        hidden = self.graphs.run(input_ids, positions, meta) if self.graphs is not None else None
+    def _step(
+        self, batch: StepBatch, prompt: PromptLogits | None, inputs: StepInputs, input_ids: torch.Tensor | None
+    ) -> torch.Tensor | None:
+        input_ids = inputs.token_ids if input_ids is None else input_ids
+        hidden = self.graphs.run(input_ids, inputs.positions, inputs.meta) if self.graphs is not None else None
         if hidden is None:
-            hidden = self.model(input_ids, positions, meta, self.kv_caches)
-        last = batch.logit_rows().to(self.device)
+            hidden = self.model(input_ids, inputs.positions, inputs.meta, self.kv_caches)
         # The sampled rows go through the LM head alone, as they would without prompt rows: a GEMM's
         # rounding may depend on its row count, and sampling must not depend on a batch-mate's options.
-        logits = self.model.compute_logits(hidden[last])
-        if batch.prompt_logits is not None:
-            self._prompt_logprobs(hidden, batch.prompt_logit_rows().to(self.device), prompt)
+        logits = self.model.compute_logits(hidden[inputs.logit_rows])
+        if inputs.prompt_rows is not None:
+            self._prompt_logprobs(hidden, inputs.prompt_rows, prompt)
         return None if logits is None else logits.float()
 
     def _prompt_logprobs(self, hidden: torch.Tensor, rows: torch.Tensor, prompt: PromptLogits | None) -> None:
@@ -203,7 +246,7 @@ class ShardWorker:
 def _rank_main(config: RunnerConfig, rank: int, init_method: str) -> None:
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{rank} %(levelname)s %(message)s")
     worker = ShardWorker(config, rank, init_method)
-    spans = _RankSpans(config.trace_instance, rank)
+    spans = RankSpans(config.trace_instance, rank)
     header = torch.zeros(4, dtype=torch.long, device=worker.device)
     try:
         while True:
@@ -220,38 +263,6 @@ def _rank_main(config: RunnerConfig, rank: int, init_method: str) -> None:
     finally:
         destroy_tp_group(worker.tp)
         spans.shutdown()
-
-
-class _RankSpans:
-    """One `engine_step` span per step on a non-driver rank, so traces show every rank's thread track."""
-
-    def __init__(self, instance: str | None, rank: int) -> None:
-        self.handle = None
-        if instance:
-            from tracing import attributes  # only ranks that trace pay for the SDK
-            from tracing.otel_setup import setup_tracing
-
-            self.handle = setup_tracing("gpu_worker", instance, rank=rank)
-            self.attr = attributes
-        self.rank = rank
-
-    def step(self, batch: StepBatch) -> contextlib.AbstractContextManager:
-        if self.handle is None:
-            return contextlib.nullcontext()
-        attr = self.attr
-        return self.handle.tracer.start_as_current_span(
-            "engine_step",
-            attributes={
-                attr.STEP: batch.step,
-                attr.RANK: self.rank,
-                attr.BATCH_SIZE: int(batch.num_new.numel()),
-                attr.NUM_TOKENS: int(batch.token_ids.numel()),
-            },
-        )
-
-    def shutdown(self) -> None:
-        if self.handle is not None:
-            self.handle.shutdown()
 
 
 class ModelRunner:
@@ -300,16 +311,47 @@ class ModelRunner:
         """A rank has died: the next step would fail."""
         return self._dead.is_set()
 
-    def execute(self, batch: StepBatch, prompt: PromptLogits | None = None) -> torch.Tensor:
-        """Run one step on every rank; returns [B, vocab] float32 logits (and fills `prompt.result`)."""
+    @property
+    def rows_independent(self) -> bool:
+        """A row's logits do not depend on the rest of its batch, bit for bit: on CUDA, where results
+        are not batch-invariant anyway, or under batch-invariant attention on CPU."""
+        return self._shard.staging is not None or self.config.batch_invariant
+
+    def prepare(self, batch: StepBatch) -> StepInputs:
+        """Rank 0's inputs for `batch`, built ahead of its execute()."""
+        return self._shard.prepare(batch)
+
+    def to_device(self, t: torch.Tensor) -> torch.Tensor:
+        """A small CPU tensor on rank 0's device, copied without waiting for the device."""
+        staging = self._shard.staging
+        return staging.to_device([t])[0] if staging is not None else t.to(self._shard.device)
+
+    def fetch(self, tokens: torch.Tensor) -> TokenFetch:
+        """Starts bringing sampled token ids to the host (see ShardWorker.fetch)."""
+        return self._shard.fetch(tokens)
+
+    def execute(
+        self,
+        batch: StepBatch,
+        prompt: PromptLogits | None = None,
+        inputs: StepInputs | None = None,
+        input_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Run one step on every rank; returns [B, vocab] float32 logits (and fills `prompt.result`).
+
+        `inputs`: prepare(batch), made earlier. `input_ids`: the token ids on rank 0's device, in
+        place of batch.token_ids (the tokens a step sampled, not yet on the host: lookahead.py).
+        """
         if self._dead.is_set():
             raise EngineDeadError("a tensor-parallel rank died")
         try:
             if self._children:
                 packed = batch.pack().to(self._shard.device)
+                if input_ids is not None:
+                    packed[4 : 4 + input_ids.numel()].copy_(input_ids)
                 self._shard.tp.broadcast(packed[:4].clone())
                 self._shard.tp.broadcast(packed)
-            logits = self._shard.step(batch, prompt)
+            logits = self._shard.step(batch, prompt, inputs, input_ids)
         except RuntimeError as exc:
             if self._children:
                 raise EngineDeadError(f"tensor-parallel step failed: {exc}") from exc

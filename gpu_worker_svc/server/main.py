@@ -93,6 +93,12 @@ def parse_args(argv: list[str] | None) -> WorkerSettings:
         help="CPU, int8 or fp32: tokens bitwise independent of batching, prefix caching and resumes (slower)",
     )
     p.add_argument(
+        "--async-scheduling",
+        dest="async_scheduling",
+        action=argparse.BooleanOptionalAction,
+        help="launch each decode step before the last one's tokens reach the host (default: on CUDA only)",
+    )
+    p.add_argument(
         "--num-speculative-tokens",
         dest="num_speculative_tokens",
         type=int,
@@ -132,6 +138,7 @@ def engine_config(s: WorkerSettings) -> EngineConfig:
         ),
         s.enable_prefix_caching,
         SpeculativeConfig(s.num_speculative_tokens),
+        s.async_scheduling,
     )
 
 
