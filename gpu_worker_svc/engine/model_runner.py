@@ -174,22 +174,20 @@ class ShardWorker:
 
     def prepare(self, batch: StepBatch) -> StepInputs:
         """The step's inputs on this rank's device; a CUDA decode step's in one copy that waits for nothing."""
-        # Staged only when all decodes: a prefill chunk's mask can be megabytes, best made on the device.
-        if self.staging is None or batch.token_ids.numel() != batch.num_new.numel():
+        # Staged only when all decodes (which never ask for prompt logits): a prefill chunk's mask can
+        # be megabytes, best made on the device.
+        if self.staging is None or batch.token_ids.numel() != batch.num_new.numel() or batch.prompt_logits is not None:
             positions, meta = build_step(batch, self.block_size, self.device, self.batch_invariant)
             prompt_rows = batch.prompt_logit_rows().to(self.device) if batch.prompt_logits is not None else None
             dev = self.device
             return StepInputs(batch.token_ids.to(dev), positions, meta, batch.logit_rows().to(dev), prompt_rows)
         # Built on the host (a CUDA graph takes the decodes as one group), then moved at once.
         positions, meta = build_step(batch, self.block_size, "cpu", self.batch_invariant, group_decodes=False)
-        host = [batch.token_ids, positions, batch.logit_rows()]
-        if batch.prompt_logits is not None:
-            host.append(batch.prompt_logit_rows())
         fields = meta.tensors()
-        moved = self.staging.to_device(host + [t for _, t in fields])
-        meta.replace_tensors([(key, t) for (key, _), t in zip(fields, moved[len(host) :])])
+        moved = self.staging.to_device([batch.token_ids, positions, batch.logit_rows(), *(t for _, t in fields)])
+        meta.replace_tensors([(key, t) for (key, _), t in zip(fields, moved[3:])])
         token_ids, positions, last = moved[:3]
-        return StepInputs(token_ids, positions, meta, last, moved[3] if batch.prompt_logits is not None else None)
+        return StepInputs(token_ids, positions, meta, last, None)
 
     def fetch(self, tokens: torch.Tensor) -> TokenFetch:
         """Starts bringing sampled token ids to the host, ahead of work queued after them."""
@@ -213,10 +211,10 @@ class ShardWorker:
         # exception: ~15 us a call, 121 calls a step. No tensor subclass runs here, so the step
         # skips those checks: 1.14x per decode step at batch 1, 1.07x at 16 (int8).
         with torch._C.DisableTorchFunctionSubclass():
-            return self._step(batch, prompt, inputs or self.prepare(batch), input_ids)
+            return self._step(prompt, inputs or self.prepare(batch), input_ids)
 
     def _step(
-        self, batch: StepBatch, prompt: PromptLogits | None, inputs: StepInputs, input_ids: torch.Tensor | None
+        self, prompt: PromptLogits | None, inputs: StepInputs, input_ids: torch.Tensor | None
     ) -> torch.Tensor | None:
         input_ids = inputs.token_ids if input_ids is None else input_ids
         hidden = self.graphs.run(input_ids, inputs.positions, inputs.meta) if self.graphs is not None else None
