@@ -3,7 +3,6 @@
 import os
 
 # gRPC's fork handlers can crash a child forked while other threads are inside gRPC (36 of 200
-# forks, under load): the stack forks its services and Redis with a preexec_fn (die_with_parent)
-# from a process that runs gRPC health checks. No Shardline process forks to use gRPC in the child
-# (the worker's ranks are spawned), so the handlers are off unless the user turns them on.
+# forks, under load). No Shardline process forks to use gRPC in the child (the stack's services
+# are exec'd, the worker's ranks spawned), so the handlers are off unless the user turns them on.
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "0")

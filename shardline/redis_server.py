@@ -24,8 +24,9 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from shardline.parent_death import dying_with_parent
 from shardline.ports import free_port
-from shardline.signals import die_with_parent, signals_deferred
+from shardline.signals import signals_deferred
 
 logger = logging.getLogger(__name__)
 
@@ -217,12 +218,11 @@ class EmbeddedRedis:
         # while the services that write to it are still stopping; stop() ends it after them.
         with open(self.log_path, "ab") as log, signals_deferred():
             self._process = subprocess.Popen(
-                command,
+                dying_with_parent(command),
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=log,
                 start_new_session=True,
-                preexec_fn=die_with_parent(),
             )
 
     def _wait_ready(self, port: int) -> None:

@@ -1,41 +1,14 @@
-"""Signals held back across a critical section (see signals_deferred), and children that die with their parent."""
+"""Signals held back across a critical section (see signals_deferred)."""
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import os
 import signal
-import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 # The signals that stop `shardline up` and the stacks it runs: Ctrl-C, kill, a closed terminal.
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-_PR_SET_PDEATHSIG = 1
-
-
-def die_with_parent(parent_pid: int | None = None) -> Callable[[], None]:
-    """A Popen preexec_fn: the child gets SIGTERM when its parent dies, however it dies (SIGKILL
-    included), so a stack's services never outlive the process that started them. Linux only.
-
-    Call it in the parent (`preexec_fn=die_with_parent()`): it notes the parent's pid there. A
-    parent that dies between the fork and the child's prctl sends no signal, so the child checks
-    that its parent is still the one that forked it, and ends itself if not. (`up` killed while
-    starting its worker left the worker running, registering with a dead scheduler for ever.)
-    """
-    parent = os.getpid() if parent_pid is None else parent_pid
-    # Looked up in the parent: the child of a process with other threads (gRPC's) must not dlopen
-    # between fork and exec, where a lock another thread held at the fork stays held (it crashed).
-    prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
-
-    def preexec() -> None:
-        if prctl is not None:
-            prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
-            if os.getppid() != parent:  # orphaned already: no exec, nothing to clean up
-                os.kill(os.getpid(), signal.SIGKILL)
-
-    return preexec
 
 
 @contextlib.contextmanager

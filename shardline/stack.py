@@ -21,9 +21,10 @@ from pathlib import Path
 
 from shardline.health_probe import healthy, http_ok
 from shardline.host_memory import MALLOC_ENV, REEXEC_MARKER
+from shardline.parent_death import dying_with_parent
 from shardline.ports import free_port
 from shardline.redis_server import EmbeddedRedis
-from shardline.signals import die_with_parent, signals_deferred
+from shardline.signals import signals_deferred
 from shardline.supervisor import BackoffPolicy, SupervisedProcess, Supervisor
 
 log = logging.getLogger(__name__)
@@ -263,16 +264,11 @@ class LocalStack:
 
     def _popen(self, name: str, argv: list[str], env: dict[str, str]) -> subprocess.Popen:
         if self.config.log_dir is None:
-            return subprocess.Popen(argv, env=env, start_new_session=True, preexec_fn=die_with_parent())
+            return subprocess.Popen(dying_with_parent(argv), env=env, start_new_session=True)
         self.config.log_dir.mkdir(parents=True, exist_ok=True)
         with open(self.config.log_dir / f"{name}.log", "ab") as out:  # the child keeps its own copy
             return subprocess.Popen(
-                argv,
-                env=env,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-                preexec_fn=die_with_parent(),
+                dying_with_parent(argv), env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
             )
 
     def restart(self, child: Child) -> None:

@@ -63,7 +63,7 @@ class ServiceRecord:
 class Supervisor:
     """Call check() every fraction of a second, from the thread that started the services.
 
-    That thread, not another: a child started with PR_SET_PDEATHSIG (die_with_parent) is signalled
+    That thread, not another: a child started with PR_SET_PDEATHSIG (shardline/parent_death.py) is signalled
     when the thread that forked it ends, so a restart from a helper thread would take the service
     down with the thread.
     """

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -30,22 +29,6 @@ def test_ctrl_c_during_a_spawn_still_records_the_child():
     stack.stop(timeout_s=5)
     assert stack.children[0].proc.poll() is not None
     assert signal.getsignal(signal.SIGINT) is handler_before  # restored
-
-
-def test_a_child_whose_parent_died_before_its_prctl_ends_itself():
-    # A parent killed between the fork and the child's PR_SET_PDEATHSIG sends no death signal: the
-    # child sees another parent than the one that forked it, and ends before it execs.
-    from shardline.signals import die_with_parent
-
-    orphan = subprocess.Popen(["sleep", "30"], preexec_fn=die_with_parent(parent_pid=os.getpid() + 10**6))
-    assert orphan.wait(timeout=10) == -signal.SIGKILL
-    kept = subprocess.Popen(["sleep", "30"], preexec_fn=die_with_parent())  # its parent is alive: it runs
-    try:
-        with pytest.raises(subprocess.TimeoutExpired):
-            kept.wait(timeout=0.5)
-    finally:
-        kept.kill()
-        kept.wait()
 
 
 def test_an_interrupt_while_starting_stops_what_started(tmp_path):
