@@ -88,3 +88,29 @@ async def test_a_drain_past_its_timeout_moves_the_requests_with_their_tokens(red
             assert gateway.final(request_id).finish_reason == sampling_pb2.FINISH_REASON_LENGTH
         info = await c.info(moved)
         assert info.worker_id != gone and info.attempt == 1  # moved, not failed
+
+
+@run_async
+async def test_a_drained_worker_is_retired_when_its_last_request_ends_not_at_the_next_round(redis_url: str) -> None:
+    loop = asyncio.get_running_loop()
+    settings = {**SCALING, "autoscale_interval_s": 1.5, "autoscale_scale_down_window_s": 0.0}
+    async with cluster(redis_url, autoscale_max_workers=2, **settings) as c:
+        gateway = await c.gateway("gw-1")
+        for worker_id in ("w0", "w1"):
+            await c.worker(worker_id, max_num_seqs=4, tick_s=0.02)
+        await c.submit("a", max_tokens=250, seed=3, prompt=[5, 6])
+        await c.submit("b", max_tokens=250, seed=4, prompt=[7, 8])
+        await eventually(lambda: len(gateway.tokens("a")) > 5 and len(gateway.tokens("b")) > 5, what="tokens")
+        placed = {rid: (await c.info(rid)).worker_id for rid in ("a", "b")}
+        await _until(c, lambda s: s.draining == 1, "a drain with a request in flight")
+        listed = await c.stub.ListWorkers(scheduler_pb2.ListWorkersRequest())
+        [drained] = [w.worker.worker_id for w in listed.workers if w.draining]
+        its_own = next(rid for rid, worker_id in placed.items() if worker_id == drained)
+        assert gateway.final(its_own) is None  # the drain began while its request ran
+        await gateway.wait_finished(its_own, timeout_s=20)
+        finished = loop.time()
+        await _until(c, lambda s: drained in s.retired, "the drained worker retired")
+        # Rounds are 1.5 s apart; the drain is checked every 0.2 s between them.
+        assert loop.time() - finished < 0.5, loop.time() - finished
+        await gateway.wait_finished("a", "b", timeout_s=20)
+        assert gateway.tokens(its_own) == [token_at(3 if its_own == "a" else 4, k) for k in range(250)]
