@@ -22,9 +22,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import redis.asyncio as aioredis
 from redis.backoff import NoBackoff
-from redis.retry import Retry
+from redis.asyncio.retry import Retry
+
+from shardline.redis_pool import async_redis
 
 PREFIX = "shardline:ratelimit:"
 WINDOW_S = 60.0  # every limit is per minute
@@ -160,7 +161,7 @@ class RateLimitStore:
     to tolerate (it fails open), not something to retry while the request waits."""
 
     def __init__(self, redis_url: str, timeout_s: float) -> None:
-        self._redis = aioredis.from_url(
+        self._redis = async_redis(
             redis_url,
             socket_timeout=timeout_s,
             socket_connect_timeout=timeout_s,

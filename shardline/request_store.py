@@ -29,13 +29,13 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, ParamSpec, Self, TypeVar
 
-import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from shardline.errors import Unavailable
+from shardline.redis_pool import async_redis
 from shardline.request_record import FinishReason, RequestRecord, RequestStatus, decode_record, encode_record
 from shardline.request_scripts import APPEND_STEP_LUA, CREATE_LUA, SET_LIST_ONCE_LUA, UPDATE_LIVE_LUA
 
@@ -141,7 +141,7 @@ class RequestStore:
         self.retention_s = retention_s
         # Two quick retries for a dropped connection; an outage is the caller's to wait out (the
         # scheduler keeps its steps and retries them), not a call's to hang in.
-        self._redis = aioredis.from_url(
+        self._redis = async_redis(
             redis_url,
             socket_timeout=SOCKET_TIMEOUT_S,
             socket_connect_timeout=CONNECT_TIMEOUT_S,

@@ -18,9 +18,8 @@ from __future__ import annotations
 
 import time
 
-import redis.asyncio as aioredis
-
 from shardline.batch.batch_record import BatchRecord
+from shardline.redis_pool import async_redis
 from shardline.request_store import CONNECT_TIMEOUT_S, SOCKET_TIMEOUT_S, unavailable_when_down
 
 PREFIX = "shardline:batch:"
@@ -73,7 +72,7 @@ class BatchStore:
     """Batch records and results in Redis; every method answers StoreUnavailable while Redis is down."""
 
     def __init__(self, redis_url: str) -> None:
-        self._redis = aioredis.from_url(
+        self._redis = async_redis(
             redis_url, socket_timeout=SOCKET_TIMEOUT_S, socket_connect_timeout=CONNECT_TIMEOUT_S, decode_responses=True
         )
         self._transition = self._redis.register_script(_TRANSITION_LUA)

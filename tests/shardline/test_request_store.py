@@ -379,3 +379,17 @@ async def test_the_tenant_and_its_weight_are_kept(redis_url: str) -> None:
         assert (stored.tenant, stored.tenant_weight) == ("acme", 2.5)
         plain = await store.get("plain")
         assert (plain.tenant, plain.tenant_weight) == ("", 1.0)
+
+
+@run_async
+async def test_a_burst_past_the_pool_waits_for_connections_rather_than_failing(redis_url: str) -> None:
+    # 500 creates at once, far past the pool's 64 connections (and redis-py's default pool's 100,
+    # which failed the rest at once with "Too many connections": UNAVAILABLE from a Redis that was up).
+    admin = redis.Redis.from_url(redis_url)
+    before = len(admin.client_list())  # other tests' clients on the shared server, and this one
+    async with RequestStore(redis_url) as store:
+        created = await asyncio.gather(*(store.create(record(f"burst-{i}"), [1, 2, 3]) for i in range(500)))
+        assert all(created)
+        assert all(r is not None for r in await asyncio.gather(*(store.get(f"burst-{i}") for i in range(500))))
+        assert len(admin.client_list()) <= before + 64  # bounded by the pool
+    admin.close()
