@@ -22,8 +22,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from redis.backoff import NoBackoff
 from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
 
 from shardline.redis_pool import async_redis
 
