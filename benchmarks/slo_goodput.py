@@ -19,8 +19,9 @@ service is when a burst outlasts what autoscaling can add.
 Both stacks dispatch at most max_num_seqs requests to the worker (SHARDLINE_DISPATCH_OVERCOMMIT=1,
 against 1.5 by default): deadlines and refusals act on the scheduler's queue only, and a request
 already in an engine's own queue cannot be refused. With 1.5, a run at load 1.3 had batch requests
-reach their first token up to 18 s in, past a 10 s target that no longer refused them. The price:
-the engine's preemption of a worse class then never sees a waiting interactive request.
+reach their first token up to 18 s in, past a 10 s target that no longer refused them. A full
+worker still takes a request of a better class than the worst it runs, for its engine to preempt,
+so an interactive request does not wait in the scheduler's queue for a batch request to finish.
 
 Goodput: requests that completed with a TTFT within their class's SLO, per second of the arrival
 window (the same --duration on both sides, so the ratio is that of good requests); a refused
