@@ -37,6 +37,7 @@ def linear_weights(cfg: ModelConfig) -> int:
 
 def weight_bytes_per_step(engine: LLMEngine, fmt: str) -> int:
     """Bytes of weight a batch-1 decode step streams: gguf's blocks as held, fp32 for the rest."""
+    fmt = fmt.removesuffix("+bi")
     if fmt != "gguf":
         return int(linear_weights(engine.model_config) * _BYTES_PER_WEIGHT[fmt])
     blocks = [
@@ -49,7 +50,14 @@ def weight_bytes_per_step(engine: LLMEngine, fmt: str) -> int:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="HF folder or .gguf; default: the default model")
-    ap.add_argument("--formats", nargs="+", default=["fp32", "int8", "gguf"], choices=["fp32", *CPU_WEIGHT_FORMATS])
+    formats = ["fp32", *CPU_WEIGHT_FORMATS]
+    ap.add_argument(
+        "--formats",
+        nargs="+",
+        default=["fp32", "int8", "gguf"],
+        choices=[*formats, *(f"{fmt}+bi" for fmt in formats)],
+        help="FORMAT+bi: with batch-invariant attention (--batch-invariant)",
+    )
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1])
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=64)
@@ -61,7 +69,8 @@ def main(argv: list[str] | None = None) -> int:
             EngineConfig(
                 runner=RunnerConfig(
                     model=args.model,
-                    quantization=None if fmt == "fp32" else fmt,
+                    quantization=None if fmt.removesuffix("+bi") == "fp32" else fmt.removesuffix("+bi"),
+                    batch_invariant=fmt.endswith("+bi"),
                     max_model_len=args.input_len + args.output_len + 16,
                 ),
                 scheduler=SchedulerConfig(max_num_seqs=max(args.concurrency), max_num_batched_tokens=8192),
@@ -96,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
             mb = result["bytes_per_step"][fmt] / 1e6
             step = statistics.median(steps)
             print(
-                f"    {fmt:5s} decode step {step:6.2f} ms ({min(steps):.2f}-{max(steps):.2f}), "
+                f"    {fmt:8s} decode step {step:6.2f} ms ({min(steps):.2f}-{max(steps):.2f}), "
                 f"{statistics.median(tok_s):6.1f} tok/s; weights {mb:6.1f} MB/step = {mb / step:.1f} GB/s"
             )
     out = Path(args.out)
