@@ -30,6 +30,7 @@ from gateway.stop_matcher import StopMatcher
 from gateway.stream_hub import StreamHub
 from gateway.tenant_limiter import Hold, RateLimited, limiter_for
 from gateway.tenants import Tenant, TenantDirectory, tenant_of
+from gateway.tenants_redis import RedisTenantDirectory
 from shardline.errors import (
     AlreadyExists,
     DeadlineExceeded,
@@ -199,7 +200,11 @@ class RequestRunner:
         self.tracer = tracer
         self.admission = Admission(settings.max_admitting, settings.queue_full_hold_s)
         self.prompt_bound = PromptBound(backends)
-        self.tenants = TenantDirectory(settings.tenants_file) if settings.tenants_file else None
+        self.tenants: TenantDirectory | None = None
+        if settings.tenants_file:
+            self.tenants = TenantDirectory(settings.tenants_file)
+        elif settings.tenants_redis_key:
+            self.tenants = RedisTenantDirectory(settings.redis_url, settings.tenants_redis_key)
         self.limiter = limiter_for(settings, self.tenants, backends)
 
     async def start(self, spec: GenerationSpec, span: trace.Span) -> SubmittedRequest:

@@ -21,6 +21,7 @@ from gateway.request_runner import RequestRunner
 from gateway.settings import GatewaySettings
 from gateway.stream_hub import StreamHub
 from gateway.tenant_limiter import TenantLimiter
+from gateway.tenants import TenantDirectory
 from shardline.grpc_server import GrpcService, RunningServer, start_grpc_server
 from shardline.proto import batches_pb2_grpc, generation_pb2, generation_pb2_grpc
 from shardline.service_main import started
@@ -49,6 +50,7 @@ class GatewayServer:
     http_port: int  # the bound HTTP port
     health: HealthMirror  # keeps the gRPC health equal to the dependencies' state
     limiter: TenantLimiter | None = None  # the tenants' limits, when some may have them
+    tenants: TenantDirectory | None = None  # the tenants file or Redis key, when there is one
 
     async def stop(self, grace_s: float = 5.0) -> None:
         await self.health.stop()
@@ -58,6 +60,8 @@ class GatewayServer:
         await self.hub.stop()
         if self.limiter is not None:
             await self.limiter.close()
+        if self.tenants is not None:
+            await asyncio.to_thread(self.tenants.close)
         await self.backends.close()
 
 
@@ -75,6 +79,8 @@ async def start_gateway(settings: GatewaySettings, tracer: trace.Tracer | None =
                 "scheduler at %s not reachable yet; requests get 503 until it is", settings.scheduler_address
             )
         runner = RequestRunner(settings, backends, hub, tracer)
+        if runner.tenants is not None:
+            undo.callback(runner.tenants.close)
         if runner.limiter is not None:
             undo.push_async_callback(runner.limiter.close)
         keys = ApiKeys(settings.api_keys, runner.tenants)  # the tenants file's keys are accepted too
@@ -111,7 +117,7 @@ async def start_gateway(settings: GatewaySettings, tracer: trace.Tracer | None =
         http_port = http.addresses[0][1]
         undo.pop_all()
     logger.info("gateway %s: HTTP on %d, gRPC on %d", settings.gateway_id, http_port, grpc_server.port)
-    return GatewayServer(settings, backends, hub, grpc_server, http, http_port, health, runner.limiter)
+    return GatewayServer(settings, backends, hub, grpc_server, http, http_port, health, runner.limiter, runner.tenants)
 
 
 async def serve(settings: GatewaySettings) -> None:
@@ -127,6 +133,8 @@ async def serve(settings: GatewaySettings) -> None:
             await gateway.hub.stop()
             if gateway.limiter is not None:
                 await gateway.limiter.close()
+            if gateway.tenants is not None:
+                await asyncio.to_thread(gateway.tenants.close)
             await gateway.backends.close()
     finally:
         await asyncio.to_thread(tracing.shutdown)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import secrets
 from typing import Annotated, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 
@@ -68,6 +68,9 @@ class GatewaySettings(BaseSettings):
     # YAML file of tenants (gateway/tenants.py): each API key's tenant, weight and priority class, keys stored
     # as sha256 digests, re-read when it changes. Empty: one default tenant, and SHARDLINE_API_KEYS alone.
     tenants_file: str = ""
+    # Or a Redis key on SHARDLINE_REDIS_URL holding the same YAML (gateway/tenants_redis.py), shared by every
+    # gateway and polled for changes; not both.
+    tenants_redis_key: str = ""
     # Lease of a tenant's concurrency slot in Redis: the gateway running the request renews it, so the
     # slots of a gateway that died free themselves this long after it.
     rate_limit_lease_s: float = Field(30.0, gt=0)
@@ -78,3 +81,11 @@ class GatewaySettings(BaseSettings):
         if isinstance(value, str):
             return [key.strip() for key in value.split(",") if key.strip()]
         return value
+
+    @model_validator(mode="after")
+    def _one_tenants_source(self) -> GatewaySettings:
+        if self.tenants_file and self.tenants_redis_key:
+            raise ValueError("tenants_file and tenants_redis_key: give one source of tenants, not both")
+        if self.tenants_redis_key and not self.redis_url:
+            raise ValueError("tenants_redis_key needs redis_url, the Redis that holds the key")
+        return self

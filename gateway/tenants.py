@@ -187,6 +187,9 @@ class TenantDirectory:
             self._reload_if_changed()
         return self._table
 
+    def close(self) -> None:
+        """Nothing to release for a file (the Redis source stops its thread)."""
+
     def knows(self, digest: str) -> bool:
         """Whether a key, by its digest, belongs to a tenant."""
         return digest in self.table().by_digest
