@@ -142,6 +142,15 @@ def test_killed_rank_makes_the_worker_exit_nonzero(tp_worker):
     assert _gone(children)
 
 
+def _cmdline(process: psutil.Process) -> str:
+    """A child's command line; empty for one that exited meanwhile (a short-lived helper, not yet
+    reaped, is a zombie whose command line psutil refuses to read)."""
+    try:
+        return " ".join(process.cmdline())
+    except (psutil.ZombieProcess, psutil.NoSuchProcess):
+        return ""
+
+
 def test_sigterm_during_the_model_load_exits_at_once_with_its_ranks(tmp_path):
     # The default model at TP=3 takes its ranks many seconds to load on this machine: stop it half-way.
     scheduler = SchedulerStandIn()
@@ -151,11 +160,7 @@ def test_sigterm_during_the_model_load_exits_at_once_with_its_ranks(tmp_path):
     try:
         deadline = time.monotonic() + 60
         while not (
-            ranks := [
-                p
-                for p in psutil.Process(proc.proc.pid).children(recursive=True)
-                if "spawn_main" in " ".join(p.cmdline())
-            ]
+            ranks := [p for p in psutil.Process(proc.proc.pid).children(recursive=True) if "spawn_main" in _cmdline(p)]
         ):
             assert time.monotonic() < deadline and proc.proc.poll() is None, proc.log()
             time.sleep(0.05)
