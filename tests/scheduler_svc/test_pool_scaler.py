@@ -38,6 +38,16 @@ async def _until(c, predicate, what: str, timeout_s: float = 15.0) -> scheduler_
     return latest[0]
 
 
+async def _two_requests_on_two_workers(c, gateway, max_tokens: int) -> dict[str, str]:
+    """Workers w0 and w1, requests "a" (seed 3) and "b" (seed 4) streaming: where each one runs."""
+    for worker_id in ("w0", "w1"):
+        await c.worker(worker_id, max_num_seqs=4, tick_s=0.02)
+    await c.submit("a", max_tokens=max_tokens, seed=3, prompt=[5, 6])
+    await c.submit("b", max_tokens=max_tokens, seed=4, prompt=[7, 8])
+    await eventually(lambda: len(gateway.tokens("a")) > 5 and len(gateway.tokens("b")) > 5, what="tokens")
+    return {rid: (await c.info(rid)).worker_id for rid in ("a", "b")}
+
+
 @run_async
 async def test_load_asks_for_workers_and_its_end_drains_and_retires_them(redis_url: str) -> None:
     async with cluster(redis_url, autoscale_max_workers=3, **SCALING) as c:
@@ -71,13 +81,8 @@ async def test_load_asks_for_workers_and_its_end_drains_and_retires_them(redis_u
 async def test_a_drain_past_its_timeout_moves_the_requests_with_their_tokens(redis_url: str) -> None:
     async with cluster(redis_url, autoscale_max_workers=2, autoscale_drain_timeout_s=0.3, **SCALING) as c:
         gateway = await c.gateway("gw-1")
-        for worker_id in ("w0", "w1"):
-            await c.worker(worker_id, max_num_seqs=4, tick_s=0.02)
-        await c.submit("a", max_tokens=150, seed=3, prompt=[5, 6])
-        await c.submit("b", max_tokens=150, seed=4, prompt=[7, 8])
         # Two requests on eight slots: one worker is enough, and the one drained holds a request.
-        await eventually(lambda: len(gateway.tokens("a")) > 5 and len(gateway.tokens("b")) > 5, what="tokens")
-        placed = {rid: (await c.info(rid)).worker_id for rid in ("a", "b")}
+        placed = await _two_requests_on_two_workers(c, gateway, max_tokens=150)
         assert set(placed.values()) == {"w0", "w1"}, placed  # the router spread them
         scale = await _until(c, lambda s: len(s.retired) == 1, "a worker retired past its drain timeout")
         [gone] = scale.retired
@@ -96,12 +101,7 @@ async def test_a_drained_worker_is_retired_when_its_last_request_ends_not_at_the
     settings = {**SCALING, "autoscale_interval_s": 1.5, "autoscale_scale_down_window_s": 0.0}
     async with cluster(redis_url, autoscale_max_workers=2, **settings) as c:
         gateway = await c.gateway("gw-1")
-        for worker_id in ("w0", "w1"):
-            await c.worker(worker_id, max_num_seqs=4, tick_s=0.02)
-        await c.submit("a", max_tokens=250, seed=3, prompt=[5, 6])
-        await c.submit("b", max_tokens=250, seed=4, prompt=[7, 8])
-        await eventually(lambda: len(gateway.tokens("a")) > 5 and len(gateway.tokens("b")) > 5, what="tokens")
-        placed = {rid: (await c.info(rid)).worker_id for rid in ("a", "b")}
+        placed = await _two_requests_on_two_workers(c, gateway, max_tokens=250)
         await _until(c, lambda s: s.draining == 1, "a drain with a request in flight")
         listed = await c.stub.ListWorkers(scheduler_pb2.ListWorkersRequest())
         [drained] = [w.worker.worker_id for w in listed.workers if w.draining]
