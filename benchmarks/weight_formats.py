@@ -44,7 +44,7 @@ def weight_bytes_per_step(engine: LLMEngine, fmt: str) -> int:
         m.quant for m in engine.runner._shard.model.modules() if isinstance(getattr(m, "quant", None), GGUFWeight)
     ]
     in_blocks = sum(b.in_features * b.out_features for b in blocks)
-    return sum(b.blocks.numel() for b in blocks) + 4 * (linear_weights(engine.model_config) - in_blocks)
+    return sum(b.panels.numel() for b in blocks) + 4 * (linear_weights(engine.model_config) - in_blocks)
 
 
 def main(argv: list[str] | None = None) -> int:

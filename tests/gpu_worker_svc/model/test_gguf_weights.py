@@ -48,7 +48,7 @@ def test_each_layer_holds_the_blocks_of_exactly_its_fp32_weights(gguf_path, rank
             continue
         quant = module.quant
         assert isinstance(quant, GGUFWeight) and quant.qtype == GGMLQuantizationType[gguf_path.suffixes[0][1:]]
-        rows = dequantize(quant.blocks.numpy(), quant.qtype, tuple(fp32[name].shape))
+        rows = dequantize(quant.file_blocks().numpy(), quant.qtype, tuple(fp32[name].shape))
         assert torch.equal(torch.from_numpy(rows), fp32[name]), name
     tied = model.config.tie_word_embeddings
     assert model.model.layers[1].mlp.down_proj.weight is None

@@ -1,5 +1,6 @@
-// The GGUF dot products with AVX2 + FMA + F16C: one block of 32 a step, as llama.cpp's
-// ggml_vec_dot_q4_1_q8_1 and its siblings do, for up to four activation rows at once.
+// The GGUF dot products with AVX2 + FMA + F16C: a panel's 16 rows as two vectors of 8 lanes
+// (gguf_dot.h), u8 x s8 pairs into int16 by vpmaddubsw and into int32 by vpmaddwd, as llama.cpp's
+// AVX2 kernels do.
 #pragma GCC target("avx2,fma,f16c")
 #include <immintrin.h>
 
@@ -8,95 +9,107 @@
 namespace shardline_gguf {
 namespace {
 
-inline float half(const uint8_t* p) {
-  uint16_t h;
-  __builtin_memcpy(&h, p, sizeof h);
-  return _cvtsh_ss(h);
+inline __m256i load256(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
+inline __m256 halves(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+
+// Four activation codes, the same in every lane.
+inline __m256i four(const int8_t* q) {
+  int32_t v;
+  __builtin_memcpy(&v, q, sizeof v);
+  return _mm256_set1_epi32(v);
 }
 
-// 16 bytes of nibbles as 32 bytes in block order: low nibbles (elements 0..15) in the low lane,
-// high nibbles (16..31) in the high lane, so they line up with the activation's 32 codes.
-inline __m256i nibbles(const uint8_t* p) {
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  const __m256i both = _mm256_set_m128i(_mm_srli_epi16(raw, 4), raw);
-  return _mm256_and_si256(both, _mm256_set1_epi8(0x0f));
-}
-
-// Eight int32 partial sums of u8 x s8 products. vpmaddubsw adds adjacent pairs into int16 with
-// saturation; the codes here keep a pair under 2 * 15 * 127 (Q4_1) or 2 * 128 * 127 (|w| times x, see dot_rows),
-// so it never saturates, and vpmaddwd then adds pairs of those into int32 exactly.
-inline __m256i sum_u8_s8(__m256i u, __m256i s) {
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
-}
-
-// A fixed tree over the eight lanes, so a dot product rounds alike wherever it is computed.
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
-inline __m256i codes(const int8_t* q) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)); }
+// One half's eight four-element groups: group e meets activation codes 4e .. 4e + 3. Q4: the
+// nibbles, 0..15; Q8_0: the signed codes, whose sign vpsignb moves onto the activation's.
+struct Weights {
+  __m256i w[8];
+};
 
 template <QType T>
-constexpr int64_t BLOCK_BYTES = T == Q4_0 ? 18 : T == Q4_1 ? 20 : 34;
-
-// Dot products of one weight row with R activation rows i..i+R-1, into out[0..R). Each block's
-// weights are unpacked once for all R rows (a batch's rows share them), and each row's
-// accumulation is the same sequence of operations whatever R is: a row's result has the same bits
-// alone (R = 1) as in a group of four. mins uses an explicit fma, so no compiler contraction choice
-// can differ between the two.
-template <QType T, int R>
-void dot_rows(const uint8_t* w, const Tile& t, int64_t i, float* out) {
-  const int64_t blocks = t.x.blocks;
-  // One pointer per array, advanced a block at a time, and each row at a fixed stride from it:
-  // a pointer per row and array would not fit in the registers, and the loop would spill them.
-  const int64_t code_stride = blocks * QK;
-  const int8_t* q = t.x.codes + i * code_stride;
-  const float* d = t.x.d + i * blocks;
-  const float* s = t.x.s + i * blocks;
-  __m256 acc[R];
-  float mins[R];
-  for (int r = 0; r < R; ++r) {
-    acc[r] = _mm256_setzero_ps();
-    mins[r] = 0.0f;
-  }
-  for (int64_t b = 0; b < blocks; ++b, w += BLOCK_BYTES<T>, q += QK, ++d, ++s) {
-    const float dw = half(w);
-    __m256i wq;
-    if constexpr (T == Q4_0) wq = _mm256_sub_epi8(nibbles(w + 2), _mm256_set1_epi8(8));
-    if constexpr (T == Q4_1) wq = nibbles(w + 4);
-    if constexpr (T == Q8_0) wq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 2));
-    // Signed weights: vpmaddubsw wants one unsigned operand, so |w| here and w's sign on x below.
-    const __m256i unsigned_w = T == Q4_1 ? wq : _mm256_sign_epi8(wq, wq);
-    const float dm = T == Q4_1 ? half(w + 2) : 0.0f;
-    for (int r = 0; r < R; ++r) {
-      const __m256i x = codes(q + r * code_stride);
-      const __m256i sum = sum_u8_s8(unsigned_w, T == Q4_1 ? x : _mm256_sign_epi8(x, wq));
-      acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dw * d[r * blocks]), _mm256_cvtepi32_ps(sum), acc[r]);
-      if constexpr (T == Q4_1) mins[r] = __builtin_fmaf(dm, s[r * blocks], mins[r]);
+inline void unpack(const uint8_t* codes, Weights& u) {
+  if constexpr (T == Q8_0) {
+    for (int e = 0; e < 8; ++e) u.w[e] = load256(codes + 64 * e);
+  } else {
+    const __m256i low = _mm256_set1_epi8(0x0f);
+    for (int c = 0; c < 4; ++c) {
+      const __m256i raw = load256(codes + 64 * c);
+      u.w[c] = _mm256_and_si256(raw, low);
+      u.w[4 + c] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
     }
   }
-  for (int r = 0; r < R; ++r) out[r] = hsum(acc[r]) + mins[r];
 }
 
-// Rows four at a time, then one at a time: the same bits either way (see dot_rows).
+// The exact integer block sums of 8 rows against one activation block q.
 template <QType T>
-void tile(const Tile& t) {
+inline __m256i block_sums(const Weights& u, const int8_t* q, int32_t code_sum) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  if constexpr (T == Q8_0) {
+    // |w| x (+-x) pairs reach 2 * 128 * 127 in int16: taken into int32 group by group.
+    __m256i sum = _mm256_setzero_si256();
+    for (int e = 0; e < 8; ++e) {
+      const __m256i x = four(q + 4 * e);
+      const __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(u.w[e], u.w[e]), _mm256_sign_epi8(x, u.w[e]));
+      sum = _mm256_add_epi32(sum, _mm256_madd_epi16(pairs, ones));
+    }
+    return sum;
+  }
+  // Nibbles: all 16 products an int16 lane gathers stay under 16 * 15 * 127 < 32768.
+  __m256i pairs = _mm256_maddubs_epi16(u.w[0], four(q));
+  for (int e = 1; e < 8; ++e) pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(u.w[e], four(q + 4 * e)));
+  const __m256i sum = _mm256_madd_epi16(pairs, ones);
+  return T == Q4_0 ? _mm256_sub_epi32(sum, _mm256_set1_epi32(8 * code_sum)) : sum;
+}
+
+// Activation rows i .. i + R - 1 against lanes 8h .. 8h + 7 of one panel group. A row's operations
+// are the same whatever R, so its bits are too.
+template <QType T, int R>
+void rows_of_half(const uint8_t* group, const Tile& t, int64_t i, int64_t g, int h) {
+  const int64_t blocks = t.x.blocks, stride = blocks * QK;
+  const int8_t* q = t.x.codes + i * stride;
+  const float* d = t.x.d + i * blocks;
+  const float* s = t.x.s + i * blocks;
+  const int32_t* sums = t.x.sums + i * blocks;
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  Weights u;
+  for (int64_t b = 0; b < blocks; ++b, group += panel_bytes(T), q += QK) {
+    unpack<T>(group + codes_offset(T) + 32 * h, u);
+    const __m256 dw = halves(group + 16 * h);
+    const __m256 mw = T == Q4_1 ? halves(group + 32 + 16 * h) : dw;
+    for (int r = 0; r < R; ++r) {
+      const int64_t at = r * blocks + b;
+      const __m256i sum = block_sums<T>(u, q + r * stride, sums[at]);
+      acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(d[at])), _mm256_cvtepi32_ps(sum), acc[r]);
+      if constexpr (T == Q4_1) acc[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(s[at]), acc[r]);
+    }
+  }
+  const int64_t first = g * LANES + 8 * h, lanes = t.out_features - first;
+  for (int r = 0; r < R; ++r) {
+    float* out = t.y + (i + r) * t.ldy + first;
+    if (lanes >= 8) {
+      _mm256_storeu_ps(out, acc[r]);
+    } else {
+      float kept[8];
+      _mm256_storeu_ps(kept, acc[r]);
+      for (int64_t k = 0; k < lanes; ++k) out[k] = kept[k];
+    }
+  }
+}
+
+constexpr int MAX_ROWS = 3;  // rows a half's unpacked weights serve at once, within 16 registers
+
+template <QType T>
+void tile_of(const Tile& t) {
+  const int64_t bytes = t.x.blocks * panel_bytes(T);
   for (int64_t i0 = 0; i0 < t.rows; i0 += ROW_TILE) {
     const int64_t i1 = i0 + ROW_TILE < t.rows ? i0 + ROW_TILE : t.rows;
-    for (int64_t n = t.n0; n < t.n1; ++n) {
-      const uint8_t* w = t.weight + n * t.weight_row_bytes;
-      float out[4];
-      int64_t i = i0;
-      for (; i + 4 <= i1; i += 4) {
-        dot_rows<T, 4>(w, t, i, out);
-        for (int r = 0; r < 4; ++r) t.y[(i + r) * t.ldy + n] = out[r];
-      }
-      for (; i < i1; ++i) {
-        dot_rows<T, 1>(w, t, i, out);
-        t.y[i * t.ldy + n] = out[0];
+    for (int64_t g = t.g0; g < t.g1; ++g) {
+      const uint8_t* group = t.panels + g * bytes;
+      for (int h = 0; h < 2 && g * LANES + 8 * h < t.out_features; ++h) {
+        int64_t i = i0;
+        for (; i + MAX_ROWS <= i1; i += MAX_ROWS) rows_of_half<T, MAX_ROWS>(group, t, i, g, h);
+        if (i1 - i == 2) rows_of_half<T, 2>(group, t, i, g, h);
+        if (i1 - i == 1) rows_of_half<T, 1>(group, t, i, g, h);
       }
     }
   }
@@ -106,11 +119,11 @@ void tile(const Tile& t) {
 
 void tile_avx2(const Tile& t) {
   if (t.type == Q4_0) {
-    tile<Q4_0>(t);
+    tile_of<Q4_0>(t);
   } else if (t.type == Q4_1) {
-    tile<Q4_1>(t);
+    tile_of<Q4_1>(t);
   } else {
-    tile<Q8_0>(t);
+    tile_of<Q8_0>(t);
   }
 }
 

@@ -9,7 +9,7 @@
 namespace shardline_gguf {
 namespace {
 
-inline __m512i sum_u8_s8_512(__m512i u, __m512i s) { return _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, s); }
+constexpr bool VNNI = true;
 
 }  // namespace
 

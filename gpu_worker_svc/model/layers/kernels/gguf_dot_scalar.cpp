@@ -1,5 +1,6 @@
-// The GGUF dot products in plain C++: the fallback for a CPU without AVX2, and the reference the
-// SIMD kernels are tested against (same integer block sums; only the fp32 summation order differs).
+// The GGUF dot products in plain C++: the fallback for a CPU without AVX2, and the plainest
+// statement of the arithmetic every build follows lane for lane (gguf_dot.h), so the SIMD builds
+// are tested against it bit for bit.
 #include "gguf_dot.h"
 
 namespace shardline_gguf {
@@ -30,58 +31,44 @@ float half_to_float(const uint8_t* p) {
   return f;
 }
 
-float dot_q4_0(const uint8_t* w, const int8_t* q, const float* d, int64_t blocks) {
-  float acc = 0.0f;
-  for (int64_t b = 0; b < blocks; ++b, w += 18, q += QK) {
-    int32_t sum = 0;
-    for (int j = 0; j < 16; ++j) sum += ((w[2 + j] & 0x0f) - 8) * q[j] + ((w[2 + j] >> 4) - 8) * q[j + 16];
-    acc += half_to_float(w) * d[b] * static_cast<float>(sum);
+// Lane k's exact integer block sum against one activation block's codes q.
+int32_t block_sum(QType type, const uint8_t* codes, int64_t k, const int8_t* q) {
+  int32_t sum = 0;
+  if (type == Q8_0) {
+    for (int c = 0; c < 8; ++c)
+      for (int j = 0; j < 4; ++j) sum += static_cast<int8_t>(codes[64 * c + 4 * k + j]) * q[4 * c + j];
+    return sum;
   }
-  return acc;
-}
-
-float dot_q4_1(const uint8_t* w, const int8_t* q, const float* d, const float* s, int64_t blocks) {
-  float acc = 0.0f, mins = 0.0f;
-  for (int64_t b = 0; b < blocks; ++b, w += 20, q += QK) {
-    int32_t sum = 0;
-    for (int j = 0; j < 16; ++j) sum += (w[4 + j] & 0x0f) * q[j] + (w[4 + j] >> 4) * q[j + 16];
-    acc += half_to_float(w) * d[b] * static_cast<float>(sum);
-    mins += half_to_float(w + 2) * s[b];
+  const int zero = type == Q4_0 ? 8 : 0;
+  for (int c = 0; c < 4; ++c) {
+    for (int j = 0; j < 4; ++j) {
+      const uint8_t byte = codes[64 * c + 4 * k + j];
+      sum += ((byte & 0x0f) - zero) * q[4 * c + j] + ((byte >> 4) - zero) * q[16 + 4 * c + j];
+    }
   }
-  return acc + mins;
-}
-
-float dot_q8_0(const uint8_t* w, const int8_t* q, const float* d, int64_t blocks) {
-  float acc = 0.0f;
-  for (int64_t b = 0; b < blocks; ++b, w += 34, q += QK) {
-    int32_t sum = 0;
-    const int8_t* wq = reinterpret_cast<const int8_t*>(w + 2);
-    for (int j = 0; j < 32; ++j) sum += wq[j] * q[j];
-    acc += half_to_float(w) * d[b] * static_cast<float>(sum);
-  }
-  return acc;
+  return sum;
 }
 
 }  // namespace
 
 void tile_scalar(const Tile& t) {
-  for (int64_t i0 = 0; i0 < t.rows; i0 += ROW_TILE) {
-    const int64_t i1 = i0 + ROW_TILE < t.rows ? i0 + ROW_TILE : t.rows;
-    for (int64_t n = t.n0; n < t.n1; ++n) {
-      const uint8_t* w = t.weight + n * t.weight_row_bytes;
-      for (int64_t i = i0; i < i1; ++i) {
-        const int8_t* q = t.x.codes + i * t.x.blocks * QK;
-        const float* d = t.x.d + i * t.x.blocks;
-        float v;
-        if (t.type == Q4_0) {
-          v = dot_q4_0(w, q, d, t.x.blocks);
-        } else if (t.type == Q4_1) {
-          v = dot_q4_1(w, q, d, t.x.s + i * t.x.blocks, t.x.blocks);
-        } else {
-          v = dot_q8_0(w, q, d, t.x.blocks);
+  const int64_t bytes = panel_bytes(t.type), blocks = t.x.blocks;
+  for (int64_t i = 0; i < t.rows; ++i) {
+    const int8_t* q = t.x.codes + i * blocks * QK;
+    const float* d = t.x.d + i * blocks;
+    const float* s = t.x.s + i * blocks;
+    for (int64_t g = t.g0; g < t.g1; ++g) {
+      float acc[LANES] = {};
+      const uint8_t* panel = t.panels + g * blocks * bytes;
+      for (int64_t b = 0; b < blocks; ++b, panel += bytes) {
+        const uint8_t* codes = panel + codes_offset(t.type);
+        for (int64_t k = 0; k < LANES; ++k) {
+          const float scale = half_to_float(panel + 2 * k) * d[b];
+          acc[k] = __builtin_fmaf(scale, static_cast<float>(block_sum(t.type, codes, k, q + b * QK)), acc[k]);
+          if (t.type == Q4_1) acc[k] = __builtin_fmaf(half_to_float(panel + 32 + 2 * k), s[b], acc[k]);
         }
-        t.y[i * t.ldy + n] = v;
       }
+      for (int64_t k = 0; k < LANES && g * LANES + k < t.out_features; ++k) t.y[i * t.ldy + g * LANES + k] = acc[k];
     }
   }
 }

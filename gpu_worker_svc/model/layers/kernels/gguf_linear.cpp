@@ -1,11 +1,15 @@
-// y = x W^T with W in GGUF's own Q4_0, Q4_1 or Q8_0 blocks, on CPU (the layer: layers/gguf.py).
+// y = x W^T with W in GGUF's own Q4_0, Q4_1 or Q8_0 blocks, interleaved into panels of 16 rows
+// (gguf_dot.h), on CPU (the layer: layers/gguf.py).
 //
 // A batch-1 decode step is bound by the bytes of weight it reads: 4.5 to 8.5 bits a weight here,
 // against 32 for fp32. As llama.cpp does, each activation row is quantized to int8 blocks of 32,
-// so that a block's dot product is integer and exact, and only the sum over blocks is fp32.
+// so that a block's dot product is integer and exact, and only the sum over blocks is fp32. A
+// batch's rows share each block's unpacked weights, so a decode step of 16 or 64 rows, and a
+// prefill, are compute-bound on integer products of four (VNNI) rather than on the weights' bytes.
 //
 // A row's result depends on that row alone: its own quantization, and a sum over blocks in a fixed
-// order, whatever the batch, the thread count or the tiling. The engine's determinism rests on it.
+// order, whatever the batch, the thread count, the tiling or the instruction set. The engine's
+// determinism rests on it.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -45,19 +49,16 @@ const Isa& pick(const std::string& name) {
   TORCH_CHECK(false, "gguf_linear: no kernels named ", name);
 }
 
-int64_t block_bytes(int64_t type) {
-  switch (type) {
-    case Q4_0: return 18;
-    case Q4_1: return 20;
-    case Q8_0: return 34;
-  }
-  TORCH_CHECK(false, "gguf_linear: ggml type ", type, " is not Q4_0 (2), Q4_1 (3) or Q8_0 (8)");
+QType checked_type(int64_t type) {
+  TORCH_CHECK(type == Q4_0 || type == Q4_1 || type == Q8_0, "gguf_linear: ggml type ", type,
+              " is not Q4_0 (2), Q4_1 (3) or Q8_0 (8)");
+  return static_cast<QType>(type);
 }
 
 // One row's Q8 blocks: d = absmax / 127, codes = round-half-even(x / d) in [-127, 127], and
-// s = d * sum(codes). The same arithmetic in the same order for every row, so codes are the bits
+// sum = the codes' sum, s = d * sum. The same arithmetic in the same order for every row, so codes are the bits
 // any other caller of this function gets (the tests' reference reads them from gguf_quantize_rows).
-void quantize_row(const float* x, int64_t blocks, int8_t* codes, float* d, float* s) {
+void quantize_row(const float* x, int64_t blocks, int8_t* codes, float* d, float* s, int32_t* sums) {
   for (int64_t b = 0; b < blocks; ++b, x += QK, codes += QK) {
     float absmax = 0.0f;
     for (int64_t j = 0; j < QK; ++j) absmax = std::fmax(absmax, std::fabs(x[j]));
@@ -70,11 +71,12 @@ void quantize_row(const float* x, int64_t blocks, int8_t* codes, float* d, float
     }
     d[b] = scale;
     s[b] = scale * static_cast<float>(sum);
+    sums[b] = sum;
   }
 }
 
 struct Quantized {
-  at::Tensor codes, d, s;
+  at::Tensor codes, d, s, sums;
 };
 
 Quantized quantize_rows(const at::Tensor& x) {
@@ -83,35 +85,42 @@ Quantized quantize_rows(const at::Tensor& x) {
   TORCH_CHECK(x.size(1) % QK == 0, "gguf_linear: in_features must be a multiple of 32");
   const int64_t rows = x.size(0), blocks = x.size(1) / QK;
   Quantized q{at::empty({rows, blocks * QK}, x.options().dtype(at::kChar)), at::empty({rows, blocks}, x.options()),
-              at::empty({rows, blocks}, x.options())};
+              at::empty({rows, blocks}, x.options()), at::empty({rows, blocks}, x.options().dtype(at::kInt))};
   const float* xp = x.data_ptr<float>();
   int8_t* cp = q.codes.data_ptr<int8_t>();
   float *dp = q.d.data_ptr<float>(), *sp = q.s.data_ptr<float>();
+  int32_t* sums = q.sums.data_ptr<int32_t>();
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i)
-      quantize_row(xp + i * blocks * QK, blocks, cp + i * blocks * QK, dp + i * blocks, sp + i * blocks);
+      quantize_row(xp + i * blocks * QK, blocks, cp + i * blocks * QK, dp + i * blocks, sp + i * blocks,
+                   sums + i * blocks);
   });
   return q;
 }
 
-at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& weight, int64_t type, const std::string& isa) {
+// panels: uint8 [ceil(out_features / 16), blocks * panel bytes], as layers/gguf.py lays them out.
+at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& panels, int64_t type, int64_t out_features,
+                       const std::string& isa) {
   const Isa& kernels = pick(isa);
-  const int64_t bytes = block_bytes(type);
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kByte && weight.is_contiguous(),
-              "gguf_linear: weight must be contiguous uint8 rows of blocks");
+  const QType qtype = checked_type(type);
+  TORCH_CHECK(panels.dim() == 2 && panels.scalar_type() == at::kByte && panels.is_contiguous(),
+              "gguf_linear: weight must be contiguous uint8 panels");
   const Quantized q = quantize_rows(x);
-  const int64_t rows = x.size(0), n = weight.size(0), blocks = x.size(1) / QK;
-  TORCH_CHECK(weight.size(1) == blocks * bytes, "gguf_linear: a weight row holds ", weight.size(1),
-              " bytes, but ", x.size(1), " inputs need ", blocks * bytes);
-  at::Tensor y = at::empty({rows, n}, x.options());
-  Tile tile{static_cast<QType>(type), weight.data_ptr<uint8_t>(), weight.size(1), 0, 0,
-            Q8Rows{q.codes.data_ptr<int8_t>(), q.d.data_ptr<float>(), q.s.data_ptr<float>(), blocks}, rows,
-            y.data_ptr<float>(), n};
-  // Threads split the output features: each streams its own part of the weight once per step.
-  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+  const int64_t rows = x.size(0), groups = panels.size(0), blocks = x.size(1) / QK;
+  TORCH_CHECK(groups == (out_features + LANES - 1) / LANES, "gguf_linear: ", groups, " panels of 16 rows cannot hold ",
+              out_features, " output features");
+  TORCH_CHECK(panels.size(1) == blocks * panel_bytes(qtype), "gguf_linear: a panel row holds ", panels.size(1),
+              " bytes, but ", x.size(1), " inputs need ", blocks * panel_bytes(qtype));
+  at::Tensor y = at::empty({rows, out_features}, x.options());
+  Tile tile{qtype, panels.data_ptr<uint8_t>(), 0, 0, out_features,
+            Q8Rows{q.codes.data_ptr<int8_t>(), q.d.data_ptr<float>(), q.s.data_ptr<float>(),
+                   q.sums.data_ptr<int32_t>(), blocks},
+            rows, y.data_ptr<float>(), out_features};
+  // Threads split the panels: each streams its own part of the weight once per row tile.
+  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
     Tile part = tile;
-    part.n0 = begin;
-    part.n1 = end;
+    part.g0 = begin;
+    part.g1 = end;
     kernels.tile(part);
   });
   return y;
@@ -133,7 +142,7 @@ std::vector<std::string> gguf_kernels() {
 }  // namespace shardline_gguf
 
 TORCH_LIBRARY_FRAGMENT(shardline_cpu, m) {
-  m.def("gguf_linear(Tensor x, Tensor weight, int type, str isa=\"\") -> Tensor");
+  m.def("gguf_linear(Tensor x, Tensor panels, int type, int out_features, str isa=\"\") -> Tensor");
   m.impl("gguf_linear", c10::DispatchKey::CPU, &shardline_gguf::gguf_linear);
   m.def("gguf_quantize_rows(Tensor x) -> (Tensor, Tensor, Tensor)");
   m.impl("gguf_quantize_rows", c10::DispatchKey::CPU, &shardline_gguf::gguf_quantize_rows);
