@@ -1,7 +1,11 @@
 """What batch-invariant attention costs (`--batch-invariant`, gpu_worker_svc/model/layers/invariant_attention.py).
 
-Two engines on the same model and weight format, one with torch's fused attention and one with the
-invariant kernel, alternate rounds on fresh random prompts (ignore_eos, greedy), so the machine's
+Where the CPU decode kernel takes every query (float32 KV, head_dim a multiple of 16), the flag adds
+only rank-ordered tensor-parallel sums and start-up checks; elsewhere it swaps torch's attention for
+invariant_attention.
+
+Two engines on the same model and weight format, one without the flag and one with it, alternate
+rounds on fresh random prompts (ignore_eos, greedy), so the machine's
 drift moves both sides of each round's ratio alike; medians and ranges are reported.
 
     python -m benchmarks.batch_invariance --quantization int8
@@ -24,7 +28,7 @@ from gpu_worker_svc.model.layers.quantize import CPU_WEIGHT_FORMATS
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="HF folder, .gguf, or dummy:<shape>; default: the default model")
-    ap.add_argument("--quantization", default=None, choices=CPU_WEIGHT_FORMATS)
+    ap.add_argument("--quantization", default="auto", choices=CPU_WEIGHT_FORMATS)
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
@@ -71,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         for engine in engines.values():
             engine.shutdown()
     print(
-        f"\nmodel={args.model or 'default'} quantization={args.quantization or 'none'} "
+        f"\nmodel={args.model or 'default'} quantization={args.quantization} "
         f"in={args.input_len} out={args.output_len}, medians of {args.rounds} alternating rounds"
     )
     print(f"{'conc':>5} {'fused tok/s':>12} {'invariant tok/s':>16} {'ratio':>7} {'range':>11}")

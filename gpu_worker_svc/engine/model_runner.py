@@ -135,9 +135,13 @@ class ShardWorker:
         if self.batch_invariant:
             _check_batch_invariance(config, self.dtype)
         self.model = load_model(config.model, self.tp, self.dtype, self.device, config.max_model_len)
-        if self.batch_invariant:  # with this rank's own attention shapes, and the model's hidden size
-            attn = self.model.model.layers[0].self_attn.attn
+        # Where the decode kernel takes every query (CPU, float32), each query's result is already
+        # its own, bit for bit: batch-invariant attention is the kernel, with the step's usual layout.
+        attn = self.model.model.layers[0].self_attn.attn
+        self.invariant_layout = self.batch_invariant and not attn.kernel_takes_every_query(self.device, self.dtype)
+        if self.invariant_layout:  # with this rank's own attention shapes
             check_invariant_attention((attn.num_heads, attn.num_kv_heads, attn.head_dim))
+        if self.batch_invariant:  # the model's hidden size
             self.model.model.norm.check_paths_agree()
         if config.quantization is not None and self.device != "cpu":
             raise ValueError(f"quantization {config.quantization} uses CPU kernels: give device cpu")
@@ -177,12 +181,12 @@ class ShardWorker:
         # Staged only when all decodes (which never ask for prompt logits): a prefill chunk's mask can
         # be megabytes, best made on the device.
         if self.staging is None or batch.token_ids.numel() != batch.num_new.numel() or batch.prompt_logits is not None:
-            positions, meta = build_step(batch, self.block_size, self.device, self.batch_invariant)
+            positions, meta = build_step(batch, self.block_size, self.device, self.invariant_layout)
             prompt_rows = batch.prompt_logit_rows().to(self.device) if batch.prompt_logits is not None else None
             dev = self.device
             return StepInputs(batch.token_ids.to(dev), positions, meta, batch.logit_rows().to(dev), prompt_rows)
         # Built on the host (a CUDA graph takes the decodes as one group), then moved at once.
-        positions, meta = build_step(batch, self.block_size, "cpu", self.batch_invariant, group_decodes=False)
+        positions, meta = build_step(batch, self.block_size, "cpu", self.invariant_layout, group_decodes=False)
         fields = meta.tensors()
         moved = self.staging.to_device([batch.token_ids, positions, batch.logit_rows(), *(t for _, t in fields)])
         meta.replace_tensors([(key, t) for (key, _), t in zip(fields, moved[3:])])

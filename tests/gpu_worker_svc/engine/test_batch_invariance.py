@@ -1,7 +1,7 @@
-"""`RunnerConfig.batch_invariant` in int8, the mode whose rounding made it matter: a request's tokens
-and logprobs are bitwise the same alone or batched, chunked, preempted, from the prefix cache or
-not, and when resumed from a prefix of its own output (as the scheduler resumes a request whose
-worker died). Without it (measured, int8, 10 such requests of 30 tokens), no request had the
+"""Batch invariance in int8, the mode whose rounding made it matter: a request's tokens and logprobs
+are bitwise the same alone or batched, chunked, preempted, from the prefix cache or not, and when
+resumed from a prefix of its own output (as the scheduler resumes a request whose worker died).
+With torch's SDPA for prefills (measured, int8, 10 such requests of 30 tokens), no request had the
 same logprobs alone as batched, and 5 of 10 resumes went on with other tokens."""
 
 from __future__ import annotations
@@ -15,24 +15,31 @@ from gpu_worker_svc.engine.llm_engine import EngineConfig, LLMEngine
 from gpu_worker_svc.engine.model_runner import RunnerConfig
 from gpu_worker_svc.engine.ngram_proposer import SpeculativeConfig
 from gpu_worker_svc.engine.sampling_params import SamplingParams
+from gpu_worker_svc.model.layers.kernels import cpu_build
 
 pytestmark = pytest.mark.slow
 
 RESUME_AT = 7
 
 
-@pytest.fixture(scope="module")
-def engine():
+@pytest.fixture(scope="module", params=["flag", "flag, torch attention", "default"])
+def engine(request):
+    """With the flag, through the decode kernel (which takes every CPU query) or, where it cannot run,
+    invariant_attention; and without the flag: one rank's steps are then invariant all the same, as
+    the kernel attends every prefill query as its own decode."""
     # 40 blocks of 16 tokens hold about 3 of these requests at once: a batch of 10 preempts. Chunks of
     # at most 96 tokens split the longer prompts over several steps.
-    e = LLMEngine(
-        EngineConfig(
-            runner=RunnerConfig(quantization="int8", batch_invariant=True, num_blocks=40),
-            scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=96),
+    with pytest.MonkeyPatch.context() as patch:
+        if request.param.endswith("torch attention"):
+            patch.setattr(cpu_build, "paged_decode_attention", lambda: None)
+        e = LLMEngine(
+            EngineConfig(
+                runner=RunnerConfig(quantization="int8", batch_invariant=request.param != "default", num_blocks=40),
+                scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=96),
+            )
         )
-    )
-    yield e
-    e.shutdown()
+        yield e
+        e.shutdown()
 
 
 def _requests() -> list[tuple[list[int], SamplingParams]]:

@@ -100,9 +100,11 @@ def test_a_worker_checks_that_its_two_norm_paths_agree(monkeypatch):
         norm.check_paths_agree()
 
 
-def test_prefill_attention_takes_the_flash_kernel():
+def test_prefill_attention_takes_the_flash_kernel(monkeypatch):
     # Given 3-D inputs torch's CPU SDPA falls back to its unfused math path, 5-7x slower at 512
-    # tokens: a prefill chunk, fresh or after a cached prefix, must reach the flash kernel.
+    # tokens: a prefill chunk, fresh or after a cached prefix, must reach the flash kernel where
+    # the decode kernel does not take prefills (GPU, bf16; here: without the kernel).
+    monkeypatch.setattr(cpu_build, "paged_decode_attention", lambda: None)
     torch.manual_seed(0)
     heads, kv_heads, dim = 9, 3, 64
     attention = PagedAttention(heads, kv_heads, dim)
@@ -120,9 +122,10 @@ def test_prefill_attention_takes_the_flash_kernel():
         assert "aten::_scaled_dot_product_attention_math" not in ops
 
 
-def test_chunks_of_one_length_attend_in_one_call_bitwise_as_apart():
-    """A burst's prompts prefill in one SDPA call per run of equal chunks; each chunk's result is the
-    same bits as attending alone (so batching never changes a request's tokens)."""
+def test_chunks_of_one_length_attend_in_one_call_bitwise_as_apart(monkeypatch):
+    """Without the decode kernel, a burst's prompts prefill in one SDPA call per run of equal chunks;
+    each chunk's result is the same bits as attending alone (so batching never changes its tokens)."""
+    monkeypatch.setattr(cpu_build, "paged_decode_attention", lambda: None)
     torch.manual_seed(0)
     heads, kv_heads, dim = 9, 3, 64
     attention = PagedAttention(heads, kv_heads, dim)
@@ -140,3 +143,43 @@ def test_chunks_of_one_length_attend_in_one_call_bitwise_as_apart():
     for start, n in zip(starts, [40, 40, 40, 17, 17]):
         alone = attention._sdpa(q[start : start + n], k[start : start + n], v[start : start + n], None, causal=True)
         assert torch.equal(together[start : start + n], alone.flatten(1))
+
+
+@pytest.mark.skipif(cpu_build.paged_decode_attention() is None, reason="the CPU kernels cannot be built here")
+@pytest.mark.parametrize("chunks", [[50], [20, 30], [1, 33, 16]])
+def test_a_prefills_queries_are_the_bits_of_decoding_its_tokens_one_by_one(chunks):
+    """On CPU a prefill's queries go through the decode kernel: its keys, values and outputs are the
+    bits that decoding its tokens one at a time would give, however it is chunked and batched. A
+    request recomputed elsewhere (failover, preemption) then goes on with the same tokens."""
+    torch.manual_seed(0)
+    heads, kv_heads, dim = 9, 3, 64
+    attention = PagedAttention(heads, kv_heads, dim)
+    total = sum(chunks)
+    q, k, v = torch.randn(total, heads, dim), torch.randn(total, kv_heads, dim), torch.randn(total, kv_heads, dim)
+    blocks = torch.randperm(64)
+    tables = blocks[:8].view(1, 8)
+    other = blocks[8:16].view(1, 8)  # a batch-mate's: a 40-token prompt prefilled alongside
+    cache = torch.zeros(2, 64, BLOCK, kv_heads, dim)
+    prefilled, done = [], 0
+    for n in chunks:
+        batch = StepBatch(
+            torch.zeros(n + 40, dtype=torch.long),
+            torch.tensor([done, 0]),
+            torch.tensor([n, 40]),
+            torch.cat([tables, other]),
+        )
+        _, meta = build_step(batch, BLOCK)
+        mate = torch.randn(40, heads, dim), torch.randn(40, kv_heads, dim), torch.randn(40, kv_heads, dim)
+        rows = slice(done, done + n)
+        out = attention(
+            torch.cat([q[rows], mate[0]]), torch.cat([k[rows], mate[1]]), torch.cat([v[rows], mate[2]]), cache, meta
+        )
+        prefilled.append(out[:n])
+        done += n
+    prefilled = torch.cat(prefilled)
+    for position in range(total):  # each token decoded alone, over the same cache
+        batch = StepBatch(torch.zeros(1, dtype=torch.long), torch.tensor([position]), torch.tensor([1]), tables)
+        _, meta = build_step(batch, BLOCK)
+        row = slice(position, position + 1)
+        decoded = attention(q[row], k[row], v[row], cache.clone(), meta)
+        assert torch.equal(decoded[0], prefilled[position]), position
