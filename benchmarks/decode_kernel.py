@@ -29,7 +29,7 @@ SIDES = ("kernel", "torch")
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="HF folder or .gguf; default: the default model")
-    ap.add_argument("--quantization", default=None, choices=CPU_WEIGHT_FORMATS)
+    ap.add_argument("--quantization", default="auto", choices=CPU_WEIGHT_FORMATS)
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=64)
@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     print(
         f"concurrency {args.concurrency}, {args.input_len} in / {args.output_len} out, "
-        f"quantization {args.quantization or 'none'}, drafts {args.num_speculative_tokens}, {args.rounds} rounds"
+        f"quantization {args.quantization}, drafts {args.num_speculative_tokens}, {args.rounds} rounds"
     )
     for side in SIDES:
         tok_s = [run["tok_s"] for run in runs[side]]

@@ -141,9 +141,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
     ap.add_argument(
         "--quantization",
-        default=None,
+        default="auto",
         choices=CPU_WEIGHT_FORMATS,
-        help="a CPU weight format (gpu_worker_svc/model/layers/quantize.py)",
+        help="a CPU weight format (gpu_worker_svc/model/layers/quantize.py); auto: the worker's default",
     )
     ap.add_argument(
         "--num-speculative-tokens",
@@ -203,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
 
     print(
         f"\nmodel={args.model or 'default'} device={args.device} dtype={dtype_name} "
-        f"quantization={args.quantization or 'none'} "
+        f"quantization={args.quantization} "
         f"in={args.input_len} out={args.output_len}"
     )
     print(f"medians of {args.rounds} alternating rounds")

@@ -31,6 +31,7 @@ from gpu_worker_svc.model.layers.onednn import onednn_available
 from gpu_worker_svc.model.layers.quantize import pack_fp32_for_onednn, quantize_model
 from gpu_worker_svc.model.loader import load_config, load_model, parse_dtype
 from gpu_worker_svc.model.parallel import TPGroup, destroy_tp_group, init_tp_group
+from gpu_worker_svc.model.weight_format import resolve_weight_format
 from shardline.host_memory import keep_freed_host_memory
 from shardline.ports import free_port
 
@@ -79,8 +80,9 @@ class RunnerConfig:
     max_model_len: int | None = None
     cuda_graphs: bool = True  # capture decode steps on CUDA
     # CPU only: "gguf" (a .gguf file's own Q4_0/Q4_1/Q8_0 blocks, model/gguf_weights.py), "int8" (W8A8),
-    # "fp16" or "int4" (layers/quantize.py); None: the model's dtype.
-    quantization: str | None = None
+    # "fp16" or "int4" (layers/quantize.py); "none" or None: the model's dtype; "auto": gguf for a .gguf
+    # model on CPU, otherwise none (model/weight_format.py).
+    quantization: str | None = "auto"
     onednn_weights: bool = True  # CPU float32 without quantization: oneDNN-packed weights (layers/onednn.py)
     # CPU: attention whose rounding no batch-mate, padding or chunking changes (layers/invariant_attention.py).
     # With int8, whose GEMMs are exact, a request's tokens are then bitwise the same alone, batched,
@@ -93,7 +95,7 @@ class RunnerConfig:
     profile_tokens: int = 2048  # the largest step's token count, profiled on GPU before sizing the KV cache
 
 
-def _check_batch_invariance(config: RunnerConfig, dtype: torch.dtype) -> None:
+def _check_batch_invariance(config: RunnerConfig, quantization: str | None, dtype: torch.dtype) -> None:
     """Refuses batch_invariant where a part of the step would still round a row with its batch."""
     if config.device != "cpu":
         raise ValueError("batch_invariant attention is built from torch's CPU kernels: give device cpu")
@@ -101,15 +103,10 @@ def _check_batch_invariance(config: RunnerConfig, dtype: torch.dtype) -> None:
     # (measured). fp16, int4 and torch's F.linear do not (fp16 and F.linear: ~1e-6 alone vs batched).
     # gguf's kernel is bitwise batch-invariant too (kernels/gguf_linear.cpp); layers of other types use oneDNN's.
     if not (
-        config.quantization == "int8"
-        or (
-            config.quantization in (None, "gguf")
-            and dtype == torch.float32
-            and config.onednn_weights
-            and onednn_available()
-        )
+        quantization == "int8"
+        or (quantization in (None, "gguf") and dtype == torch.float32 and config.onednn_weights and onednn_available())
     ):
-        mode = config.quantization or f"{config.dtype} without oneDNN-packed weights"
+        mode = quantization or f"{config.dtype} without oneDNN-packed weights"
         raise ValueError(
             f"batch_invariant needs int8 or float32 oneDNN-packed weights: the GEMMs of {mode} "
             f"round a row differently with the number of rows beside it"
@@ -132,8 +129,9 @@ class ShardWorker:
         self.dtype = parse_dtype(config.dtype, "cpu" if config.device == "cpu" else "cuda")
         self.block_size = config.block_size
         self.batch_invariant = config.batch_invariant
+        quantization = resolve_weight_format(config.quantization, config.model, config.device, self.dtype)
         if self.batch_invariant:
-            _check_batch_invariance(config, self.dtype)
+            _check_batch_invariance(config, quantization, self.dtype)
         self.model = load_model(config.model, self.tp, self.dtype, self.device, config.max_model_len)
         # Where the decode kernel takes every query (CPU, float32), each query's result is already
         # its own, bit for bit: batch-invariant attention is the kernel, with the step's usual layout.
@@ -143,18 +141,18 @@ class ShardWorker:
             check_invariant_attention((attn.num_heads, attn.num_kv_heads, attn.head_dim))
         if self.batch_invariant:  # the model's hidden size
             self.model.model.norm.check_paths_agree()
-        if config.quantization is not None and self.device != "cpu":
-            raise ValueError(f"quantization {config.quantization} uses CPU kernels: give device cpu")
-        if config.quantization == "gguf":
+        if quantization is not None and self.device != "cpu":
+            raise ValueError(f"quantization {quantization} uses CPU kernels: give device cpu")
+        if quantization == "gguf":
             n = load_gguf_blocks(self.model, config.model)
             log.info("rank %d: %d linear layers keep the GGUF file's blocks", rank, n)
-        if config.quantization not in (None, "gguf"):
+        if quantization not in (None, "gguf"):
             n = quantize_model(
                 self.model,
-                config.quantization,
+                quantization,
                 lambda: calibration_prefill(self.model, config.block_size, self.dtype, self.device),
             )
-            log.info("rank %d: %d linear layers quantized to %s", rank, n, config.quantization)
+            log.info("rank %d: %d linear layers quantized to %s", rank, n, quantization)
         elif self.device == "cpu" and self.dtype == torch.float32 and config.onednn_weights and onednn_available():
             n = pack_fp32_for_onednn(self.model)  # with gguf: the layers the file has in other types
             log.info("rank %d: %d linear layers packed for oneDNN", rank, n)

@@ -78,7 +78,8 @@ def parse_args(argv: list[str] | None) -> WorkerSettings:
     p.add_argument(
         "--quantization",
         choices=CPU_WEIGHT_FORMATS,
-        help="CPU weight format: gguf (a .gguf file's own blocks), int8, fp16 (near-lossless) or int4",
+        help="CPU weight format: auto (the default: gguf for a .gguf model on CPU), gguf (a .gguf file's own "
+        "blocks), none (the model's dtype, dequantized), int8, fp16 (near-lossless) or int4",
     )
     p.add_argument(
         "--no-onednn-weights",

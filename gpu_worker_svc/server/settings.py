@@ -8,6 +8,8 @@ import torch
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from gpu_worker_svc.model.layers.quantize import CPU_WEIGHT_FORMATS
+
 
 class WorkerSettings(BaseSettings):
     """Worker knobs, from ``SHARDLINE_<FIELD>`` environment variables or `main`'s flags."""
@@ -56,10 +58,12 @@ class WorkerSettings(BaseSettings):
     # the worker spread over tens of ms (the previous burst's last tokens are relayed first): at 5 ms,
     # `shardline bench` saw 2 of 3 such bursts split, one request alone and 15 a whole step later.
     admission_gap_ms: float | None = Field(None, ge=0)
-    # CPU weight format (gpu_worker_svc/model/layers/quantize.py): "gguf" (a .gguf model's own Q4_0/Q4_1/Q8_0
-    # blocks, model/gguf_weights.py), "int8" (W8A8 with smoothing), "fp16" (fp16 weights, fp32 math,
-    # near-lossless) or "int4" (weight-only); None: the model's dtype.
-    quantization: str | None = None
+    # CPU weight format (gpu_worker_svc/model/layers/quantize.py): "auto" (gguf for a .gguf model on CPU,
+    # otherwise none; model/weight_format.py), "gguf" (a .gguf model's own Q4_0/Q4_1/Q8_0 blocks,
+    # model/gguf_weights.py), "none" (the model's dtype: a .gguf file dequantized to fp32, the parity
+    # reference), "int8" (W8A8 with smoothing), "fp16" (fp16 weights, fp32 math, near-lossless) or
+    # "int4" (weight-only).
+    quantization: str = "auto"
     # float32 on CPU without quantization: reorder the weights once for oneDNN's GEMM (~1.3x faster decode
     # steps, same arithmetic; gpu_worker_svc/model/layers/onednn.py). Off: torch's F.linear.
     onednn_weights: bool = True
@@ -92,6 +96,13 @@ class WorkerSettings(BaseSettings):
     # A few AVX2/AVX-512 cores: rough figures, override them for your machine.
     cpu_peak_tflops: float = Field(0.5, gt=0)
     cpu_peak_bandwidth_gbs: float = Field(20.0, gt=0)
+
+    @field_validator("quantization")
+    @classmethod
+    def _known_quantization(cls, quantization: str) -> str:
+        if quantization not in CPU_WEIGHT_FORMATS:
+            raise ValueError(f"must be one of {', '.join(CPU_WEIGHT_FORMATS)}")
+        return quantization
 
     @field_validator("device")
     @classmethod

@@ -21,7 +21,7 @@ def _engine(num_blocks: int | None = None) -> LLMEngine:
     # Chunks of at most 32 tokens: a 70-token prompt's logprobs come from three prefill steps.
     return LLMEngine(
         EngineConfig(
-            runner=RunnerConfig(num_blocks=num_blocks, cpu_kv_bytes=64 << 20),
+            runner=RunnerConfig(num_blocks=num_blocks, cpu_kv_bytes=64 << 20, quantization="none"),
             scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32),
         )
     )

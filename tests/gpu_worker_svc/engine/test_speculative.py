@@ -139,8 +139,9 @@ def test_speculation_under_kv_pressure_preempts_and_still_gives_the_same_tokens(
         requests = list(zip(_prompts(), PARAMS))
         plain, _, plain_counts = _run(tiny, 0, requests)
         tokens, _, counts = _run(tiny, 4, requests)
-        assert counts["preempted"] > 0 and counts["accepted"] > 0
-        assert counts["preempted"] <= plain_counts["preempted"]  # drafts take only blocks left free
+        # Both runs preempt. Drafts take only blocks left free (test_scheduler_drafts.py), but how
+        # often each run preempts follows its timing: requests that run ahead need blocks sooner.
+        assert plain_counts["preempted"] > 0 and counts["preempted"] > 0 and counts["accepted"] > 0
         assert tokens == plain == one_by_one[0]
         assert tiny.block_pool.num_used_blocks == 0
     finally:

@@ -50,7 +50,7 @@ def prompts() -> list[list[int]]:
 
 def _runner_logits(model_path: Path, prompts: list[list[int]], tp: int = 1) -> torch.Tensor:
     """Last-token logits of each prompt, all prefilled in one step."""
-    runner = ModelRunner(RunnerConfig(model=str(model_path), tp_size=tp, num_blocks=32))
+    runner = ModelRunner(RunnerConfig(model=str(model_path), tp_size=tp, num_blocks=32, quantization="none"))
     try:
         driver = PagedDriver(runner)
         seqs = [driver.add(p) for p in prompts]

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module", params=[1, 3], ids=["tp1", "tp3"])
 def runner(request):
-    r = ModelRunner(RunnerConfig(tp_size=request.param, num_blocks=128))
+    r = ModelRunner(RunnerConfig(tp_size=request.param, num_blocks=128, quantization="none"))
     yield r
     r.shutdown()
 

@@ -51,6 +51,10 @@ def test_defaults_resolve_from_the_port_and_device(monkeypatch):
         parse_args([])
     monkeypatch.delenv("SHARDLINE_DEVICE")
     assert parse_args(["--advertise-address", "w0:1"]).address(50061) == "w0:1"
+    assert s.quantization == "auto"
+    monkeypatch.setenv("SHARDLINE_QUANTIZATION", "q4")
+    with pytest.raises(ValidationError, match="must be one of auto, none, fp16, gguf, int4, int8"):
+        parse_args([])
 
 
 def test_out_of_range_settings_are_refused():
