@@ -18,10 +18,12 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, wait
 from dataclasses import dataclass
 
 from gpu_worker_svc.engine.llm_engine import LLMEngine
 from gpu_worker_svc.engine.model_runner import EngineDeadError
+from gpu_worker_svc.engine.torch_thread import torch_thread
 from gpu_worker_svc.server.grammar_gate import GrammarGate
 from gpu_worker_svc.server.request_params import EngineLimits, engine_request
 from gpu_worker_svc.server.step_message import abort_delta, error_delta, request_delta, step_stats
@@ -157,7 +159,7 @@ class EngineLoop:
         self._limits = EngineLimits.of(engine)
         self._on_fatal = on_fatal
         self._inbox = Inbox()
-        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._done: Future[None] | None = None  # the loop's run on the torch thread, once started
         self._session: SessionLink | None = None
         self._requests: set[str] = set()  # ids in the engine, all owned by the live session
         self._grammar_gate = GrammarGate(engine, lambda: self._inbox.put(_GrammarsCompiled()))
@@ -166,7 +168,8 @@ class EngineLoop:
         self.load = WorkerLoad()
 
     def start(self) -> None:
-        self._thread.start()
+        # On the thread that built the engine: a second thread of OpenMP work slows every step.
+        self._done = torch_thread().submit(self._run)
 
     def open_session(self, link: SessionLink) -> None:
         self._inbox.put(_Open(link))
@@ -180,7 +183,8 @@ class EngineLoop:
     def stop(self, timeout_s: float = 30.0) -> None:
         """Abort every request, end the live session and wait for the thread to exit."""
         self._inbox.put(_Stop())
-        self._thread.join(timeout_s)
+        if self._done is not None:
+            wait([self._done], timeout_s)
 
     # -- the engine thread -----------------------------------------------------
     def _run(self) -> None:

@@ -26,6 +26,7 @@ from gpu_worker_svc.engine.batch_scheduler import SchedulerConfig
 from gpu_worker_svc.engine.llm_engine import EngineConfig, LLMEngine
 from gpu_worker_svc.engine.model_runner import RunnerConfig
 from gpu_worker_svc.engine.ngram_proposer import SpeculativeConfig
+from gpu_worker_svc.engine.torch_thread import torch_thread
 from gpu_worker_svc.model.dummy import is_dummy
 from gpu_worker_svc.model.layers.quantize import CPU_WEIGHT_FORMATS
 from gpu_worker_svc.model.loader import parse_dtype
@@ -191,7 +192,7 @@ async def serve(s: WorkerSettings) -> int:
     log.info(
         "loading %s: tp=%d, %s on %s", s.model or "the default model", s.tp_size, s.resolved_dtype, s.resolved_device
     )
-    engine = await asyncio.to_thread(build_engine, s)
+    engine = await torch_thread().run(build_engine, s)  # the thread that steps it (engine/torch_thread.py)
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop_requested.set)
     log.info("engine ready: %d KV blocks of %d tokens", engine.block_pool.num_blocks, s.block_size)
@@ -200,9 +201,18 @@ async def serve(s: WorkerSettings) -> int:
             return 0
         return await _serve_engine(s, engine, tracing, stop_requested)
     finally:
-        await asyncio.to_thread(engine.shutdown)
+        await _shutdown(engine)
         await asyncio.to_thread(tracing.shutdown)
         log.info("worker stopped")
+
+
+async def _shutdown(engine: LLMEngine) -> None:
+    """The engine's shutdown on its own thread, after the engine loop; beside it if the loop is stuck."""
+    try:
+        await asyncio.wait_for(torch_thread().run(engine.shutdown), 60)
+    except TimeoutError:
+        log.warning("the engine thread is still busy after 60 s: shutting the engine down beside it")
+        await asyncio.to_thread(engine.shutdown)
 
 
 def _abandon_load() -> None:

@@ -7,12 +7,14 @@ import itertools
 import logging
 import threading
 import time
+from concurrent.futures import Future, wait
 
 import grpc
 import torch
 
 from gpu_worker_svc.engine.llm_engine import EngineConfig, LLMEngine
 from gpu_worker_svc.engine.sampling_params import SamplingParams
+from gpu_worker_svc.engine.torch_thread import TorchThread
 from gpu_worker_svc.server.engine_loop import Inbox, collect_burst
 from shardline.bench.metrics import RequestTiming
 from shardline.client import AsyncShardlineClient
@@ -59,6 +61,13 @@ class StackBackend:
         await self.client.close()
 
 
+def _build(config: EngineConfig | None, torch_threads: int) -> LLMEngine:
+    engine = LLMEngine(config)
+    if torch_threads > 0:  # after the engine, which sets its own default on CPU (as the worker does)
+        torch.set_num_threads(torch_threads)
+    return engine
+
+
 class EngineBackend:
     """The same engine the worker runs, stepped in a thread of this process: the no-network baseline.
 
@@ -70,16 +79,16 @@ class EngineBackend:
     def __init__(
         self, config: EngineConfig | None = None, admission_gap_s: float = 0.0, torch_threads: int = 0
     ) -> None:
-        self.engine = LLMEngine(config)
-        if torch_threads > 0:  # after the engine, which sets its own default on CPU (as the worker does)
-            torch.set_num_threads(torch_threads)
+        # Built, stepped and shut down on one thread, as the worker's engine is (engine/torch_thread.py).
+        self.torch = TorchThread("engine-loop")
+        self.engine = self.torch.call(_build, config, torch_threads)
         self.admission_gap_s = admission_gap_s
         self.loop: asyncio.AbstractEventLoop | None = None
         self.inbox = Inbox()  # (request id, prompt, params) to add, or None to wake the thread
         self.streams: dict[str, asyncio.Queue] = {}
         self.stop = threading.Event()
         self.ids = itertools.count()
-        self.thread = threading.Thread(target=self._run, daemon=True, name="engine-loop")
+        self.done: Future[None] | None = None  # the loop on self.torch, from the first request on
         self.error: Exception | None = None  # what ended the engine thread, if anything did
 
     def _run(self) -> None:
@@ -115,7 +124,7 @@ class EngineBackend:
     async def send(self, prompt: list[int], output_len: int, timing: RequestTiming) -> None:
         if self.loop is None:
             self.loop = asyncio.get_running_loop()
-            self.thread.start()
+            self.done = self.torch.submit(self._run)
         rid = f"bench-{next(self.ids)}"
         queue: asyncio.Queue = asyncio.Queue()
         self.streams[rid] = queue
@@ -137,9 +146,11 @@ class EngineBackend:
     async def close(self) -> None:
         self.stop.set()
         self.inbox.put(None)
-        if self.thread.is_alive():
-            self.thread.join(timeout=60)  # the step in flight ends first; on a CPU it can take seconds
-        if self.thread.is_alive():
-            log.warning("engine thread still stepping after 60 s; leaving the engine to the process's exit")
-            return
-        self.engine.shutdown()
+        if self.done is not None:
+            await asyncio.to_thread(
+                wait, [self.done], 60
+            )  # the step in flight ends first; on a CPU it can take seconds
+            if not self.done.done():
+                log.warning("engine thread still stepping after 60 s; leaving the engine to the process's exit")
+                return
+        await self.torch.run(self.engine.shutdown)
