@@ -76,12 +76,18 @@ def test_unmasked_decode_attention_is_bitwise_the_masked_one(decode_path):
     assert torch.equal(unmasked, attention(q, k, v, cache, meta))
 
 
-def test_cpu_rms_norm_is_bitwise_hf():
-    torch.manual_seed(0)
+def _norms() -> tuple[RMSNorm, LlamaRMSNorm]:
     ours, hf = RMSNorm(576, 1e-5, torch.float32), LlamaRMSNorm(576, eps=1e-5)
     weight = torch.rand(576) + 0.5
     ours.weight.data.copy_(weight)
     hf.weight.data.copy_(weight)
+    return ours, hf
+
+
+def test_cpu_rms_norm_without_the_kernel_is_bitwise_hf(monkeypatch):
+    monkeypatch.setattr(cpu_build, "rms_norm", lambda: None)
+    torch.manual_seed(0)
+    ours, hf = _norms()
     for rows in (1, 3, 16, 63, 64, 65, 130, 2048):  # torch.rms_norm below 64 rows, HF's form from there
         x, residual = torch.randn(rows, 576) * 4, torch.randn(rows, 576)
         assert torch.equal(ours(x), hf(x))
@@ -89,8 +95,24 @@ def test_cpu_rms_norm_is_bitwise_hf():
         assert torch.equal(summed, x + residual) and torch.equal(out, hf(x + residual))
 
 
+@pytest.mark.skipif(cpu_build.rms_norm() is None, reason="the CPU kernels cannot be built here")
+def test_the_norm_kernel_is_hf_within_rounding_and_a_rows_own_at_any_row_count():
+    torch.manual_seed(0)
+    ours, hf = _norms()
+    x, residual = torch.randn(2048, 576) * 4, torch.randn(2048, 576)
+    whole, summed = ours(x, residual)
+    assert torch.equal(summed, x + residual)  # the add is exact either way
+    torch.testing.assert_close(whole, hf(x + residual), rtol=2e-6, atol=2e-6)
+    torch.testing.assert_close(ours(x), hf(x), rtol=2e-6, atol=2e-6)
+    for first, rows in ((0, 1), (5, 3), (100, 64), (300, 700)):
+        part = slice(first, first + rows)
+        assert torch.equal(ours(x[part], residual[part])[0], whole[part])
+
+
 def test_a_worker_checks_that_its_two_norm_paths_agree(monkeypatch):
-    # Batch invariance needs a row's norm to be the same bits whichever path its step's row count picks.
+    # Batch invariance needs a row's norm to be the same bits whichever path its step's row count
+    # picks: two torch paths where the norm kernel cannot be built.
+    monkeypatch.setattr(cpu_build, "rms_norm", lambda: None)
     norm = RMSNorm(576, 1e-5, torch.float32)
     norm.weight.data.uniform_(0.5, 1.5)
     norm.check_paths_agree()  # so on this machine

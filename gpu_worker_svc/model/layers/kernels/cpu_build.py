@@ -34,6 +34,7 @@ SOURCES = [
         "gguf_dot_avx2.cpp",
         "gguf_dot_avx512.cpp",
         "gguf_dot_avx512vnni.cpp",
+        "rms_norm.cpp",
     )
 ]
 HEADERS = [_HERE / "gguf_dot.h", _HERE / "gguf_dot_avx512.inc"]  # not compiled alone, but part of the build
@@ -109,6 +110,15 @@ def paged_decode_attention() -> Callable | None:
 def gguf_linear() -> Callable | None:
     """torch.ops.shardline_cpu.gguf_linear (kernels/gguf_linear.cpp), or None where the kernels cannot be built."""
     return torch.ops.shardline_cpu.gguf_linear.default if loaded() else None
+
+
+@functools.cache
+def rms_norm() -> tuple[Callable, Callable] | None:
+    """torch.ops.shardline_cpu's rms_norm and add_rms_norm (kernels/rms_norm.cpp), or None where the
+    kernels cannot be built."""
+    return (
+        (torch.ops.shardline_cpu.rms_norm.default, torch.ops.shardline_cpu.add_rms_norm.default) if loaded() else None
+    )
 
 
 if __name__ == "__main__":
