@@ -27,7 +27,14 @@ def celery_app(redis_url: str, visibility_timeout_s: float = DEFAULT_VISIBILITY_
         task_acks_late=True,
         task_reject_on_worker_lost=True,
         worker_prefetch_multiplier=1,
-        broker_transport_options={"visibility_timeout": visibility_timeout_s},
+        broker_transport_options={
+            "visibility_timeout": visibility_timeout_s,
+            # kombu looks for chunks past their visibility timeout on every tenth sweep of ten
+            # seconds by default: a dead worker's chunk then waited up to 100 s more. A sweep is one
+            # small Redis query; run every one, a tenth of the timeout apart (1 to 10 s).
+            "unacked_restore_interval": max(1, min(10, round(visibility_timeout_s / 10))),
+            "unacked_restore_throttle": 1,
+        },
         result_backend_transport_options={"visibility_timeout": visibility_timeout_s},
         result_expires=24 * 3600,
         task_serializer="json",
