@@ -1,4 +1,4 @@
-"""The one thread that runs a process's engine work: the model's load, every step, the shutdown.
+"""The one thread that runs an engine's work: the model's load, every step, the shutdown.
 
 On CPU, torch's parallel kernels run on libgomp's OpenMP threads, and libgomp keeps a team of
 them for each thread that starts parallel regions. With two such teams in a process it counts
@@ -53,16 +53,3 @@ class TorchThread:
                 future.set_result(fn(*args))
             except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on the future
                 future.set_exception(exc)
-
-
-_shared: TorchThread | None = None
-_lock = threading.Lock()
-
-
-def torch_thread() -> TorchThread:
-    """The process's engine thread, started on first use."""
-    global _shared
-    with _lock:
-        if _shared is None:
-            _shared = TorchThread()
-        return _shared

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from gpu_worker_svc.engine.llm_engine import LLMEngine
 from gpu_worker_svc.engine.model_runner import EngineDeadError
-from gpu_worker_svc.engine.torch_thread import torch_thread
+from gpu_worker_svc.engine.torch_thread import TorchThread
 from gpu_worker_svc.server.grammar_gate import GrammarGate
 from gpu_worker_svc.server.request_params import EngineLimits, engine_request
 from gpu_worker_svc.server.step_message import abort_delta, error_delta, request_delta, step_stats
@@ -152,8 +152,12 @@ class EngineLoop:
         telemetry: StepTelemetry,
         on_fatal: Callable[[BaseException], None],
         admission_gap_s: float = 0.0,
+        thread: TorchThread | None = None,
     ) -> None:
         self._engine = engine
+        # The thread that built the engine, where there is one: a second thread of OpenMP work in a
+        # process slows every step (engine/torch_thread.py).
+        self._torch = thread or TorchThread("engine-loop")
         self._admission_gap_s = admission_gap_s
         self._telemetry = telemetry
         self._limits = EngineLimits.of(engine)
@@ -168,8 +172,7 @@ class EngineLoop:
         self.load = WorkerLoad()
 
     def start(self) -> None:
-        # On the thread that built the engine: a second thread of OpenMP work slows every step.
-        self._done = torch_thread().submit(self._run)
+        self._done = self._torch.submit(self._run)
 
     def open_session(self, link: SessionLink) -> None:
         self._inbox.put(_Open(link))

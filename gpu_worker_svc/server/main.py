@@ -26,7 +26,7 @@ from gpu_worker_svc.engine.batch_scheduler import SchedulerConfig
 from gpu_worker_svc.engine.llm_engine import EngineConfig, LLMEngine
 from gpu_worker_svc.engine.model_runner import RunnerConfig
 from gpu_worker_svc.engine.ngram_proposer import SpeculativeConfig
-from gpu_worker_svc.engine.torch_thread import torch_thread
+from gpu_worker_svc.engine.torch_thread import TorchThread
 from gpu_worker_svc.model.dummy import is_dummy
 from gpu_worker_svc.model.layers.quantize import CPU_WEIGHT_FORMATS
 from gpu_worker_svc.model.loader import parse_dtype
@@ -166,7 +166,12 @@ def worker_info(s: WorkerSettings, engine: LLMEngine, address: str) -> worker_pb
 
 
 def engine_loop_for(
-    s: WorkerSettings, engine: LLMEngine, tracing: TracingHandle, model: str, on_fatal: Callable[[BaseException], None]
+    s: WorkerSettings,
+    engine: LLMEngine,
+    tracing: TracingHandle,
+    model: str,
+    on_fatal: Callable[[BaseException], None],
+    thread: TorchThread | None = None,
 ) -> EngineLoop:
     cfg = engine.model_config
     peak = device_peak(
@@ -179,6 +184,7 @@ def engine_loop_for(
         StepTelemetry(tracing.tracer, cost, model, tracing.enabled),
         on_fatal,
         s.resolved_admission_gap_s,
+        thread,
     )
 
 
@@ -192,24 +198,25 @@ async def serve(s: WorkerSettings) -> int:
     log.info(
         "loading %s: tp=%d, %s on %s", s.model or "the default model", s.tp_size, s.resolved_dtype, s.resolved_device
     )
-    engine = await torch_thread().run(build_engine, s)  # the thread that steps it (engine/torch_thread.py)
+    torch_thread = TorchThread("engine-loop")  # builds, steps and shuts the engine down (engine/torch_thread.py)
+    engine = await torch_thread.run(build_engine, s)
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop_requested.set)
     log.info("engine ready: %d KV blocks of %d tokens", engine.block_pool.num_blocks, s.block_size)
     try:
         if stop_requested.is_set():
             return 0
-        return await _serve_engine(s, engine, tracing, stop_requested)
+        return await _serve_engine(s, engine, torch_thread, tracing, stop_requested)
     finally:
-        await _shutdown(engine)
+        await _shutdown(engine, torch_thread)
         await asyncio.to_thread(tracing.shutdown)
         log.info("worker stopped")
 
 
-async def _shutdown(engine: LLMEngine) -> None:
+async def _shutdown(engine: LLMEngine, torch_thread: TorchThread) -> None:
     """The engine's shutdown on its own thread, after the engine loop; beside it if the loop is stuck."""
     try:
-        await asyncio.wait_for(torch_thread().run(engine.shutdown), 60)
+        await asyncio.wait_for(torch_thread.run(engine.shutdown), 60)
     except TimeoutError:
         log.warning("the engine thread is still busy after 60 s: shutting the engine down beside it")
         await asyncio.to_thread(engine.shutdown)
@@ -230,13 +237,17 @@ def _abandon_load() -> None:
 
 
 async def _serve_engine(
-    s: WorkerSettings, engine: LLMEngine, tracing: TracingHandle, stop_requested: asyncio.Event
+    s: WorkerSettings,
+    engine: LLMEngine,
+    torch_thread: TorchThread,
+    tracing: TracingHandle,
+    stop_requested: asyncio.Event,
 ) -> int:
     loop = asyncio.get_running_loop()
     engine_died = asyncio.Event()
     info = worker_info(s, engine, address="")
     engine_loop = engine_loop_for(
-        s, engine, tracing, info.model, on_fatal=lambda _exc: loop.call_soon_threadsafe(engine_died.set)
+        s, engine, tracing, info.model, lambda _exc: loop.call_soon_threadsafe(engine_died.set), torch_thread
     )
     engine_loop.start()
     server = await start_grpc_server(

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from gpu_worker_svc.engine.torch_thread import TorchThread, torch_thread
+from gpu_worker_svc.engine.torch_thread import TorchThread
 
 
 def test_every_call_runs_on_the_one_thread_in_order():
@@ -29,7 +29,3 @@ def test_errors_reach_the_caller_and_the_thread_goes_on():
         return await thread.run(lambda: threading.current_thread().name)
 
     assert asyncio.run(awaited()) == "test-torch"
-
-
-def test_the_process_shares_one():
-    assert torch_thread() is torch_thread()
