@@ -37,7 +37,11 @@ SOURCES = [
         "rms_norm.cpp",
     )
 ]
-HEADERS = [_HERE / "gguf_dot.h", _HERE / "gguf_dot_avx512.inc"]  # not compiled alone, but part of the build
+HEADERS = [
+    _HERE / "gguf_dot.h",
+    _HERE / "gguf_dot_avx512.inc",
+    _HERE / "vec16.h",
+]  # not compiled alone, but part of the build
 _NAME = "shardline_cpu_kernels"
 _FLAGS = ["-O3", "-march=native", "-fopenmp"]  # -fopenmp: at::parallel_for runs on torch's own OpenMP pool
 

@@ -18,28 +18,14 @@
 #include <utility>
 #include <vector>
 
+#include "vec16.h"
+
 namespace {
 
-// GCC vector extensions: 16 floats, compiled to AVX-512, or to two AVX2 registers.
-typedef float v16 __attribute__((vector_size(64)));
-typedef float v8 __attribute__((vector_size(32)));
-typedef float v4 __attribute__((vector_size(16)));
-typedef int i16 __attribute__((vector_size(64)));
+using namespace shardline_vec;
 
-constexpr int64_t W = 16;          // floats per vector
 constexpr int64_t MAX_DIM = 256;   // head_dim
 constexpr int64_t PREFETCH = 16;  // slots ahead to prefetch: the cache's rows come from scattered blocks
-
-inline v16 load(const float* p) { v16 r; __builtin_memcpy(&r, p, sizeof r); return r; }
-inline void store(float* p, v16 v) { __builtin_memcpy(p, &v, sizeof v); }
-
-// The sum of the 16 lanes as a fixed tree.
-inline float hsum(v16 v) {
-  v8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-         __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-  v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
-  return (b[0] + b[2]) + (b[1] + b[3]);
-}
 
 // exp(x) for x <= 0 (a softmax's scores less their max), vectorized: 2^(x log2 e), split into
 // an integer power of two and 2^f for f in [0, 1) by a degree-6 polynomial (relative error

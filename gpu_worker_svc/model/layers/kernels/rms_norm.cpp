@@ -12,22 +12,11 @@
 #include <cmath>
 #include <tuple>
 
+#include "vec16.h"
+
 namespace {
 
-typedef float v16 __attribute__((vector_size(64)));
-typedef float v8 __attribute__((vector_size(32)));
-typedef float v4 __attribute__((vector_size(16)));
-constexpr int64_t W = 16;
-
-inline v16 load(const float* p) { v16 r; __builtin_memcpy(&r, p, sizeof r); return r; }
-inline void store(float* p, v16 v) { __builtin_memcpy(p, &v, sizeof v); }
-
-inline float hsum(v16 v) {
-  v8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-         __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-  v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
-  return (b[0] + b[2]) + (b[1] + b[3]);
-}
+using namespace shardline_vec;
 
 // One row: sum = x + residual (when there is one), out = weight * sum / sqrt(mean(sum^2) + eps).
 void norm_row(const float* x, const float* residual, const float* weight, int64_t n, float eps, float* sum,
