@@ -3,7 +3,8 @@
 The same engine runs the same prompts with decode attention by kernels/decode_attention.cpp and
 by the torch path (gather the context, then SDPA), alternating which goes first each round, and
 reports each side's tokens/s and decode step, and the ratio, as medians and ranges. Both sides
-keep everything else: weights, scheduler, sampler.
+keep everything else: weights, scheduler, sampler; and both run the decode steps' layers in
+Python, since the layers in one C++ call (model/fused_decode.py) always take the kernel.
 
     python -m benchmarks.decode_kernel --quantization int8 --concurrency 16 --rounds 6
 """
@@ -52,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     )  # each round's prompts run twice: both sides must prefill them
     vocab = engine.model_config.vocab_size
+    engine.runner._shard.model.model.fused_decode = None
     paths = {"kernel": cpu_build.paged_decode_attention, "torch": lambda: None}
     runs: dict[str, list[dict]] = {side: [] for side in SIDES}
     try:

@@ -156,6 +156,8 @@ class ShardWorker:
         elif self.device == "cpu" and self.dtype == torch.float32 and config.onednn_weights and onednn_available():
             n = pack_fp32_for_onednn(self.model)  # with gguf: the layers the file has in other types
             log.info("rank %d: %d linear layers packed for oneDNN", rank, n)
+        if self.device == "cpu" and self.model.model.fuse_decode():
+            log.info("rank %d: plain decode steps run the decoder layers in one C++ call", rank)
         if self.device.startswith("cuda") and config.num_blocks is None:
             profile_forward(self.model, config.profile_tokens, config.block_size, self.dtype, self.device)
         n = config.num_blocks or num_blocks_for(

@@ -8,8 +8,10 @@ from torch import nn
 
 from gpu_worker_svc.model.attention_metadata import AttentionMetadata
 from gpu_worker_svc.model.config import ModelConfig
+from gpu_worker_svc.model.fused_decode import FusedDecode
 from gpu_worker_svc.model.layers.attention import PagedAttention
 from gpu_worker_svc.model.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
+from gpu_worker_svc.model.layers.kernels import cpu_build
 from gpu_worker_svc.model.layers.layernorm import RMSNorm
 from gpu_worker_svc.model.layers.linear import (
     MergedColumnParallelLinear,
@@ -39,6 +41,10 @@ class LlamaAttention(nn.Module):
         qkv = self.qkv_proj(x)
         q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
         heads, kv_heads = self.attn.num_heads, self.attn.num_kv_heads
+        rope_writer = self.attn.rope_writer(qkv, kv_cache)
+        if rope_writer is not None:  # CPU: one op rotates q and k and writes k and v into the cache
+            q = rope_writer(qkv, rope[0], rope[1], meta.slot_mapping, kv_cache, heads, kv_heads)
+            return self.o_proj(self.attn.attend(q, kv_cache, meta))
         # q and k sit side by side in qkv, so one rotary pass covers both.
         qk = RotaryEmbedding.apply(qkv[:, : q_size + kv_size].view(-1, heads + kv_heads, self.head_dim), rope)
         q, k = qk.split([heads, kv_heads], dim=1)
@@ -54,7 +60,12 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(n, cfg.hidden_size, False, tp, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        fused = gate_up.device.type == "cpu" and gate_up.dtype == torch.float32 and gate_up.is_contiguous()
+        silu_mul = cpu_build.silu_mul() if fused and gate_up.dim() == 2 else None
+        if silu_mul is not None:  # CPU: one pass, kernels/silu_mul.cpp
+            return self.down_proj(silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate).mul_(up))  # in place: no second [T, n] buffer
 
     def divide_up_channels(self, s: torch.Tensor) -> None:
@@ -100,14 +111,24 @@ class LlamaModel(nn.Module):
         )
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, tp, dtype) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.fused_decode: FusedDecode | None = None  # set by fuse_decode, once the weights are final
+
+    def fuse_decode(self) -> bool:
+        """Run the layers of plain decode steps in one C++ call where they allow it (fused_decode.py).
+        Call it again after any change to the weights; returns whether it applies."""
+        self.fused_decode = FusedDecode.of(self)
+        return self.fused_decode is not None
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv_caches: list[torch.Tensor]
     ) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None
         rope = self.rotary.prepare(positions)  # once per step, shared by every layer
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            x, residual = layer(rope, x, residual, kv_cache, meta)
+        if self.fused_decode is not None and self.fused_decode.fits(x, meta):
+            x, residual = self.fused_decode(x, rope, kv_caches, meta)
+        else:
+            for layer, kv_cache in zip(self.layers, kv_caches):
+                x, residual = layer(rope, x, residual, kv_cache, meta)
         x, _ = self.norm(x, residual)
         return x
 

@@ -37,7 +37,34 @@ class PagedAttention(nn.Module):
         k_cache, v_cache = kv_cache.view(2, -1, self.num_kv_heads, self.head_dim).unbind(0)
         k_cache.index_copy_(0, meta.slot_mapping, k)
         v_cache.index_copy_(0, meta.slot_mapping, v)
+        return self.attend(q, kv_cache, meta, k, v)
 
+    def rope_writer(self, qkv: torch.Tensor, kv_cache: torch.Tensor) -> Callable | None:
+        """kernels/rotary_cache.cpp, which rotates a step's queries and keys and writes its keys and
+        values into the cache, where the decode kernel then takes every query (CPU, float32); else None."""
+        if (
+            not self.cpu_kernel_fits
+            or qkv.device.type != "cpu"
+            or qkv.dtype != torch.float32
+            or kv_cache.dtype != torch.float32
+            or qkv.dim() != 2
+            or not qkv.is_contiguous()
+        ):
+            return None
+        # Only where the decode kernel then takes every query: torch's prefill attention reads k, v.
+        return cpu_build.rope_cache_write() if cpu_build.paged_decode_attention() is not None else None
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        k: torch.Tensor | None = None,
+        v: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The step's queries over the cache, which already holds the step's keys and values → [T, Hq * D].
+        `k`, `v`: the step's own, which only torch's prefill attention reads (where the kernel does not run)."""
+        k_cache, v_cache = kv_cache.view(2, -1, self.num_kv_heads, self.head_dim).unbind(0)
         if meta.invariant:
             return self._invariant(q, k_cache, v_cache, meta)
         if not meta.prefill_bounds and meta.decode_queries == 1:  # the common step: the decodes, in order
@@ -47,6 +74,7 @@ class PagedAttention(nn.Module):
         if kernel is not None and meta.prefill_bounds:
             self._prefill_as_decodes(kernel, q, k_cache, v_cache, meta, out)
         elif meta.prefill_bounds:
+            assert k is not None and v is not None, "torch's prefill attention reads the step's own keys and values"
             self._prefill_sdpa(q, k, v, k_cache, v_cache, meta, out)
         if meta.decode_index is not None and meta.decode_queries > 1:  # decodes with draft tokens
             queries = q.index_select(0, meta.decode_query_rows).unflatten(0, (-1, meta.decode_queries))
@@ -150,10 +178,7 @@ class PagedAttention(nn.Module):
         or each decode's Q queries, q [B, Q, Hq, D] → [B, Q, Hq * D]."""
         kernel = self._cpu_kernel(q, k_cache)
         if kernel is not None:  # one call for all the decodes: it needs no padding to one length
-            contexts = meta.derived.get("decode_contexts")
-            if contexts is None:  # the first layer works them out; the others reuse them
-                contexts = meta.derived["decode_contexts"] = _decode_contexts(meta)
-            slots, lengths = contexts
+            slots, lengths = decode_contexts(meta)
             return kernel(q, k_cache, v_cache, slots, lengths, self.head_dim**-0.5)
         if not meta.decode_groups:
             return self._attend(q, k_cache, v_cache, meta.decode_gather, meta.decode_mask)
@@ -294,10 +319,19 @@ def _prefill_pieces(
     return flat, slots, torch.cat(lengths).view(-1, PIECE), valid, flat[valid]
 
 
-def _decode_contexts(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+def decode_contexts(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
     """For the CPU kernel, in the step's order of decodes: each one's context slots [B, L], and its
-    length [B] (with drafts, each query's [B, Q]). Groups go back into one table: the kernel reads
-    each decode's own length only, so padding to the longest costs it nothing."""
+    length [B] (with drafts, each query's [B, Q]). Worked out by the first layer that asks, kept
+    for the others in meta.derived."""
+    contexts = meta.derived.get("decode_contexts")
+    if contexts is None:
+        contexts = meta.derived["decode_contexts"] = _decode_contexts(meta)
+    return contexts
+
+
+def _decode_contexts(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """decode_contexts, worked out. Groups go back into one table: the kernel reads each decode's
+    own length only, so padding to the longest costs it nothing."""
     parts = [(g.rows, g.gather, g.mask) for g in meta.decode_groups] or [
         (slice(None), meta.decode_gather, meta.decode_mask)
     ]

@@ -258,9 +258,11 @@ def test_the_model_runs_without_torch_function_checks(engine, prompts):
         module.register_forward_pre_hook(lambda m, a: seen.append(torch._C._is_torch_function_enabled()))
         for module in (model.model.layers[0].self_attn.qkv_proj, model.model.layers[-1].mlp)
     ]
+    fused, model.model.fused_decode = model.model.fused_decode, None  # every step through the modules
     try:
         engine.generate([prompts[0]], dataclasses.replace(GREEDY, max_tokens=3))
     finally:
+        model.model.fused_decode = fused
         for hook in hooks:
             hook.remove()
     assert len(seen) == 6 and not any(seen)

@@ -35,12 +35,16 @@ SOURCES = [
         "gguf_dot_avx512.cpp",
         "gguf_dot_avx512vnni.cpp",
         "rms_norm.cpp",
+        "rotary_cache.cpp",
+        "silu_mul.cpp",
+        "decode_layers.cpp",
     )
 ]
 HEADERS = [
     _HERE / "gguf_dot.h",
     _HERE / "gguf_dot_avx512.inc",
     _HERE / "vec16.h",
+    _HERE / "cpu_ops.h",
 ]  # not compiled alone, but part of the build
 _NAME = "shardline_cpu_kernels"
 _FLAGS = ["-O3", "-march=native", "-fopenmp"]  # -fopenmp: at::parallel_for runs on torch's own OpenMP pool
@@ -123,6 +127,26 @@ def rms_norm() -> tuple[Callable, Callable] | None:
     return (
         (torch.ops.shardline_cpu.rms_norm.default, torch.ops.shardline_cpu.add_rms_norm.default) if loaded() else None
     )
+
+
+@functools.cache
+def rope_cache_write() -> Callable | None:
+    """torch.ops.shardline_cpu.rope_cache_write (kernels/rotary_cache.cpp), or None where the kernels
+    cannot be built."""
+    return torch.ops.shardline_cpu.rope_cache_write.default if loaded() else None
+
+
+@functools.cache
+def silu_mul() -> Callable | None:
+    """torch.ops.shardline_cpu.silu_mul (kernels/silu_mul.cpp), or None where the kernels cannot be built."""
+    return torch.ops.shardline_cpu.silu_mul.default if loaded() else None
+
+
+@functools.cache
+def llama_decode_layers() -> Callable | None:
+    """torch.ops.shardline_cpu.llama_decode_layers (kernels/decode_layers.cpp), or None where the
+    kernels cannot be built."""
+    return torch.ops.shardline_cpu.llama_decode_layers.default if loaded() else None
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@
 #include <utility>
 #include <vector>
 
+#include "cpu_ops.h"
 #include "vec16.h"
 
 namespace {
@@ -26,29 +27,6 @@ using namespace shardline_vec;
 
 constexpr int64_t MAX_DIM = 256;   // head_dim
 constexpr int64_t PREFETCH = 16;  // slots ahead to prefetch: the cache's rows come from scattered blocks
-
-// exp(x) for x <= 0 (a softmax's scores less their max), vectorized: 2^(x log2 e), split into
-// an integer power of two and 2^f for f in [0, 1) by a degree-6 polynomial (relative error
-// ~2e-7, that of float32's own expf to within a few ulps). Below -87 it is 0, as float32's.
-inline v16 exp_nonpositive(v16 x) {
-  v16 t = x * 1.44269504088896341f;
-  t = t < -126.0f ? (v16){} - 127.0f : t;  // -inf and underflow: 2^-127 x p, flushed to 0 below
-  v16 whole;
-  for (int64_t j = 0; j < W; ++j) whole[j] = __builtin_floorf(t[j]);
-  const v16 f = t - whole;
-  v16 p = (v16){} + 1.535336188319500e-4f;
-  p = p * f + 1.339887440266574e-3f;
-  p = p * f + 9.618437357674640e-3f;
-  p = p * f + 5.550332471162809e-2f;
-  p = p * f + 2.402264791363012e-1f;
-  p = p * f + 6.931472028550421e-1f;
-  p = p * f + 1.0f;
-  const i16 bits = (__builtin_convertvector(whole, i16) + 127) << 23;
-  v16 power;
-  __builtin_memcpy(&power, &bits, sizeof power);
-  const v16 r = p * power;
-  return t < -126.0f ? (v16){} : r;
-}
 
 // The task's heads [first, first + count) of the cache row at slots[t]; the same heads of the row
 // PREFETCH slots on are prefetched, since the rows of consecutive blocks lie apart.
@@ -231,6 +209,10 @@ void attend(const float* q, int64_t q_query_stride, int64_t q_head_stride, int64
   }
 }
 
+}  // namespace
+
+namespace shardline_cpu {
+
 // q [B, Hq, D] with lengths [B] -> [B, Hq * D]; or q [B, Q, Hq, D] with lengths [B, Q] -> [B, Q, Hq * D]
 // (a decode and its draft tokens). q's rows may be strided; caches [slots, Hkv, D]; slots [B, L].
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -291,10 +273,10 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   return out;
 }
 
-}  // namespace
+}  // namespace shardline_cpu
 
 TORCH_LIBRARY(shardline_cpu, m) {
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slots, Tensor lengths, "
         "float scale) -> Tensor");
-  m.impl("paged_decode_attention", c10::DispatchKey::CPU, &paged_decode_attention);
+  m.impl("paged_decode_attention", c10::DispatchKey::CPU, &shardline_cpu::paged_decode_attention);
 }

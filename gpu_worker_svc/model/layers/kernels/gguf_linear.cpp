@@ -18,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "cpu_ops.h"
 #include "gguf_dot.h"
 
 namespace shardline_gguf {
@@ -98,6 +99,13 @@ Quantized quantize_rows(const at::Tensor& x) {
   return q;
 }
 
+}  // namespace
+}  // namespace shardline_gguf
+
+namespace shardline_cpu {
+
+using namespace shardline_gguf;
+
 // panels: uint8 [ceil(out_features / 16), blocks * panel bytes], as layers/gguf.py lays them out.
 at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& panels, int64_t type, int64_t out_features,
                        const std::string& isa) {
@@ -126,6 +134,11 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& panels, int64_t ty
   return y;
 }
 
+}  // namespace shardline_cpu
+
+namespace shardline_gguf {
+namespace {
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> gguf_quantize_rows(const at::Tensor& x) {
   Quantized q = quantize_rows(x);
   return {q.codes, q.d, q.s};
@@ -143,7 +156,7 @@ std::vector<std::string> gguf_kernels() {
 
 TORCH_LIBRARY_FRAGMENT(shardline_cpu, m) {
   m.def("gguf_linear(Tensor x, Tensor panels, int type, int out_features, str isa=\"\") -> Tensor");
-  m.impl("gguf_linear", c10::DispatchKey::CPU, &shardline_gguf::gguf_linear);
+  m.impl("gguf_linear", c10::DispatchKey::CPU, &shardline_cpu::gguf_linear);
   m.def("gguf_quantize_rows(Tensor x) -> (Tensor, Tensor, Tensor)");
   m.impl("gguf_quantize_rows", c10::DispatchKey::CPU, &shardline_gguf::gguf_quantize_rows);
   m.def("gguf_kernels() -> str[]", &shardline_gguf::gguf_kernels);

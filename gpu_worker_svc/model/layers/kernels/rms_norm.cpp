@@ -12,6 +12,7 @@
 #include <cmath>
 #include <tuple>
 
+#include "cpu_ops.h"
 #include "vec16.h"
 
 namespace {
@@ -54,6 +55,10 @@ void norm_rows(const at::Tensor& x, const float* residual, const at::Tensor& wei
   });
 }
 
+}  // namespace
+
+namespace shardline_cpu {
+
 // x [T, n], weight [n] -> the norm of x [T, n].
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   check(x, weight);
@@ -73,11 +78,11 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
   return {out, sum};
 }
 
-}  // namespace
+}  // namespace shardline_cpu
 
 TORCH_LIBRARY_FRAGMENT(shardline_cpu, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
-  m.impl("rms_norm", c10::DispatchKey::CPU, &rms_norm);
+  m.impl("rms_norm", c10::DispatchKey::CPU, &shardline_cpu::rms_norm);
   m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
-  m.impl("add_rms_norm", c10::DispatchKey::CPU, &add_rms_norm);
+  m.impl("add_rms_norm", c10::DispatchKey::CPU, &shardline_cpu::add_rms_norm);
 }
