@@ -2,8 +2,9 @@
 
 A burst of requests then waits here, in a bounded line (the admission bound caps it), rather
 than as thousands of calls in the tokenizer's memory and in grpc's backlog of unread calls,
-which grpc sheds as bare CANCELLED. Detokenize, one batched call per engine step, and GetInfo,
-cached, pass straight through: the streams already running must not wait behind new arrivals.
+which grpc sheds as bare CANCELLED. Detokenize, one batched call per engine step, and GetInfo and
+GetDefinition, each asked once, pass straight through: the streams already running must not wait
+behind new arrivals.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ class BoundedTokenizer:
         self.peak = 0  # the most that ever did at once
         self.Detokenize = stub.Detokenize
         self.GetInfo = stub.GetInfo
+        self.GetDefinition = stub.GetDefinition
 
     @asynccontextmanager
     async def _slot(self) -> AsyncIterator[None]:

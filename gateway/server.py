@@ -71,7 +71,7 @@ async def start_gateway(settings: GatewaySettings, tracer: trace.Tracer | None =
     async with contextlib.AsyncExitStack() as undo:  # a failed start (a port taken) stops what it started
         backends = Backends(settings.tokenizer_address, settings.scheduler_address, settings.max_tokenizer_calls)
         undo.push_async_callback(backends.close)
-        hub = StreamHub(settings.gateway_id, backends)
+        hub = StreamHub(settings.gateway_id, backends, settings.local_detokenize)
         hub.start()
         undo.push_async_callback(hub.stop)
         if not await hub.wait_connected(STARTUP_SUBSCRIBE_WAIT_S):

@@ -46,6 +46,9 @@ class GatewaySettings(BaseSettings):
     max_admitting: int = Field(128, ge=64)
     # Tokenize, chat template and constraint calls in flight to the tokenizer; the rest wait their turn.
     max_tokenizer_calls: int = Field(32, ge=1)
+    # Detokenize the streams in-process, with the tokenizer's definition fetched once from the
+    # tokenizer service; off: one Detokenize call to the service per engine step.
+    local_detokenize: bool = True
     # After the scheduler answers that its queue is full, new requests get 429 at once for this long.
     queue_full_hold_s: float = Field(0.5, ge=0)
     # Largest HTTP request body; beyond it the gateway answers 413.

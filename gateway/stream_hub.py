@@ -1,9 +1,10 @@
 """The gateway's one Subscribe stream: every request's output, detokenized in one call per engine step.
 
 The scheduler sends ONE TokenBatch per worker step with the deltas of this gateway's requests. The
-hub turns all of them into text with ONE batched Tokenizer.Detokenize call, keeping each request's
-detokenize context (prefix) and unconsumed tokens (pending) itself, since the tokenizer service is
-stateless. It then matches stop strings and hands each request's consumer a StreamChunk.
+hub turns all of them into text with ONE batched detokenize call, in-process with the tokenizer's
+definition (local_detokenizer.py) or else through Tokenizer.Detokenize, keeping each request's
+detokenize context (prefix) and unconsumed tokens (pending) itself, since that call is stateless.
+It then matches stop strings and hands each request's consumer a StreamChunk.
 
 If the scheduler restarts or drops a slow subscriber, the hub reconnects with backoff and catches up
 every live request from its persisted record (Scheduler.GetRequest); offsets make duplicates harmless.
@@ -21,7 +22,7 @@ import grpc
 
 from gateway.backends import RPC_TIMEOUT_S, Backends
 from gateway.delta_stops import DeltaWork, Overshot, match_stops, stopped_by_token, unarmed_tokens
-from gateway.detokenize_retry import detokenize_retried
+from gateway.local_detokenizer import LocalDetokenizer
 from gateway.record_delta import record_delta
 from gateway.request_stream import TOKENIZER_DOWN, RequestStream, StreamChunk
 from gateway.resume_state import restore_held_back, tail
@@ -44,9 +45,10 @@ _MAX_BACKOFF_S = 2.0
 class StreamHub:
     """Consumes this gateway's Subscribe stream and feeds each live request's queue."""
 
-    def __init__(self, gateway_id: str, backends: Backends) -> None:
+    def __init__(self, gateway_id: str, backends: Backends, local_detokenize: bool = True) -> None:
         self._gateway_id = gateway_id
         self._backends = backends
+        self.detokenizer = LocalDetokenizer(backends, local_detokenize)
         self._streams: dict[str, RequestStream] = {}
         # One batch (or one Resume record) at a time: each changes the prefix and pending of its requests.
         self._lock = asyncio.Lock()
@@ -258,7 +260,7 @@ class StreamHub:
             )
         start_ns = time.time_ns()
         try:
-            tokenizer, reply = await detokenize_retried(self._backends, tokenizer_pb2.DetokenizeRequest(items=items))
+            tokenizer, reply = await self.detokenizer.detokenize(tokenizer_pb2.DetokenizeRequest(items=items))
         except ShardlineError as exc:
             logger.error("detokenize failed for %d requests: %s", len(work), exc)
             for w in work:

@@ -45,6 +45,7 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServicer):
         )
         if tokenizer.bos_token_id is not None:
             self._info.bos_token_id = tokenizer.bos_token_id
+        self._definition: tokenizer_pb2.TokenizerDefinition | None = None
         self._template: ChatTemplate | None = None
         # Kept so ApplyChatTemplate can say why there is no template (none, or one that does not compile).
         self._template_problem = ""
@@ -149,6 +150,15 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServicer):
         self, request: tokenizer_pb2.GetTokenizerInfoRequest, context: grpc.aio.ServicerContext
     ) -> tokenizer_pb2.TokenizerInfo:
         return self._info
+
+    async def GetDefinition(
+        self, request: tokenizer_pb2.GetTokenizerDefinitionRequest, context: grpc.aio.ServicerContext
+    ) -> tokenizer_pb2.TokenizerDefinition:
+        if self._definition is None:  # serialized once: a gateway asks when it starts, or after a failure
+            self._definition = tokenizer_pb2.TokenizerDefinition(
+                tokenizer_json=await asyncio.to_thread(self._tokenizer.backend.to_str), model=self._info.model
+            )
+        return self._definition
 
     async def CheckStructuredOutput(
         self, request: tokenizer_pb2.CheckStructuredOutputRequest, context: grpc.aio.ServicerContext

@@ -107,6 +107,16 @@ class Tokenizer:
         )
         return tokenizer
 
+    @classmethod
+    def from_definition(cls, tokenizer_json: str, model_name: str) -> Tokenizer:
+        """A tokenizer another process serialized (tokenizer_svc's GetDefinition), for detokenizing:
+        its vocabulary, added tokens and decoder; no chat template or BOS/EOS metadata."""
+        try:
+            backend = BackendTokenizer.from_str(tokenizer_json)
+        except Exception as exc:  # noqa: BLE001 - the Rust parser raises a bare Exception
+            raise TokenizerError(f"not a serialized tokenizer: {exc}") from None
+        return cls(backend, model_name=model_name, bos_token=None, eos_token=None, chat_template=None)
+
     def encode_batch(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
         """Token ids of each text; one call into the Rust batch encoder."""
         return [enc.ids for enc in self.backend.encode_batch_fast(texts, add_special_tokens=add_special_tokens)]

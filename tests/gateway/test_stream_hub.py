@@ -9,11 +9,13 @@ import subprocess
 import aiohttp
 import grpc
 import openai
+import pytest
 from opentelemetry import trace
 
-from gateway import detokenize_retry
+from gateway import detokenize_retry, local_detokenizer
 from gateway.request_stream import RequestStream
 from gateway.stop_matcher import StopMatcher
+from shardline.errors import Unavailable
 from shardline.ports import free_port
 from shardline.proto import common_pb2, generation_pb2, sampling_pb2
 from tests.gateway.conftest import TEXT, start_tokenizer
@@ -24,13 +26,26 @@ from tracing import attributes as attr
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 
 
-def test_one_detokenize_call_per_token_batch_for_all_requests(tokenizer_address, text_ids) -> None:
+@pytest.mark.parametrize("local", [True, False], ids=["in-process", "rpc"])
+def test_one_detokenize_call_per_token_batch_for_all_requests(tokenizer_address, text_ids, local, monkeypatch) -> None:
+    """In-process (the default) or through the tokenizer service's Detokenize, every TokenBatch costs
+    exactly one batched detokenize call, whatever the number of requests in it."""
+    items_per_call: list[int] = []
+    rpc_calls: list[int] = []
+    batch = local_detokenizer.detokenize_batch
+
+    def counting_batch(tokenizer, items):
+        items_per_call.append(len(items))
+        return batch(tokenizer, items)
+
+    monkeypatch.setattr(local_detokenizer, "detokenize_batch", counting_batch)
+
     async def body(stack: Stack) -> None:
         stub = stack.gateway.backends.tokenizer
-        detokenize, items_per_call = stub.Detokenize, []
+        detokenize = stub.Detokenize
 
         def counting(request, **kwargs):
-            items_per_call.append(len(request.items))
+            rpc_calls.append(len(request.items))
             return detokenize(request, **kwargs)
 
         stub.Detokenize = counting
@@ -44,12 +59,14 @@ def test_one_detokenize_call_per_token_batch_for_all_requests(tokenizer_address,
         stack.scheduler.release()
         results = await asyncio.gather(*requests)
         assert [r.choices[0].text for r in results] == [TEXT] * 3
-        # Every TokenBatch costs exactly one Detokenize call, whatever the number of requests in it.
-        assert len(items_per_call) == stack.scheduler.batches_sent
-        assert max(items_per_call) == 3
-        assert sum(items_per_call) == 3 * len(text_ids)  # one delta per token per request
+        calls = items_per_call if local else rpc_calls
+        assert (rpc_calls if local else items_per_call) == []
+        assert stack.gateway.hub.detokenizer.local_calls == len(items_per_call)
+        assert len(calls) == stack.scheduler.batches_sent
+        assert max(calls) == 3
+        assert sum(calls) == 3 * len(text_ids)  # one delta per token per request
 
-    run_on_stack(tokenizer_address, Script(text_ids, hold_after=1), body)
+    run_on_stack(tokenizer_address, Script(text_ids, hold_after=1), body, local_detokenize=local)
 
 
 def test_lost_subscription_reconnects_and_catches_up(tokenizer_address, text_ids) -> None:
@@ -326,8 +343,10 @@ def _start_own_tokenizer() -> tuple[int, subprocess.Popen]:
 
 
 def test_a_tokenizer_restart_pauses_the_streams_and_loses_nothing(text_ids) -> None:
-    """Killed mid-stream and started again on its port (as `shardline up` or compose does), the
-    tokenizer costs the streams a pause: Detokenize is retried, nothing is cancelled or lost."""
+    """Detokenizing through the service (SHARDLINE_LOCAL_DETOKENIZE=0, or before the gateway has the
+    tokenizer's definition): killed mid-stream and started again on its port (as `shardline up` or
+    compose does), the tokenizer costs the streams a pause: Detokenize is retried, nothing is
+    cancelled or lost."""
     port, process = _start_own_tokenizer()
 
     async def body(stack: Stack) -> None:
@@ -349,10 +368,61 @@ def test_a_tokenizer_restart_pauses_the_streams_and_loses_nothing(text_ids) -> N
         assert stack.scheduler.cancelled == []
 
     try:
+        run_on_stack(f"127.0.0.1:{port}", Script(text_ids, hold_after=3), body, local_detokenize=False)
+    finally:
+        process.kill()
+        process.wait()
+
+
+def test_in_process_detokenizing_streams_on_through_a_dead_tokenizer(text_ids) -> None:
+    """With the tokenizer's definition loaded, the streams no longer need the tokenizer service."""
+    port, process = _start_own_tokenizer()
+
+    async def body(stack: Stack) -> None:
+        call = stack.generation.GenerateStream(generation_pb2.GenerateRequest(prompt="hi"))
+        chunks = [await call.read()]
+        while len(stack.scheduler.records[chunks[0].request_id].output) < 3:
+            await asyncio.sleep(0.01)
+        process.kill()
+        process.wait()
+        stack.scheduler.release()
+        while (chunk := await call.read()) is not grpc.aio.EOF:
+            chunks.append(chunk)
+        assert "".join(c.text for c in chunks) == TEXT
+        assert [t for c in chunks for t in c.token_ids] == text_ids
+        assert chunks[-1].finish_reason == sampling_pb2.FINISH_REASON_STOP
+        assert stack.gateway.hub.detokenizer.local_calls >= 2
+
+    try:
         run_on_stack(f"127.0.0.1:{port}", Script(text_ids, hold_after=3), body)
     finally:
         process.kill()
         process.wait()
+
+
+def test_a_definition_that_does_not_load_leaves_the_streams_to_the_detokenize_rpc(
+    tokenizer_address, text_ids, monkeypatch
+) -> None:
+    """A tokenizer service without GetDefinition (an older one) or a definition that fails to build:
+    each step goes to Detokenize, the text is the same, and the fetch is tried again later."""
+    monkeypatch.setattr(local_detokenizer, "RETRY_S", 0.0)
+    fetches: list[int] = []
+
+    async def body(stack: Stack) -> None:
+        stub = stack.gateway.backends.tokenizer
+
+        async def unimplemented(request, **kwargs):
+            fetches.append(1)
+            raise Unavailable("the tokenizer has no GetDefinition")
+
+        stub.GetDefinition = unimplemented
+        call = stack.generation.GenerateStream(generation_pb2.GenerateRequest(prompt="hi"))
+        chunks = [chunk async for chunk in call]
+        assert "".join(c.text for c in chunks) == TEXT
+        assert stack.gateway.hub.detokenizer.local_calls == 0
+        assert len(fetches) >= 2  # tried again, past RETRY_S
+
+    run_on_stack(tokenizer_address, Script(text_ids), body)
 
 
 def test_a_tokenizer_that_stays_down_fails_streams_as_unavailable_and_the_requests_run_on(
@@ -385,7 +455,7 @@ def test_a_tokenizer_that_stays_down_fails_streams_as_unavailable_and_the_reques
         assert stack.scheduler.records[rid].output == text_ids
 
     try:
-        run_on_stack(f"127.0.0.1:{port}", Script(text_ids, hold_after=3), body)
+        run_on_stack(f"127.0.0.1:{port}", Script(text_ids, hold_after=3), body, local_detokenize=False)
     finally:
         process.kill()
         process.wait()

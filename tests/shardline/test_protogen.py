@@ -164,6 +164,7 @@ def test_services_expose_the_contracted_rpcs(tmp_path: Path) -> None:
         "ApplyChatTemplate": unary,
         "Detokenize": unary,
         "GetInfo": unary,
+        "GetDefinition": unary,
         "CheckStructuredOutput": unary,
     }
     assert services["Scheduler"] == {
