@@ -16,7 +16,7 @@ import grpc
 from shardline.errors import InvalidArgument
 from shardline.proto import common_pb2, tokenizer_pb2, tokenizer_pb2_grpc
 from shardline.text.chat_template import ChatTemplate, ChatTemplateError
-from shardline.text.detokenizer import PREFIX_WINDOW, DetokenizeItem, detokenize_batch
+from shardline.text.detokenizer import PREFIX_WINDOW, checked_item, detokenize_batch
 from shardline.text.tokenizer import Tokenizer
 from tokenizer_svc.chat_messages import template_messages, template_tools, template_variables
 from tokenizer_svc.prompt_size import PromptSize
@@ -121,7 +121,11 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServicer):
     async def Detokenize(
         self, request: tokenizer_pb2.DetokenizeRequest, context: grpc.aio.ServicerContext
     ) -> tokenizer_pb2.DetokenizeResponse:
-        items = [self._item(i, item) for i, item in enumerate(request.items)]
+        vocab = self._tokenizer.vocab_size
+        items = [
+            checked_item(i, it.prefix_token_ids, it.new_token_ids, it.skip_special_tokens, it.final, vocab)
+            for i, it in enumerate(request.items)
+        ]
         results = await asyncio.to_thread(detokenize_batch, self._tokenizer, items)
         token_bytes = self._tokenizer.token_bytes
         return tokenizer_pb2.DetokenizeResponse(
@@ -131,19 +135,6 @@ class TokenizerService(tokenizer_pb2_grpc.TokenizerServicer):
                 )
                 for (text, n), item in zip(results, request.items)
             ]
-        )
-
-    def _item(self, index: int, item: tokenizer_pb2.DetokenizeItem) -> DetokenizeItem:
-        # The Rust decoder silently drops unknown ids, which would hide a caller's bug as missing text.
-        vocab = self._tokenizer.vocab_size
-        for field in ("prefix_token_ids", "new_token_ids"):
-            ids = getattr(item, field)
-            if ids and max(ids) >= vocab:
-                raise InvalidArgument(
-                    f"items[{index}].{field}", f"token id {max(ids)} is outside the vocabulary (size {vocab})"
-                )
-        return DetokenizeItem(
-            list(item.prefix_token_ids), list(item.new_token_ids), item.skip_special_tokens, item.final
         )
 
     async def GetInfo(

@@ -33,6 +33,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from shardline.errors import InvalidArgument
 from shardline.text.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -55,6 +56,25 @@ class DetokenizeItem:
     new_token_ids: list[int]  # tokens to turn into text: the ones held back last time, then the new ones
     skip_special_tokens: bool = True  # leave special tokens (<|im_end|>, ...) out of the text
     final: bool = False  # the request is over: emit everything, even an incomplete character
+
+
+def checked_item(
+    index: int,
+    prefix_token_ids: Sequence[int],
+    new_token_ids: Sequence[int],
+    skip_special_tokens: bool,
+    final: bool,
+    vocab_size: int,
+) -> DetokenizeItem:
+    """Item `index` of a batch, from its wire form; InvalidArgument naming its field for an id outside
+    the vocabulary: the Rust decoder silently drops unknown ids, which would hide a caller's bug as
+    missing text."""
+    for field, ids in (("prefix_token_ids", prefix_token_ids), ("new_token_ids", new_token_ids)):
+        if ids and max(ids) >= vocab_size:
+            raise InvalidArgument(
+                f"items[{index}].{field}", f"token id {max(ids)} is outside the vocabulary (size {vocab_size})"
+            )
+    return DetokenizeItem(list(prefix_token_ids), list(new_token_ids), skip_special_tokens, final)
 
 
 def detokenize_incremental(
