@@ -61,8 +61,7 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        fused = gate_up.device.type == "cpu" and gate_up.dtype == torch.float32 and gate_up.is_contiguous()
-        silu_mul = cpu_build.silu_mul() if fused and gate_up.dim() == 2 else None
+        silu_mul = cpu_build.silu_mul() if _cpu_rows(gate_up) else None
         if silu_mul is not None:  # CPU: one pass, kernels/silu_mul.cpp
             return self.down_proj(silu_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)
@@ -74,6 +73,11 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj.weight.data[up] /= s[:, None]
         if self.gate_up_proj.bias is not None:
             self.gate_up_proj.bias.data[up] /= s
+
+
+def _cpu_rows(x: torch.Tensor) -> bool:
+    """Contiguous float32 rows on CPU [T, n]: what the CPU kernels take."""
+    return x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and x.is_contiguous()
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -42,17 +42,9 @@ class PagedAttention(nn.Module):
     def rope_writer(self, qkv: torch.Tensor, kv_cache: torch.Tensor) -> Callable | None:
         """kernels/rotary_cache.cpp, which rotates a step's queries and keys and writes its keys and
         values into the cache, where the decode kernel then takes every query (CPU, float32); else None."""
-        if (
-            not self.cpu_kernel_fits
-            or qkv.device.type != "cpu"
-            or qkv.dtype != torch.float32
-            or kv_cache.dtype != torch.float32
-            or qkv.dim() != 2
-            or not qkv.is_contiguous()
-        ):
-            return None
-        # Only where the decode kernel then takes every query: torch's prefill attention reads k, v.
-        return cpu_build.rope_cache_write() if cpu_build.paged_decode_attention() is not None else None
+        if not self.kernel_takes_every_query(qkv.device.type, qkv.dtype) or kv_cache.dtype != torch.float32:
+            return None  # torch's prefill attention reads the step's k, v, which the op does not return
+        return cpu_build.rope_cache_write() if qkv.dim() == 2 and qkv.is_contiguous() else None
 
     def attend(
         self,
