@@ -17,10 +17,10 @@ from redis.exceptions import RedisError
 
 from batch_svc.chunk_runner import ChunkRunner
 from batch_svc.settings import BatchSettings
-from shardline.batch.batch_store import BatchStore
-from shardline.batch.celery_wiring import RUN_CHUNK_TASK, celery_app
-from shardline.batch.file_store import LocalFileStore
-from shardline.errors import Unavailable
+from shardline.core.batch.batch_store import BatchStore
+from shardline.core.batch.celery_wiring import RUN_CHUNK_TASK, celery_app
+from shardline.core.batch.file_store import LocalFileStore
+from shardline.core.errors import Unavailable
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +68,7 @@ def build_app(settings: BatchSettings) -> Celery:
         # A store per run: its connections belong to this run's event loop.
         store = BatchStore(settings.redis_url)
         try:
-            runner = ChunkRunner(settings, store, files, trace.get_tracer("shardline.batch"))
+            runner = ChunkRunner(settings, store, files, trace.get_tracer("shardline.core.batch"))
             return await runner.run(batch_id, chunk)
         finally:
             await store.close()

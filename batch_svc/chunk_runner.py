@@ -21,11 +21,11 @@ from batch_svc.finalize import finalize
 from batch_svc.line_client import LineClient, LineResult, Stopped
 from batch_svc.metrics import CHUNKS, IN_FLIGHT, LINES
 from batch_svc.settings import BatchSettings
-from shardline.batch.batch_record import TERMINAL, BatchRecord
-from shardline.batch.batch_store import BatchStore
-from shardline.batch.file_store import FileStore
-from shardline.batch.input_lines import BatchLine, Chunk, read_chunk
-from shardline.batch.output_lines import error_line, output_line
+from shardline.core.batch.batch_record import TERMINAL, BatchRecord
+from shardline.core.batch.batch_store import BatchStore
+from shardline.core.batch.file_store import FileStore
+from shardline.core.batch.input_lines import BatchLine, Chunk, read_chunk
+from shardline.core.batch.output_lines import error_line, output_line
 from shardline.proto import common_pb2, generation_pb2_grpc
 from tracing import attributes as attr
 

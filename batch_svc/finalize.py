@@ -11,9 +11,9 @@ import asyncio
 import logging
 
 from batch_svc.metrics import BATCHES
-from shardline.batch.batch_record import TERMINAL, BatchRecord
-from shardline.batch.batch_store import BatchStore
-from shardline.batch.file_store import FileObject, FileStore, now_s
+from shardline.core.batch.batch_record import TERMINAL, BatchRecord
+from shardline.core.batch.batch_store import BatchStore
+from shardline.core.batch.file_store import FileObject, FileStore, now_s
 
 logger = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ import aiohttp
 from opentelemetry import propagate
 
 from batch_svc.aimd import AimdLimit
-from shardline.batch.input_lines import BatchLine
+from shardline.core.batch.input_lines import BatchLine
 
 logger = logging.getLogger(__name__)
 

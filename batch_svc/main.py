@@ -17,7 +17,7 @@ from celery import signals
 from batch_svc.app import build_app
 from batch_svc.health import HealthServer
 from batch_svc.settings import BatchSettings
-from shardline.service_main import run_service, started
+from shardline.core.service_main import run_service, started
 from tracing.otel_setup import setup_tracing
 
 
@@ -39,7 +39,7 @@ def serve(settings: BatchSettings) -> int:
     app = build_app(settings)
     health = HealthServer(settings.batch_health_port, settings.redis_url)
     signals.worker_ready.connect(lambda **_: health.ready.set(), weak=False)
-    logging.getLogger("shardline.batch").info("batch worker: /health and /metrics on %d", health.port)
+    logging.getLogger("shardline.core.batch").info("batch worker: /health and /metrics on %d", health.port)
     started()
     try:
         app.worker_main(

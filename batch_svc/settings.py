@@ -7,7 +7,7 @@ import socket
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from shardline.batch.celery_wiring import DEFAULT_VISIBILITY_TIMEOUT_S
+from shardline.core.batch.celery_wiring import DEFAULT_VISIBILITY_TIMEOUT_S
 
 
 class BatchSettings(BaseSettings):

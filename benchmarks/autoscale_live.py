@@ -27,10 +27,10 @@ from pathlib import Path
 
 import grpc
 
-from shardline.autoscale.local_driver import LocalWorkerScaler
 from shardline.client import ShardlineClient
 from shardline.proto import scheduler_pb2, scheduler_pb2_grpc
-from shardline.stack import LocalStack, StackConfig
+from shardline.stack.local_scaler import LocalWorkerScaler
+from shardline.stack.local_stack import LocalStack, StackConfig
 
 
 def parse_args() -> argparse.Namespace:

@@ -22,11 +22,11 @@ from pathlib import Path
 
 import numpy as np
 
-from shardline.autoscale.policy import AutoscaleConfig
-from shardline.autoscale.sim_report import SimResult, SloTargets
-from shardline.autoscale.simulator import WorkerModel, simulate
-from shardline.autoscale.trace import Trace
-from shardline.autoscale.trace_shapes import generate_trace
+from scheduler_svc.autoscale.policy import AutoscaleConfig
+from scheduler_svc.autoscale.sim_report import SimResult, SloTargets
+from scheduler_svc.autoscale.simulator import WorkerModel, simulate
+from scheduler_svc.autoscale.trace import Trace
+from scheduler_svc.autoscale.trace_shapes import generate_trace
 
 logger = logging.getLogger("autoscale_sim")
 TRACES = {"diurnal": (24.0, 4.0), "burst": (6.0, 1.5), "ramp": (12.0, 1.5)}  # hours, base requests/s

@@ -31,7 +31,7 @@ import openai
 from shardline.bench.backends import StackBackend
 from shardline.bench.load import LoadSpec, run_load
 from shardline.bench.metrics import summarize
-from shardline.stack import LocalStack, StackConfig
+from shardline.stack.local_stack import LocalStack, StackConfig
 
 logger = logging.getLogger("batch_api")
 # The batch worker's defaults (batch_svc/settings.py): chunks at once, times each one's most in flight.

@@ -30,7 +30,7 @@ from gpu_worker_svc.engine.ngram_proposer import SpeculativeConfig
 from gpu_worker_svc.engine.sampling_params import SamplingParams
 from gpu_worker_svc.model.dummy import dummy_config, is_dummy
 from gpu_worker_svc.model.layers.quantize import CPU_WEIGHT_FORMATS
-from shardline.model_path import resolve_model_path
+from shardline.core.model_path import resolve_model_path
 
 PEAK_BANDWIDTH = {"cuda": 4.8e12}  # H200 HBM3e, bytes/s
 

@@ -20,8 +20,8 @@ from gpu_worker_svc.engine.llm_engine import EngineConfig, LLMEngine
 from gpu_worker_svc.engine.model_runner import RunnerConfig
 from gpu_worker_svc.engine.sampling_params import SamplingParams
 from gpu_worker_svc.model.layers.quantize import CPU_WEIGHT_FORMATS
-from shardline.model_path import resolve_model_path
-from shardline.text.tokenizer import Tokenizer
+from shardline.core.model_path import resolve_model_path
+from shardline.core.text.tokenizer import Tokenizer
 
 TEXTS = [
     "The capital of France is",

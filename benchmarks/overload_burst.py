@@ -32,9 +32,9 @@ from pathlib import Path
 import grpc
 from aiohttp import web
 
-from shardline.ports import free_port
+from shardline.core.ports import free_port
 from shardline.proto import generation_pb2, generation_pb2_grpc
-from shardline.stack import LocalStack, StackConfig
+from shardline.stack.local_stack import LocalStack, StackConfig
 
 
 def parse_args() -> argparse.Namespace:

@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     stack = None
     url = args.url
     if url is None:
-        from shardline.stack import LocalStack, StackConfig
+        from shardline.stack.local_stack import LocalStack, StackConfig
 
         stack = LocalStack(StackConfig.on_free_ports()).start()
         url = f"127.0.0.1:{stack.config.grpc_port}"

@@ -21,7 +21,7 @@ from shardline.bench.openai_backend import OpenAIBackend
 from shardline.bench.tenant_load import TenantRun, run_tenants
 from shardline.bench.tenant_report import workload_report
 from shardline.bench.tenant_workload import TenantSpec, TenantWorkload
-from shardline.stack import LocalStack, StackConfig
+from shardline.stack.local_stack import LocalStack, StackConfig
 
 logger = logging.getLogger("tenant_stacks")
 

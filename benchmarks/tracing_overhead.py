@@ -25,7 +25,7 @@ import redis
 from shardline.bench.backends import StackBackend
 from shardline.bench.load import LoadSpec, run_load
 from shardline.bench.metrics import summarize
-from shardline.stack import LocalStack, StackConfig
+from shardline.stack.local_stack import LocalStack, StackConfig
 from tracing.collector.span_store import PREFIX
 
 logger = logging.getLogger("tracing_overhead")

@@ -44,6 +44,8 @@ import redis as redis_py
 
 from shardline.client import AsyncShardlineClient
 from shardline.client.channel_options import CHANNEL_OPTIONS
+from shardline.core.store.request_record import RequestRecord
+from shardline.core.store.request_store import PREFIX, RequestStore
 from shardline.proto import (
     common_pb2,
     generation_pb2,
@@ -54,9 +56,7 @@ from shardline.proto import (
     worker_pb2,
     worker_pb2_grpc,
 )
-from shardline.redis_server import EmbeddedRedis
-from shardline.request_record import RequestRecord
-from shardline.request_store import PREFIX, RequestStore
+from shardline.stack.redis_server import EmbeddedRedis
 
 _LENGTH = sampling_pb2.FINISH_REASON_LENGTH
 

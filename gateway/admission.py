@@ -16,7 +16,7 @@ from contextlib import contextmanager
 
 from prometheus_client import Counter
 
-from shardline.errors import ResourceExhausted
+from shardline.core.errors import ResourceExhausted
 
 logger = logging.getLogger(__name__)
 

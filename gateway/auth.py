@@ -10,7 +10,7 @@ import grpc
 from aiohttp import web
 
 from gateway.tenants import OWNER_CHARS, TenantDirectory, key_digest
-from shardline.errors import Unauthenticated
+from shardline.core.errors import Unauthenticated
 
 # Paths that answer without a key: load balancers and Prometheus do not carry one.
 OPEN_PATHS = frozenset(("/health", "/metrics"))

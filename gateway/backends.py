@@ -10,7 +10,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.bounded_tokenizer import BoundedTokenizer
-from shardline.errors import (
+from shardline.core.errors import (
     AlreadyExists,
     InvalidArgument,
     NotFound,
@@ -18,7 +18,7 @@ from shardline.errors import (
     ShardlineError,
     Unavailable,
 )
-from shardline.grpc_server import GRPC_OPTIONS
+from shardline.core.grpc_server import GRPC_OPTIONS
 from shardline.proto import scheduler_pb2_grpc, tokenizer_pb2, tokenizer_pb2_grpc
 from tracing.grpc_context import aio_client_interceptors
 

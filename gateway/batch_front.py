@@ -18,10 +18,10 @@ from gateway.batch_service import BatchService
 from gateway.batches_http import BatchesApi
 from gateway.files_http import FilesApi
 from gateway.settings import GatewaySettings
-from shardline.batch.batch_store import BatchStore
-from shardline.batch.celery_wiring import celery_app
-from shardline.batch.file_store import LocalFileStore
-from shardline.errors import Unavailable
+from shardline.core.batch.batch_store import BatchStore
+from shardline.core.batch.celery_wiring import celery_app
+from shardline.core.batch.file_store import LocalFileStore
+from shardline.core.errors import Unavailable
 
 OFF_MESSAGE = "the Batch API is off on this gateway: it needs Redis; set SHARDLINE_REDIS_URL"
 _PATHS = ("/v1/files", "/v1/files/{tail:.*}", "/v1/batches", "/v1/batches/{tail:.*}")

@@ -18,12 +18,12 @@ from typing import IO, Any, BinaryIO
 from celery import Celery
 
 from gateway.openai_request import parse_request
-from shardline.batch.batch_record import COMPLETION_WINDOWS, TERMINAL, BatchRecord, new_batch_id
-from shardline.batch.batch_store import BatchStore
-from shardline.batch.celery_wiring import enqueue_chunks
-from shardline.batch.file_store import PURPOSES, FileObject, FileStore, new_file_id, now_s, read_chunks
-from shardline.batch.input_lines import ENDPOINTS, MAX_FILE_BYTES, CheckedInput, check_input
-from shardline.errors import FailedPrecondition, InvalidArgument, NotFound
+from shardline.core.batch.batch_record import COMPLETION_WINDOWS, TERMINAL, BatchRecord, new_batch_id
+from shardline.core.batch.batch_store import BatchStore
+from shardline.core.batch.celery_wiring import enqueue_chunks
+from shardline.core.batch.file_store import PURPOSES, FileObject, FileStore, new_file_id, now_s, read_chunks
+from shardline.core.batch.input_lines import ENDPOINTS, MAX_FILE_BYTES, CheckedInput, check_input
+from shardline.core.errors import FailedPrecondition, InvalidArgument, NotFound
 
 CREATE_FIELDS = frozenset({"input_file_id", "endpoint", "completion_window", "metadata"})
 # OpenAI's limits on a batch's metadata.

@@ -14,9 +14,9 @@ from gateway.auth import ApiKeys
 from gateway.batch_front import OFF_MESSAGE
 from gateway.batch_service import LIST_LIMIT, BatchService, UploadSpool
 from gateway.files_http import READ_BYTES
-from shardline.batch.batch_record import STATUSES, TIMESTAMPS, BatchRecord
-from shardline.batch.file_store import FileObject
-from shardline.errors import InvalidArgument, ShardlineError, Unavailable
+from shardline.core.batch.batch_record import STATUSES, TIMESTAMPS, BatchRecord
+from shardline.core.batch.file_store import FileObject
+from shardline.core.errors import InvalidArgument, ShardlineError, Unavailable
 from shardline.proto import batches_pb2, batches_pb2_grpc
 
 SERVICE_NAME = batches_pb2.DESCRIPTOR.services_by_name["Batches"].full_name

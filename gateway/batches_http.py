@@ -13,7 +13,7 @@ from aiohttp import web
 
 from gateway.batch_service import LIST_LIMIT, BatchService
 from gateway.files_http import FilesApi
-from shardline.errors import InvalidArgument
+from shardline.core.errors import InvalidArgument
 
 
 class BatchesApi:

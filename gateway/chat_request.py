@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from shardline.errors import InvalidArgument
+from shardline.core.errors import InvalidArgument
 from shardline.proto import sampling_pb2, tokenizer_pb2
 
 # The speakers a turn may have (ChatMessage.role); the HTTP API maps OpenAI's "developer" to "system".

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from gateway.request_stream import StreamChunk, failure_of
-from shardline.errors import ShardlineError
+from shardline.core.errors import ShardlineError
 from shardline.proto import sampling_pb2
 
 

@@ -7,7 +7,7 @@ import logging
 import time
 
 from gateway.backends import Backends, upstream
-from shardline.errors import Unavailable
+from shardline.core.errors import Unavailable
 from shardline.proto import tokenizer_pb2
 
 logger = logging.getLogger(__name__)

@@ -12,7 +12,7 @@ from aiohttp import BodyPartReader, web
 
 from gateway.auth import ApiKeys
 from gateway.batch_service import BatchService, UploadSpool
-from shardline.errors import InvalidArgument
+from shardline.core.errors import InvalidArgument
 
 # Bytes read from an upload, or sent of a download, at a time.
 READ_BYTES = 1 << 20

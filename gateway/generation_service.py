@@ -19,8 +19,8 @@ from gateway.slo_params import Slo, checked_target
 from gateway.tenant_limiter import RateLimited
 from gateway.tool_calls import ToolCallOutput
 from gateway.tool_params import ToolRequest, constrain, keep_tool_call_tags, resolve_parser, tools_from_grpc
-from shardline.errors import InvalidArgument, NotFound, Unavailable
-from shardline.ids import require_id
+from shardline.core.errors import InvalidArgument, NotFound, Unavailable
+from shardline.core.ids import require_id
 from shardline.proto import common_pb2, generation_pb2, generation_pb2_grpc, sampling_pb2, scheduler_pb2, tokenizer_pb2
 from tracing import attributes as attr
 

@@ -7,7 +7,7 @@ import logging
 
 from gateway.backends import Backends
 from gateway.stream_hub import StreamHub
-from shardline.grpc_server import RunningServer
+from shardline.core.grpc_server import RunningServer
 
 logger = logging.getLogger(__name__)
 

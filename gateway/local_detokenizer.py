@@ -4,7 +4,7 @@ A Detokenize call costs far more in gRPC than in detokenizing: at concurrency 1,
 token took the tokenizer service 9% of a core and the gateway's call another 2%, ~1.4 ms of CPU a
 token on the cores the worker decodes on, for ~10 us of work. So the hub fetches the tokenizer's
 definition once (Tokenizer.GetDefinition) and runs the code the service runs
-(shardline/text/detokenizer.py) in-process, as vLLM's and TGI's front ends do. Once it has it, a
+(shardline/core/text/detokenizer.py) in-process, as vLLM's and TGI's front ends do. Once it has it, a
 tokenizer restart no longer pauses the streams either.
 
 Until then (the tokenizer not up yet; a failure, retried every RETRY_S), and with
@@ -21,10 +21,10 @@ import grpc
 
 from gateway.backends import RPC_TIMEOUT_S, Backends, upstream
 from gateway.detokenize_retry import detokenize_retried
-from shardline.errors import ShardlineError
+from shardline.core.errors import ShardlineError
+from shardline.core.text.detokenizer import checked_item, detokenize_batch
+from shardline.core.text.tokenizer import Tokenizer, TokenizerError
 from shardline.proto import tokenizer_pb2
-from shardline.text.detokenizer import checked_item, detokenize_batch
-from shardline.text.tokenizer import Tokenizer, TokenizerError
 
 logger = logging.getLogger(__name__)
 

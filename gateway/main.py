@@ -9,7 +9,7 @@ import sys
 
 from gateway.server import serve
 from gateway.settings import GatewaySettings
-from shardline.service_main import run_service
+from shardline.core.service_main import run_service
 
 
 def parse_settings(argv: list[str] | None) -> GatewaySettings:

@@ -27,7 +27,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from gateway.tenants import DEFAULT_TENANT
-from shardline.errors import ShardlineError
+from shardline.core.errors import ShardlineError
 from shardline.proto import scheduler_pb2, scheduler_pb2_grpc
 from tracing.metrics import (
     AUTOSCALER_DESIRED,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from shardline.errors import InvalidArgument
+from shardline.core.errors import InvalidArgument
 
 # Read by both endpoints (sampling, streaming, structured output, vLLM's extensions).
 _COMMON = frozenset(

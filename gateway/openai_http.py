@@ -30,8 +30,8 @@ from gateway.request_runner import ModelNotFound, RequestRunner
 from gateway.tenant_limiter import RateLimited
 from gateway.tokenize_http import TokenizeApi
 from gateway.tool_params import keep_tool_call_tags, resolve_parser
-from shardline.errors import InvalidArgument, ShardlineError
-from shardline.ids import require_id
+from shardline.core.errors import InvalidArgument, ShardlineError
+from shardline.core.ids import require_id
 from shardline.proto import generation_pb2, sampling_pb2
 from tracing import attributes as attr
 from tracing.grpc_context import start_http_server_span

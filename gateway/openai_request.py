@@ -13,7 +13,7 @@ from gateway.request_runner import Prompt
 from gateway.slo_params import Slo, slo_from_openai
 from gateway.structured_params import structured_output_from_openai
 from gateway.tool_params import ToolRequest, constrain, tool_calls_from_message, tools_from_openai
-from shardline.errors import InvalidArgument
+from shardline.core.errors import InvalidArgument
 from shardline.proto import sampling_pb2
 
 # OpenAI's newer "developer" role is the system prompt under another name; templates know only "system".

@@ -12,7 +12,7 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
-from shardline.errors import InvalidArgument
+from shardline.core.errors import InvalidArgument
 from shardline.proto import sampling_pb2
 
 MAX_STOP_STRINGS = 16

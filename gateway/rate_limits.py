@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
-from shardline.redis_pool import async_redis
+from shardline.core.store.redis_pool import async_redis
 
 PREFIX = "shardline:ratelimit:"
 WINDOW_S = 60.0  # every limit is per minute

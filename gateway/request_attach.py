@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from gateway.backends import RPC_TIMEOUT_S, upstream
 from gateway.request_stream import RequestStream
 from gateway.stop_matcher import StopMatcher
-from shardline.errors import AlreadyExists
+from shardline.core.errors import AlreadyExists
 from shardline.proto import common_pb2, sampling_pb2, scheduler_pb2
 
 if TYPE_CHECKING:

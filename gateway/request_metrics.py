@@ -21,7 +21,7 @@ from gateway.metrics import (
     TENANT_TIME_TO_FIRST_TOKEN,
 )
 from gateway.request_stream import StreamTiming
-from shardline.errors import SLO_UNMET
+from shardline.core.errors import SLO_UNMET
 from shardline.proto import sampling_pb2
 from tracing import attributes as attr
 from tracing.metrics import MODEL_LABEL, REQUEST_DURATION, TIME_PER_OUTPUT_TOKEN, TIME_TO_FIRST_TOKEN

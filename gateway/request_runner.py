@@ -31,7 +31,7 @@ from gateway.stream_hub import StreamHub
 from gateway.tenant_limiter import Hold, RateLimited, limiter_for
 from gateway.tenants import Tenant, TenantDirectory, tenant_of
 from gateway.tenants_redis import RedisTenantDirectory
-from shardline.errors import (
+from shardline.core.errors import (
     AlreadyExists,
     DeadlineExceeded,
     InvalidArgument,

@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from gateway.stop_matcher import StopMatcher
-from shardline.errors import (
+from shardline.core.errors import (
     SLO_UNMET,
     STREAM_INTERRUPTED,
     DeadlineExceeded,

@@ -22,9 +22,9 @@ from gateway.settings import GatewaySettings
 from gateway.stream_hub import StreamHub
 from gateway.tenant_limiter import TenantLimiter
 from gateway.tenants import TenantDirectory
-from shardline.grpc_server import GrpcService, RunningServer, start_grpc_server
+from shardline.core.grpc_server import GrpcService, RunningServer, start_grpc_server
+from shardline.core.service_main import started
 from shardline.proto import batches_pb2_grpc, generation_pb2, generation_pb2_grpc
-from shardline.service_main import started
 from tracing.grpc_context import TracingServerInterceptor
 from tracing.otel_setup import setup_tracing
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gateway.params import json_field
-from shardline.errors import InvalidArgument
+from shardline.core.errors import InvalidArgument
 
 # Longer targets are no targets: they would order nothing against the gateway's own timeouts.
 MAX_TTFT_TARGET_S = 24 * 3600.0

@@ -27,7 +27,7 @@ from gateway.record_delta import record_delta
 from gateway.request_stream import TOKENIZER_DOWN, RequestStream, StreamChunk
 from gateway.resume_state import restore_held_back, tail
 from gateway.stop_search import StopSearch, find_stop_tokens
-from shardline.errors import FailedPrecondition, ShardlineError, Unavailable
+from shardline.core.errors import FailedPrecondition, ShardlineError, Unavailable
 from shardline.proto import common_pb2, sampling_pb2, scheduler_pb2, tokenizer_pb2
 
 logger = logging.getLogger(__name__)

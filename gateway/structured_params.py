@@ -14,7 +14,7 @@ import json
 from typing import Any
 
 from gateway.params import json_field
-from shardline.errors import InvalidArgument
+from shardline.core.errors import InvalidArgument
 from shardline.proto import sampling_pb2
 
 # vLLM's names, each with the StructuredOutput field it sets.

@@ -31,7 +31,7 @@ from gateway.rate_limits import Ask, Bucket, RateLimitStore, Verdict
 from gateway.request_stream import TOKENIZER_DOWN, StreamChunk
 from gateway.settings import GatewaySettings
 from gateway.tenants import Tenant, TenantDirectory
-from shardline.errors import STREAM_INTERRUPTED, InvalidArgument, ResourceExhausted
+from shardline.core.errors import STREAM_INTERRUPTED, InvalidArgument, ResourceExhausted
 from shardline.proto import common_pb2, sampling_pb2
 
 logger = logging.getLogger(__name__)

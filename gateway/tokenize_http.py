@@ -16,7 +16,7 @@ from gateway.openai_request import chat_messages
 from gateway.params import ContextLengthExceeded, json_field
 from gateway.request_runner import ModelNotFound, RequestRunner, prompt_texts
 from gateway.tool_params import tools_from_openai
-from shardline.errors import InvalidArgument
+from shardline.core.errors import InvalidArgument
 from shardline.proto import tokenizer_pb2
 
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from gateway.params import json_field
-from shardline.errors import InvalidArgument
+from shardline.core.errors import InvalidArgument
 from shardline.proto import generation_pb2, sampling_pb2
 from shardline.structured_output import MAX_SPEC_CHARS
 

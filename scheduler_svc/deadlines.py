@@ -9,8 +9,8 @@ from collections.abc import Awaitable, Callable, Coroutine
 from scheduler_svc.live_request import LiveRequest
 from scheduler_svc.request_queue import RequestQueue
 from scheduler_svc.request_table import Outcome, RequestTable
-from shardline.errors import SLO_UNMET
-from shardline.request_record import FinishReason, RequestStatus
+from shardline.core.errors import SLO_UNMET
+from shardline.core.store.request_record import FinishReason, RequestStatus
 
 log = logging.getLogger(__name__)
 

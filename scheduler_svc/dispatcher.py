@@ -20,10 +20,10 @@ from scheduler_svc.settings import SchedulerSettings
 from scheduler_svc.store_outage import StoreOutage
 from scheduler_svc.worker_registry import WorkerRegistry
 from scheduler_svc.worker_session import WorkerSession
-from shardline.errors import NotFound, ShardlineError
+from shardline.core.errors import NotFound, ShardlineError
+from shardline.core.store.request_record import FinishReason, RequestStatus
+from shardline.core.store.request_store import RequestStore, StoreUnavailable
 from shardline.proto import worker_pb2
-from shardline.request_record import FinishReason, RequestStatus
-from shardline.request_store import RequestStore, StoreUnavailable
 from tracing import attributes as attr
 from tracing.grpc_context import extract_context
 from tracing.metrics import QUEUE_DEPTH, RUNNING_REQUESTS

@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 from google.protobuf import json_format
 from opentelemetry import trace
 
+from shardline.core.store.request_record import RequestRecord
 from shardline.proto import sampling_pb2, worker_pb2
-from shardline.request_record import RequestRecord
 from tracing import attributes as attr
 from tracing.grpc_context import extract_context
 

@@ -6,7 +6,7 @@ import logging
 
 from scheduler_svc.server import serve
 from scheduler_svc.settings import SchedulerSettings
-from shardline.service_main import run_service
+from shardline.core.service_main import run_service
 
 
 def parse_args(argv: list[str] | None) -> tuple[SchedulerSettings, str]:

@@ -18,13 +18,13 @@ from dataclasses import dataclass, field
 
 from opentelemetry import trace
 
+from scheduler_svc.autoscale.config import AutoscaleConfig
+from scheduler_svc.autoscale.driver import ScaleDriver
+from scheduler_svc.autoscale.load import LoadSample
+from scheduler_svc.autoscale.policy import Autoscaler, ScaleDecision
 from scheduler_svc.dispatcher import Dispatcher
 from scheduler_svc.settings import SchedulerSettings
 from scheduler_svc.worker_registry import RegisteredWorker
-from shardline.autoscale.config import AutoscaleConfig
-from shardline.autoscale.driver import ScaleDriver
-from shardline.autoscale.load import LoadSample
-from shardline.autoscale.policy import Autoscaler, ScaleDecision
 from shardline.proto import scheduler_pb2, worker_pb2
 from tracing import attributes as attr
 from tracing.metrics import AUTOSCALER_DECISIONS, AUTOSCALER_DESIRED, AUTOSCALER_FORECAST, AUTOSCALER_READY

@@ -4,7 +4,7 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator
 
-from shardline.errors import Unavailable
+from shardline.core.errors import Unavailable
 from shardline.proto import scheduler_pb2
 
 log = logging.getLogger(__name__)

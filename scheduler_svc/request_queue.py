@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterator
 
 from scheduler_svc.fair_share import VirtualCounters
 from scheduler_svc.live_request import LiveRequest
-from shardline.errors import ResourceExhausted
+from shardline.core.errors import ResourceExhausted
 
 _sequence = itertools.count()  # breaks ties between equal keys in push order
 

@@ -14,10 +14,10 @@ from scheduler_svc.load_meter import LoadMeter
 from scheduler_svc.relay import Relay
 from scheduler_svc.store_outage import StoreOutage
 from scheduler_svc.worker_registry import WorkerRegistry
-from shardline.errors import STREAM_INTERRUPTED
+from shardline.core.errors import STREAM_INTERRUPTED
+from shardline.core.store.request_record import FinishReason, RequestStatus
+from shardline.core.store.request_store import RequestStore
 from shardline.proto import common_pb2, sampling_pb2, scheduler_pb2, worker_pb2
-from shardline.request_record import FinishReason, RequestStatus
-from shardline.request_store import RequestStore
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 from scheduler_svc.live_request import LiveRequest
 from scheduler_svc.worker_registry import RegisteredWorker
-from shardline.prefix_hash import hash_block_tokens
+from shardline.core.prefix_hash import hash_block_tokens
 
 # Used when a worker registers without a block size.
 DEFAULT_BLOCK_SIZE = 16

@@ -9,15 +9,15 @@ from wsgiref.simple_server import WSGIServer
 
 from opentelemetry import trace
 
+from scheduler_svc.autoscale.driver import ScaleDriver
 from scheduler_svc.dispatcher import Dispatcher
 from scheduler_svc.relay import Relay
 from scheduler_svc.service import SchedulerService
 from scheduler_svc.settings import SchedulerSettings
-from shardline.autoscale.driver import ScaleDriver
-from shardline.grpc_server import GrpcService, RunningServer, start_grpc_server
+from shardline.core.grpc_server import GrpcService, RunningServer, start_grpc_server
+from shardline.core.service_main import redacted, started
+from shardline.core.store.request_store import RequestStore
 from shardline.proto import scheduler_pb2, scheduler_pb2_grpc
-from shardline.request_store import RequestStore
-from shardline.service_main import redacted, started
 from tracing.grpc_context import TracingServerInterceptor
 from tracing.metrics import start_metrics_server
 from tracing.otel_setup import setup_tracing
@@ -102,7 +102,7 @@ def driver_for(settings: SchedulerSettings) -> ScaleDriver | None:
     """The driver that carries the autoscaler's count out; None publishes it only."""
     if settings.autoscale_driver == "kubernetes":
         # Imported only when asked for: the client is large, and only a scheduler in a cluster needs it.
-        from shardline.autoscale.kubernetes_driver import KubernetesDriver, KubernetesDriverConfig
+        from scheduler_svc.autoscale.kubernetes_driver import KubernetesDriver, KubernetesDriverConfig
 
         return KubernetesDriver(
             KubernetesDriverConfig(

@@ -13,11 +13,11 @@ from scheduler_svc.dispatcher import Dispatcher
 from scheduler_svc.live_request import LiveRequest, params_from_json
 from scheduler_svc.relay import Relay
 from scheduler_svc.settings import SchedulerSettings
-from shardline.errors import InvalidArgument, NotFound
-from shardline.ids import require_id
+from shardline.core.errors import InvalidArgument, NotFound
+from shardline.core.ids import require_id
+from shardline.core.store.request_record import RequestRecord
+from shardline.core.store.request_store import RequestStore
 from shardline.proto import common_pb2, sampling_pb2, scheduler_pb2, scheduler_pb2_grpc
-from shardline.request_record import RequestRecord
-from shardline.request_store import RequestStore
 from tracing.grpc_context import inject_metadata
 
 if TYPE_CHECKING:  # imported by the server only when autoscaling is on
@@ -29,7 +29,7 @@ def _seconds(ts: timestamp_pb2.Timestamp) -> float:
 
 
 class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
-    """Serves shardline.v1.Scheduler; bad input raises shardline.errors, which the server maps to codes."""
+    """Serves shardline.v1.Scheduler; bad input raises shardline.core.errors, which the server maps to codes."""
 
     def __init__(
         self,

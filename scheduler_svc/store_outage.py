@@ -7,7 +7,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
-from shardline.request_store import StoreUnavailable
+from shardline.core.store.request_store import StoreUnavailable
 
 log = logging.getLogger(__name__)
 

@@ -6,10 +6,10 @@ from collections.abc import Awaitable, Callable
 
 import grpc
 
-from shardline.errors import Unavailable
-from shardline.grpc_server import GRPC_OPTIONS
+from shardline.core.errors import Unavailable
+from shardline.core.grpc_server import GRPC_OPTIONS
+from shardline.core.store.request_store import StoreUnavailable
 from shardline.proto import worker_pb2, worker_pb2_grpc
-from shardline.request_store import StoreUnavailable
 from tracing.grpc_context import aio_client_interceptors
 
 log = logging.getLogger(__name__)

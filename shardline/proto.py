@@ -1,16 +1,24 @@
-"""The generated gRPC modules of the shardline.v1 API.
-
-Importing this module first regenerates the stubs when they are missing or
-older than a .proto file, so a fresh checkout works without a build step:
+"""The generated gRPC modules of the shardline.v1 API, and the message size every endpoint takes.
 
     from shardline.proto import generation_pb2, generation_pb2_grpc
+
+An installed Shardline (the wheel, or the image) carries the stubs, generated when it was built.
+In a checkout, where protos/ sits beside this package, importing this module first regenerates
+them when they are missing or older than a .proto file, so an edited contract needs no build step.
 """
 
-from shardline.protogen import ensure_stubs
+from pathlib import Path
 
-ensure_stubs()
+# The largest message either way, on every Shardline endpoint and in the SDK's channels: a unary
+# Generate of a long completion with logprobs outgrows grpc's default of 4 MB.
+MAX_MESSAGE_BYTES = 64 << 20
 
-# Imported after ensure_stubs() on purpose: the modules may not exist before it.
+if (Path(__file__).resolve().parent.parent / "protos" / "shardline" / "v1").is_dir():
+    from shardline.protogen import ensure_stubs
+
+    ensure_stubs()
+
+# Imported after ensure_stubs() on purpose: in a fresh checkout the modules may not exist before it.
 from shardline.v1 import (  # noqa: E402
     batches_pb2,
     batches_pb2_grpc,
@@ -27,10 +35,10 @@ from shardline.v1 import (  # noqa: E402
 )
 
 __all__ = [
+    "MAX_MESSAGE_BYTES",
     "batches_pb2",
     "batches_pb2_grpc",
     "common_pb2",
-    "ensure_stubs",
     "generation_pb2",
     "generation_pb2_grpc",
     "sampling_pb2",

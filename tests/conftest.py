@@ -5,7 +5,7 @@ from collections.abc import Iterator
 import pytest
 import redis
 
-from shardline.redis_server import EmbeddedRedis
+from shardline.stack.redis_server import EmbeddedRedis
 
 
 @pytest.fixture(scope="session")

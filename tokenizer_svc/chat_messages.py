@@ -10,9 +10,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from shardline.errors import InvalidArgument
+from shardline.core.errors import InvalidArgument
+from shardline.core.text.chat_template import TEMPLATE_GLOBALS
 from shardline.proto import sampling_pb2
-from shardline.text.chat_template import TEMPLATE_GLOBALS
 
 
 def template_messages(messages: list[sampling_pb2.ChatMessage]) -> list[dict[str, Any]]:

@@ -7,9 +7,9 @@ import asyncio
 import logging
 import sys
 
-from shardline.model_path import ModelNotFoundError
-from shardline.service_main import run_service
-from shardline.text.tokenizer import TokenizerError
+from shardline.core.model_path import ModelNotFoundError
+from shardline.core.service_main import run_service
+from shardline.core.text.tokenizer import TokenizerError
 from tokenizer_svc.server import serve
 from tokenizer_svc.settings import TokenizerSettings
 

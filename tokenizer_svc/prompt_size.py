@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import math
 
-from shardline.text.tokenizer import Tokenizer
+from shardline.core.text.tokenizer import Tokenizer
 
 # Characters normalized at a time when the vocabulary has a normalizer, and what a cut between two
 # pieces may cost (a character composed across the cut comes out as two).

@@ -9,11 +9,11 @@ from pathlib import Path
 
 from opentelemetry import trace
 
-from shardline.grpc_server import GrpcService, RunningServer, start_grpc_server
-from shardline.model_path import model_name, resolve_model_path
+from shardline.core.grpc_server import GrpcService, RunningServer, start_grpc_server
+from shardline.core.model_path import model_name, resolve_model_path
+from shardline.core.service_main import started
+from shardline.core.text.tokenizer import Tokenizer, TokenizerError
 from shardline.proto import tokenizer_pb2, tokenizer_pb2_grpc
-from shardline.service_main import started
-from shardline.text.tokenizer import Tokenizer, TokenizerError
 from tokenizer_svc.service import TokenizerService
 from tokenizer_svc.settings import TokenizerSettings
 from tracing.grpc_context import TracingServerInterceptor

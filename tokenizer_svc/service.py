@@ -13,11 +13,11 @@ from typing import Any, TypeVar
 
 import grpc
 
-from shardline.errors import InvalidArgument
+from shardline.core.errors import InvalidArgument
+from shardline.core.text.chat_template import ChatTemplate, ChatTemplateError
+from shardline.core.text.detokenizer import PREFIX_WINDOW, checked_item, detokenize_batch
+from shardline.core.text.tokenizer import Tokenizer
 from shardline.proto import common_pb2, tokenizer_pb2, tokenizer_pb2_grpc
-from shardline.text.chat_template import ChatTemplate, ChatTemplateError
-from shardline.text.detokenizer import PREFIX_WINDOW, checked_item, detokenize_batch
-from shardline.text.tokenizer import Tokenizer
 from tokenizer_svc.chat_messages import template_messages, template_tools, template_variables
 from tokenizer_svc.prompt_size import PromptSize
 from tokenizer_svc.structured_output_check import StructuredOutputChecker

@@ -4,7 +4,7 @@ from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from shardline.prefix_hash import hash_block_tokens
+from shardline.core.prefix_hash import hash_block_tokens
 
 __all__ = ["BlockPool", "NoFreeBlocksError", "hash_block_tokens"]
 

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from shardline.model_path import resolve_model_path
+from shardline.core.model_path import resolve_model_path
 from shardline.structured_output import StructuredOutputSpec, compile_error, load_xgrammar
 
 log = logging.getLogger(__name__)
@@ -89,7 +89,10 @@ class GrammarBackend:
     @classmethod
     def for_model(cls, model: str | None, logits_width: int, stop_token_ids: list[int]) -> GrammarBackend:
         """The backend of the model a runner serves: its tokenizer gives each token's bytes."""
-        from shardline.text.tokenizer import Tokenizer, TokenizerError  # the same vocabulary files the service reads
+        from shardline.core.text.tokenizer import (  # the same vocabulary files the service reads
+            Tokenizer,
+            TokenizerError,
+        )
 
         start = time.perf_counter()
         try:

@@ -32,8 +32,8 @@ from gpu_worker_svc.model.layers.quantize import pack_fp32_for_onednn, quantize_
 from gpu_worker_svc.model.loader import load_config, load_model, parse_dtype
 from gpu_worker_svc.model.parallel import TPGroup, destroy_tp_group, init_tp_group
 from gpu_worker_svc.model.weight_format import resolve_weight_format
-from shardline.host_memory import keep_freed_host_memory
-from shardline.ports import free_port
+from shardline.core.host_memory import keep_freed_host_memory
+from shardline.core.ports import free_port
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ class RunnerConfig:
     # from the prefix cache, after preemption and when resumed.
     batch_invariant: bool = False
     # CPU: tune glibc's malloc for the whole process so that a step's freed buffers are kept for the
-    # next one (shardline/host_memory.py; the heap then never shrinks). Off: malloc's defaults.
+    # next one (shardline/core/host_memory.py; the heap then never shrinks). Off: malloc's defaults.
     tune_host_memory: bool = True
     trace_instance: str | None = None  # when set, ranks 1..N-1 export a span per step under this instance id
     profile_tokens: int = 2048  # the largest step's token count, profiled on GPU before sizing the KV cache

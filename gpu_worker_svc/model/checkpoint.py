@@ -18,7 +18,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from gpu_worker_svc.model.config import ModelConfig
-from shardline.gguf_file import GGUFError, GGUFFile
+from shardline.core.gguf_file import GGUFError, GGUFFile
 
 
 class CheckpointError(ValueError):

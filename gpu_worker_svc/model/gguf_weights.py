@@ -25,7 +25,7 @@ from gpu_worker_svc.model.layers.gguf import KERNEL_TYPES, GGUFWeight, block_row
 from gpu_worker_svc.model.layers.kernels import cpu_build
 from gpu_worker_svc.model.layers.linear import ColumnParallelLinear, RowParallelLinear
 from gpu_worker_svc.model.loader import fused_parameter
-from shardline.model_path import resolve_model_path
+from shardline.core.model_path import resolve_model_path
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from gpu_worker_svc.model.config import ModelConfig
 from gpu_worker_svc.model.dummy import dummy_config, init_dummy_weights, is_dummy
 from gpu_worker_svc.model.llama import LlamaForCausalLM
 from gpu_worker_svc.model.parallel import TPGroup
-from shardline.model_path import resolve_model_path
+from shardline.core.model_path import resolve_model_path
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ import torch
 
 from gpu_worker_svc.model.dummy import is_dummy
 from gpu_worker_svc.model.layers.kernels import cpu_build
-from shardline.model_path import resolve_model_path
+from shardline.core.model_path import resolve_model_path
 
 log = logging.getLogger(__name__)
 

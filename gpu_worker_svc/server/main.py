@@ -1,7 +1,7 @@
 """Runs one GPU worker: `python -m gpu_worker_svc.server.main [flags]` (or `shardline serve worker`).
 
 Startup order: on CPU, restart this process (same pid and arguments) under malloc
-settings that keep a step's freed buffers (shardline/host_memory.py); load the engine
+settings that keep a step's freed buffers (shardline/core/host_memory.py); load the engine
 (spawning the tensor-parallel ranks), start the gRPC server (healthy from then on),
 register with the scheduler, heartbeat.
 SIGTERM aborts the requests, shuts the ranks down and exits 0 (during the model
@@ -37,11 +37,11 @@ from gpu_worker_svc.server.servicer import WorkerServicer
 from gpu_worker_svc.server.settings import WorkerSettings
 from gpu_worker_svc.server.telemetry import StepTelemetry
 from gpu_worker_svc.server.utilization import StepCostModel, device_peak
-from shardline.grpc_server import GrpcService, RunningServer, start_grpc_server
-from shardline.host_memory import keep_freed_host_memory, reexec_with_malloc_env
-from shardline.model_path import model_name, resolve_model_path
+from shardline.core.grpc_server import GrpcService, RunningServer, start_grpc_server
+from shardline.core.host_memory import keep_freed_host_memory, reexec_with_malloc_env
+from shardline.core.model_path import model_name, resolve_model_path
+from shardline.core.service_main import run_service, started
 from shardline.proto import worker_pb2, worker_pb2_grpc
-from shardline.service_main import run_service, started
 from tracing.grpc_context import TracingServerInterceptor
 from tracing.metrics import start_metrics_server
 from tracing.otel_setup import TracingHandle, setup_tracing
@@ -300,7 +300,7 @@ async def _stop_when_dead(engine_died: asyncio.Event, server: RunningServer) -> 
 
 def _host_memory_tuned(s: WorkerSettings, own_process: bool) -> WorkerSettings:
     """On CPU, restart this process under malloc settings that keep a step's freed buffers for the
-    next step (shardline/host_memory.py: a 16-prompt burst's first token 100-1,300 ms sooner here);
+    next step (shardline/core/host_memory.py: a 16-prompt burst's first token 100-1,300 ms sooner here);
     nothing on a GPU, whose host memory would then keep every weight staged there while loading.
     Only a worker that is its own process restarts: a caller's process would be replaced."""
     if s.resolved_device == "cpu":

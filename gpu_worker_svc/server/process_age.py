@@ -9,7 +9,7 @@ def process_age_s() -> float:
     """Seconds since the kernel started this process; 0.0 where /proc cannot tell.
 
     Counted from the process's start time rather than from an import, because a CPU worker
-    re-executes itself early (shardline/host_memory.py): the pid, and its start time, stay the
+    re-executes itself early (shardline/core/host_memory.py): the pid, and its start time, stay the
     same, so the age covers the interpreter's start, the imports and the model load alike.
     """
     try:

@@ -9,7 +9,7 @@ from collections.abc import Awaitable, Callable
 import grpc
 
 from gpu_worker_svc.server.engine_loop import WorkerLoad
-from shardline.grpc_server import GRPC_OPTIONS
+from shardline.core.grpc_server import GRPC_OPTIONS
 from shardline.proto import scheduler_pb2, scheduler_pb2_grpc, worker_pb2
 from tracing.grpc_context import aio_client_interceptors
 

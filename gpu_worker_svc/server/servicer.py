@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from gpu_worker_svc.server.engine_loop import EngineLoop, SessionEnd, SessionLink
-from shardline.errors import Unavailable
+from shardline.core.errors import Unavailable
 from shardline.proto import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)

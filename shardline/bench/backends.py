@@ -21,7 +21,7 @@ from shardline.client import AsyncShardlineClient
 
 log = logging.getLogger(__name__)
 
-# gRPC's refusals, as the HTTP statuses the gateway's OpenAI API gives the same ones (shardline/errors.py).
+# gRPC's refusals, as the HTTP statuses the gateway's OpenAI API gives the same ones (shardline/core/errors.py).
 _STATUS_OF_CODE = {grpc.StatusCode.RESOURCE_EXHAUSTED: 429, grpc.StatusCode.UNAVAILABLE: 503}
 
 

@@ -7,12 +7,12 @@ import json
 import time
 from pathlib import Path
 
-from shardline.autoscale.config import FORECASTERS, POLICIES
-from shardline.autoscale.policy import AutoscaleConfig
-from shardline.autoscale.sim_report import SimResult, SloTargets
-from shardline.autoscale.simulator import WorkerModel, simulate
-from shardline.autoscale.trace import read_trace, write_trace
-from shardline.autoscale.trace_shapes import SHAPES, generate_trace
+from scheduler_svc.autoscale.config import FORECASTERS, POLICIES
+from scheduler_svc.autoscale.policy import AutoscaleConfig
+from scheduler_svc.autoscale.sim_report import SimResult, SloTargets
+from scheduler_svc.autoscale.simulator import WorkerModel, simulate
+from scheduler_svc.autoscale.trace import read_trace, write_trace
+from scheduler_svc.autoscale.trace_shapes import SHAPES, generate_trace
 from shardline.cli.one_line_errors import one_line_errors
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 from shardline.cli.arg_types import at_least_one
 from shardline.cli.one_line_errors import one_line_errors
 from shardline.client.batch_types import BatchInfo
-from shardline.stack_state import StackNotRunning, StackState
+from shardline.stack.state import StackNotRunning, StackState
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
 

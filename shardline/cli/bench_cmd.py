@@ -241,7 +241,7 @@ def _stack_targets(args: argparse.Namespace, makers: dict[str, Callable[[], obje
     from gpu_worker_svc.server.main import engine_config
     from gpu_worker_svc.server.settings import WorkerSettings
     from shardline.bench.backends import EngineBackend, StackBackend
-    from shardline.host_memory import reexec_with_malloc_env
+    from shardline.core.host_memory import reexec_with_malloc_env
 
     if args.base_url or args.compare_base_url:
         raise _FlagsError("--base-url and --compare-base-url need --backend openai")
@@ -283,8 +283,8 @@ def _openai_targets(args: argparse.Namespace, makers: dict[str, Callable[[], obj
         )
     detokenize = None
     if args.prompt_format == "text":
-        from shardline.model_path import resolve_model_path
-        from shardline.text.tokenizer import Tokenizer
+        from shardline.core.model_path import resolve_model_path
+        from shardline.core.text.tokenizer import Tokenizer
 
         detokenize = Tokenizer.from_model_path(resolve_model_path(args.tokenizer)).decode
     stack = _launch(args.tokenizer) if args.launch else None
@@ -297,7 +297,7 @@ def _openai_targets(args: argparse.Namespace, makers: dict[str, Callable[[], obj
 
 
 def _launch(model: str | None, env: dict[str, object] | None = None):
-    from shardline.stack import LocalStack, StackConfig
+    from shardline.stack.local_stack import LocalStack, StackConfig
 
     return LocalStack(StackConfig.on_free_ports(model=model, env=env or {})).start()
 

@@ -97,7 +97,7 @@ async def _measure(
 
 
 def _launch(args: argparse.Namespace):
-    from shardline.stack import LocalStack, StackConfig
+    from shardline.stack.local_stack import LocalStack, StackConfig
 
     model = args.tokenizer if args.backend == "openai" else args.model
     return LocalStack(StackConfig.on_free_ports(model=model)).start()

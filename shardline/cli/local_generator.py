@@ -9,10 +9,10 @@ from gpu_worker_svc.engine.sampling_params import SamplingParams
 from gpu_worker_svc.server.main import build_engine
 from gpu_worker_svc.server.request_params import EngineLimits, check_request
 from gpu_worker_svc.server.settings import WorkerSettings
-from shardline.model_path import resolve_model_path
-from shardline.text.chat_template import ChatTemplate
-from shardline.text.detokenizer import IncrementalDetokenizer
-from shardline.text.tokenizer import Tokenizer
+from shardline.core.model_path import resolve_model_path
+from shardline.core.text.chat_template import ChatTemplate
+from shardline.core.text.detokenizer import IncrementalDetokenizer
+from shardline.core.text.tokenizer import Tokenizer
 
 
 class LocalGenerator:

@@ -10,7 +10,7 @@ from collections.abc import Callable
 import grpc
 from pydantic import ValidationError
 
-from shardline.service_main import settings_problems
+from shardline.core.service_main import settings_problems
 
 
 def one_line_errors(command: str, run: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:

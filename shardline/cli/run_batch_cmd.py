@@ -12,9 +12,9 @@ any in-process shortcut would be a second implementation that drifts from it. Th
 stack's start (seconds, mostly the model load), which a batch amortizes. The lines are sent the way
 the batch workers send them (batch_svc/line_client.py: named X-Request-Id, 429s and 503s waited out).
 
-The input has the Batch API's line format and checks (shardline/batch/input_lines.py), every line's
+The input has the Batch API's line format and checks (shardline/core/batch/input_lines.py), every line's
 url one of the two endpoints; a bad line stops the command before anything starts, naming the line
-and the field. The output has a line per input line, in input order (shardline/batch/output_lines.py):
+and the field. The output has a line per input line, in input order (shardline/core/batch/output_lines.py):
 its response (status_code, request_id, body) or, when no answer came, its error.
 """
 
@@ -28,10 +28,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-from shardline.batch.input_lines import ENDPOINTS, BatchLine, LineError, parse_line
 from shardline.cli.arg_types import at_least_one
 from shardline.cli.one_line_errors import one_line_errors
-from shardline.errors import InvalidArgument
+from shardline.core.batch.input_lines import ENDPOINTS, BatchLine, LineError, parse_line
+from shardline.core.errors import InvalidArgument
 
 STACK_START_TIMEOUT_S = 600.0
 # The longest one request may take before it is sent again (it then attaches to the one running).
@@ -109,7 +109,7 @@ def _url_of(raw: bytes) -> str:
 
 
 def _on_private_stack(args: argparse.Namespace, lines: list[tuple[str, BatchLine]]) -> list:
-    from shardline.stack import LocalStack, StackConfig
+    from shardline.stack.local_stack import LocalStack, StackConfig
 
     say = (lambda msg: print(msg, file=sys.stderr)) if args.verbose else (lambda msg: None)
     with tempfile.TemporaryDirectory(prefix="shardline-run-batch-") as tmp:
@@ -153,7 +153,7 @@ async def _send_all(gateway_url: str, api_key: str, lines: list[tuple[str, Batch
 
 def _write_output(path: Path, lines: list[tuple[str, BatchLine]], results: list) -> int:
     """Writes a line per input line, in order; returns how many were not answered with 200."""
-    from shardline.batch.output_lines import error_line, output_line
+    from shardline.core.batch.output_lines import error_line, output_line
 
     batch_id = f"batch_offline_{secrets.token_hex(8)}"
     failed = 0

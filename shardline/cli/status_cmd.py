@@ -13,9 +13,9 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from shardline.cli.one_line_errors import one_line_errors
-from shardline.health_probe import healthy
-from shardline.service_main import redacted
-from shardline.stack_state import StackNotRunning, StackState, pid_alive
+from shardline.core.service_main import redacted
+from shardline.stack.health_probe import healthy
+from shardline.stack.state import StackNotRunning, StackState, pid_alive
 
 TIMEOUT_S = 3.0  # per question: a stack that takes longer to answer is reported as not answering
 

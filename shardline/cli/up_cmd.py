@@ -9,13 +9,13 @@ import sys
 import time
 from pathlib import Path
 
-from shardline.autoscale.local_driver import LocalWorkerScaler
 from shardline.cli.arg_types import at_least_one, at_least_zero, tcp_port
 from shardline.cli.service_logs import ServiceLogFollower
-from shardline.service_main import redacted
-from shardline.signals import STOP_SIGNALS
-from shardline.stack import LocalStack, StackConfig, StartInterrupted
-from shardline.stack_state import ServiceEntry, StackState
+from shardline.core.service_main import redacted
+from shardline.stack.local_scaler import LocalWorkerScaler
+from shardline.stack.local_stack import LocalStack, StackConfig, StartInterrupted
+from shardline.stack.signals import STOP_SIGNALS
+from shardline.stack.state import ServiceEntry, StackState
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

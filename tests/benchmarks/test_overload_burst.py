@@ -7,7 +7,7 @@ import socket
 import time
 
 from benchmarks.overload_burst import _bare_refuser, http_burst, summarise
-from shardline.ports import free_port
+from shardline.core.ports import free_port
 
 
 def test_a_burst_reads_every_answer_and_splits_refusals_from_the_rest():

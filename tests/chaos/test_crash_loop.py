@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from shardline.ports import free_port
+from shardline.core.ports import free_port
 from tests.e2e.http_client import post
 
 pytestmark = [pytest.mark.chaos, pytest.mark.slow]

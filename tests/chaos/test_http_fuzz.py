@@ -25,7 +25,7 @@ import pytest
 from aiohttp.http_exceptions import HttpProcessingError
 
 from gateway.openai_fields import CHAT_FIELDS, COMPLETIONS_FIELDS
-from shardline.ports import free_port
+from shardline.core.ports import free_port
 from tests.gateway.conftest import start_tokenizer
 from tests.gateway.harness import Stack, running_stack
 from tests.gateway.scripted_scheduler import MODEL, Script

@@ -19,8 +19,8 @@ import pytest
 import redis
 
 from shardline.client import ShardlineClient
-from shardline.health_probe import grpc_serving
-from shardline.stack import LocalStack, StackConfig
+from shardline.stack.health_probe import grpc_serving
+from shardline.stack.local_stack import LocalStack, StackConfig
 from tests.chaos.streams import MAX_TOKENS, StreamResult, prompts, run_streams, summary
 from tests.e2e.conftest import log_dir, running_stack
 

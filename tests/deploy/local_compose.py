@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from shardline.ports import free_port
+from shardline.core.ports import free_port
 from tests.deploy.compose_project import REPO
 
 ENTRYPOINT = REPO / "docker" / "entrypoint.sh"

@@ -16,14 +16,14 @@ from prometheus_client import REGISTRY
 
 import tracing.metrics  # noqa: F401  (registers the metrics the KEDA query may name)
 from shardline.cli.main import SERVICES
-from shardline.model_path import DEFAULT_MODEL_NAME
+from shardline.core.model_path import DEFAULT_MODEL_NAME
 from tests.deploy.compose_project import REPO, SHARED_SETTINGS, settings_class
 
 K8S = REPO / "deploy" / "k8s"
 WORKLOADS = ("Deployment", "StatefulSet")
 # Applied by hand where their CRDs exist, so not among kustomization.yaml's resources.
 OPTIONAL = {"keda-scaledobject.yaml"}
-# Each client method shardline/autoscale/kubernetes_driver.py may call, as the RBAC (API group,
+# Each client method scheduler_svc/autoscale/kubernetes_driver.py may call, as the RBAC (API group,
 # resource, verb) it needs: a new call fails the Role test below until both learn of it.
 DRIVER_CALLS = {
     "read_namespaced_deployment_scale": ("apps", "deployments/scale", "get"),

@@ -15,8 +15,8 @@ import pytest
 import redis
 import yaml
 
-from shardline.ports import free_port
-from shardline.redis_server import find_redis_server
+from shardline.core.ports import free_port
+from shardline.stack.redis_server import find_redis_server
 from tests.deploy.compose_project import REPO, resolved_config
 
 DOC = REPO / "docs" / "redis.md"

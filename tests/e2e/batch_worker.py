@@ -12,8 +12,8 @@ import time
 import urllib.request
 from pathlib import Path
 
-from shardline.ports import free_port
-from shardline.stack import LocalStack
+from shardline.core.ports import free_port
+from shardline.stack.local_stack import LocalStack
 
 TERMINAL = ("completed", "failed", "expired", "cancelled")
 

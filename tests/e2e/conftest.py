@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from shardline.stack import LocalStack, StackConfig
+from shardline.stack.local_stack import LocalStack, StackConfig
 
 
 def log_dir(tmp_path_factory, name: str) -> Path:

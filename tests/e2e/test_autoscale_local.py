@@ -19,13 +19,13 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
-from shardline.autoscale.local_driver import LocalWorkerScaler
 from shardline.cli import status_cmd
 from shardline.client import ShardlineClient
+from shardline.core.store.request_record import RequestStatus
+from shardline.core.store.request_store import RequestStore
 from shardline.proto import scheduler_pb2, scheduler_pb2_grpc
-from shardline.request_record import RequestStatus
-from shardline.request_store import RequestStore
-from shardline.stack import StackConfig
+from shardline.stack.local_scaler import LocalWorkerScaler
+from shardline.stack.local_stack import StackConfig
 from tests.e2e.conftest import log_dir, running_stack
 
 pytestmark = pytest.mark.slow

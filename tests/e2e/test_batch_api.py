@@ -13,7 +13,7 @@ import sys
 import openai
 import pytest
 
-from shardline.ports import free_port
+from shardline.core.ports import free_port
 from tests.e2e.batch_worker import chat_line, jsonl, output_lines, wait_batch
 from tests.e2e.http_client import get
 

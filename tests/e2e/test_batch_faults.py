@@ -7,7 +7,7 @@ import openai
 import pytest
 import redis
 
-from shardline.stack import StackConfig
+from shardline.stack.local_stack import StackConfig
 from tests.e2e.batch_worker import BatchWorker, chat_line, jsonl, output_lines, wait_batch
 from tests.e2e.conftest import log_dir, running_stack
 

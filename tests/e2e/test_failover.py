@@ -8,7 +8,7 @@ import time
 import pytest
 
 from shardline.client import ShardlineClient
-from shardline.stack import StackConfig
+from shardline.stack.local_stack import StackConfig
 from tests.e2e.conftest import log_dir, running_stack
 
 pytestmark = pytest.mark.slow

@@ -10,9 +10,9 @@ import grpc
 import pytest
 
 from shardline.client import AsyncShardlineClient, ShardlineClient
+from shardline.core.store.request_record import RequestStatus
+from shardline.core.store.request_store import RequestStore
 from shardline.proto import scheduler_pb2, scheduler_pb2_grpc
-from shardline.request_record import RequestStatus
-from shardline.request_store import RequestStore
 
 pytestmark = pytest.mark.slow
 

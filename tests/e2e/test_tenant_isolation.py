@@ -13,9 +13,9 @@ import grpc
 import pytest
 
 from shardline.client import ShardlineClient
+from shardline.core.store.request_store import RequestStore
 from shardline.proto import scheduler_pb2, scheduler_pb2_grpc
-from shardline.request_store import RequestStore
-from shardline.stack import StackConfig
+from shardline.stack.local_stack import StackConfig
 from tests.e2e.conftest import log_dir, running_stack
 
 pytestmark = pytest.mark.slow

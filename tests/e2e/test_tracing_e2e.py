@@ -22,7 +22,7 @@ import pytest
 
 from shardline.cli.main import main as shardline_cli
 from shardline.client import ShardlineClient
-from shardline.stack import LocalStack, StackConfig
+from shardline.stack.local_stack import LocalStack, StackConfig
 from tests.e2e.conftest import log_dir, running_stack
 from tests.e2e.http_client import get, post, sse
 from tests.tracing.collector.headless_chromium import HeadlessChromium, find_chromium

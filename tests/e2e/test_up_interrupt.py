@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from shardline.ports import free_port
+from shardline.core.ports import free_port
 
 pytestmark = pytest.mark.slow
 

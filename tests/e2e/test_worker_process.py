@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from gpu_worker_svc.server.settings import WorkerSettings
-from shardline.host_memory import MALLOC_ENV, REEXEC_MARKER, users_own_malloc_settings
+from shardline.core.host_memory import MALLOC_ENV, REEXEC_MARKER, users_own_malloc_settings
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc, and /proc")

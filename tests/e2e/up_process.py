@@ -11,7 +11,7 @@ import threading
 import time
 from pathlib import Path
 
-from shardline.ports import free_port
+from shardline.core.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 # A logging record's first line in the services' formats: "<asctime> [name] INFO ...".

@@ -13,9 +13,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from shardline.model_path import default_model_path
-from shardline.ports import free_port
-from shardline.text.tokenizer import Tokenizer
+from shardline.core.model_path import default_model_path
+from shardline.core.ports import free_port
+from shardline.core.text.tokenizer import Tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
 # Prose, then characters the default model splits over several tokens, so the gateway must hold

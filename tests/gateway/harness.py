@@ -15,7 +15,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from gateway.server import GatewayServer, start_gateway
 from gateway.settings import GatewaySettings
-from shardline.grpc_server import GrpcService, RunningServer, start_grpc_server
+from shardline.core.grpc_server import GrpcService, RunningServer, start_grpc_server
 from shardline.proto import generation_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from tests.gateway.scripted_scheduler import Script, ScriptedScheduler
 

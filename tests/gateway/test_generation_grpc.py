@@ -9,8 +9,8 @@ import pytest
 
 from shardline.bench.backends import StackBackend
 from shardline.client import AsyncShardlineClient, ModelInfo
+from shardline.core.text.tokenizer import Tokenizer
 from shardline.proto import common_pb2, generation_pb2, generation_pb2_grpc, sampling_pb2
-from shardline.text.tokenizer import Tokenizer
 from tests.gateway.conftest import TEXT
 from tests.gateway.harness import Stack, run_on_stack, start_gateway_for
 from tests.gateway.scripted_scheduler import MODEL, Script

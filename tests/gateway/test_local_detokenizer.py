@@ -8,7 +8,7 @@ import pytest
 
 from gateway.backends import Backends
 from gateway.local_detokenizer import LocalDetokenizer
-from shardline.errors import InvalidArgument
+from shardline.core.errors import InvalidArgument
 from shardline.proto import tokenizer_pb2
 
 

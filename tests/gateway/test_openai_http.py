@@ -8,8 +8,8 @@ import aiohttp
 import openai
 import pytest
 
-from shardline.text.chat_template import ChatTemplate
-from shardline.text.tokenizer import Tokenizer
+from shardline.core.text.chat_template import ChatTemplate
+from shardline.core.text.tokenizer import Tokenizer
 from tests.gateway.conftest import TEXT
 from tests.gateway.harness import Stack, run_on_stack
 from tests.gateway.scripted_scheduler import MODEL, Script

@@ -6,7 +6,7 @@ import aiohttp
 import pytest
 
 from gateway import stream_hub
-from shardline.text.tokenizer import Tokenizer
+from shardline.core.text.tokenizer import Tokenizer
 from tests.gateway.conftest import TEXT
 from tests.gateway.harness import Stack, run_on_stack
 from tests.gateway.scripted_scheduler import MODEL, Script

@@ -7,7 +7,7 @@ import pytest
 from gateway.main import parse_settings
 from gateway.openai_request import parse_request
 from gateway.params import ModelLimits, resolve_max_tokens, sampling_from_openai, validate_sampling
-from shardline.errors import InvalidArgument
+from shardline.core.errors import InvalidArgument
 from shardline.proto import sampling_pb2
 
 LIMITS = ModelLimits(vocab_size=49152, max_context_length=8192, max_prompt_tokens=8191, max_tokens_limit=8192)

@@ -17,7 +17,7 @@ import redis
 from gateway.rate_limits import PREFIX
 from gateway.tenant_limiter import duration_text
 from gateway.tenants import key_digest
-from shardline.ports import free_port
+from shardline.core.ports import free_port
 from shardline.proto import generation_pb2, sampling_pb2
 from tests.gateway.harness import Stack, run_on_stack
 from tests.gateway.scripted_scheduler import Script

@@ -16,8 +16,8 @@ from pathlib import Path
 import aiohttp
 
 from gateway.tenants import key_digest
-from shardline.grpc_server import GrpcService, start_grpc_server
-from shardline.ports import free_port
+from shardline.core.grpc_server import GrpcService, start_grpc_server
+from shardline.core.ports import free_port
 from shardline.proto import scheduler_pb2_grpc
 from tests.gateway.conftest import REPO
 from tests.gateway.harness import SCHEDULER_SERVICE

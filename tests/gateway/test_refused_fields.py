@@ -7,7 +7,7 @@ import aiohttp
 import pytest
 
 from gateway.openai_request import parse_request
-from shardline.errors import InvalidArgument
+from shardline.core.errors import InvalidArgument
 from tests.gateway.harness import Stack, run_on_stack
 from tests.gateway.scripted_scheduler import MODEL, Script
 

@@ -11,7 +11,7 @@ import pytest
 from google.protobuf import duration_pb2
 
 from gateway.tenants import key_digest
-from shardline.errors import SLO_UNMET
+from shardline.core.errors import SLO_UNMET
 from shardline.proto import generation_pb2, sampling_pb2
 from tests.gateway.harness import Stack, run_on_stack
 from tests.gateway.scripted_scheduler import Script

@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from gateway.request_metrics import MET, MISSED, REFUSED, RequestEnd, slo_outcome
 from gateway.request_stream import StreamTiming
 from gateway.tenants import key_digest
-from shardline.errors import SLO_UNMET
+from shardline.core.errors import SLO_UNMET
 from shardline.proto import sampling_pb2
 from tests.gateway.harness import Stack, run_on_stack
 from tests.gateway.scripted_scheduler import Script

@@ -18,7 +18,7 @@ from gateway.tenants import (
     parse_tenants,
     tenant_of,
 )
-from shardline.errors import Unauthenticated
+from shardline.core.errors import Unauthenticated
 from shardline.proto import generation_pb2
 from tests.gateway.harness import Stack, run_on_stack
 from tests.gateway.scripted_scheduler import Script

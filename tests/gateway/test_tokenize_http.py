@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import aiohttp
 
-from shardline.text.tokenizer import Tokenizer
+from shardline.core.text.tokenizer import Tokenizer
 from tests.gateway.conftest import TEXT
 from tests.gateway.harness import Stack, run_on_stack
 from tests.gateway.scripted_scheduler import MODEL, Script

@@ -9,8 +9,8 @@ import subprocess
 import grpc
 
 from gateway import detokenize_retry, local_detokenizer
-from shardline.errors import Unavailable
-from shardline.ports import free_port
+from shardline.core.errors import Unavailable
+from shardline.core.ports import free_port
 from shardline.proto import generation_pb2, sampling_pb2
 from tests.gateway.conftest import TEXT, start_tokenizer
 from tests.gateway.harness import Stack, run_on_stack

@@ -10,8 +10,8 @@ import openai
 import pytest
 
 from shardline.client import AsyncShardlineClient, Completion, ToolCall
-from shardline.text.chat_template import ChatTemplate
-from shardline.text.tokenizer import Tokenizer
+from shardline.core.text.chat_template import ChatTemplate
+from shardline.core.text.tokenizer import Tokenizer
 from tests.gateway.harness import Stack, run_on_stack
 from tests.gateway.scripted_scheduler import MODEL, Script
 from tests.gateway.test_openai_http import client

@@ -14,7 +14,7 @@ from gateway.tool_params import (
     tool_calls_from_message,
     tools_from_openai,
 )
-from shardline.errors import InvalidArgument
+from shardline.core.errors import InvalidArgument
 
 WEATHER = {
     "type": "function",

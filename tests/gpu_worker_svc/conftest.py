@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardline.model_path import default_model_path
+from shardline.core.model_path import default_model_path
 
 
 @pytest.fixture(scope="session")

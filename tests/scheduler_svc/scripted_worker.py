@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from shardline.grpc_server import GrpcService, start_grpc_server
+from shardline.core.grpc_server import GrpcService, start_grpc_server
 from shardline.proto import common_pb2, sampling_pb2, scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 WORKER_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name

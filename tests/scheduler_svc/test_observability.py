@@ -8,7 +8,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client import REGISTRY
 
-from shardline.ports import free_port
+from shardline.core.ports import free_port
 from shardline.proto import sampling_pb2, scheduler_pb2
 from tests.scheduler_svc.harness import cluster, eventually
 from tests.tracing.run_async import run_async

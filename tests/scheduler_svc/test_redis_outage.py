@@ -13,9 +13,9 @@ import pytest
 import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from shardline.errors import STREAM_INTERRUPTED
+from shardline.core.errors import STREAM_INTERRUPTED
 from shardline.proto import common_pb2, sampling_pb2
-from shardline.redis_server import EmbeddedRedis
+from shardline.stack.redis_server import EmbeddedRedis
 from tests.scheduler_svc.harness import Cluster, Gateway, cluster, eventually
 from tests.scheduler_svc.scripted_worker import token_at
 from tests.tracing.run_async import run_async

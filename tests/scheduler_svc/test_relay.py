@@ -5,7 +5,7 @@ import asyncio
 import pytest
 
 from scheduler_svc.relay import Relay
-from shardline.errors import Unavailable
+from shardline.core.errors import Unavailable
 from shardline.proto import scheduler_pb2
 from tests.tracing.run_async import run_async
 

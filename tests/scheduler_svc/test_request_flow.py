@@ -8,8 +8,8 @@ import grpc
 import pytest
 import redis
 
+from shardline.core.store.request_store import RequestStore
 from shardline.proto import common_pb2, sampling_pb2, scheduler_pb2, worker_pb2
-from shardline.request_store import RequestStore
 from tests.scheduler_svc.harness import by_gateway_and_step, cluster, eventually
 from tests.scheduler_svc.scripted_worker import token_at
 from tests.tracing.run_async import run_async

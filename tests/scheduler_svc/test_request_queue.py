@@ -4,7 +4,7 @@ import pytest
 
 from scheduler_svc.live_request import LiveRequest
 from scheduler_svc.request_queue import RequestQueue
-from shardline.errors import ResourceExhausted
+from shardline.core.errors import ResourceExhausted
 from shardline.proto import sampling_pb2
 
 

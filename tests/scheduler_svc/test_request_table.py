@@ -4,9 +4,9 @@ from scheduler_svc.live_request import LiveRequest
 from scheduler_svc.relay import Relay
 from scheduler_svc.request_table import RequestTable
 from scheduler_svc.worker_registry import WorkerRegistry
+from shardline.core.store.request_record import FinishReason, RequestStatus
+from shardline.core.store.request_store import RequestStore
 from shardline.proto import common_pb2, sampling_pb2, scheduler_pb2, worker_pb2
-from shardline.request_record import FinishReason, RequestStatus
-from shardline.request_store import RequestStore
 from tests.scheduler_svc.harness import cluster
 from tests.tracing.run_async import run_async
 

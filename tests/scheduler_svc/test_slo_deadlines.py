@@ -5,10 +5,10 @@ import grpc
 import pytest
 from google.protobuf import duration_pb2
 
-from shardline.errors import SLO_UNMET
+from shardline.core.errors import SLO_UNMET
+from shardline.core.store.request_record import RequestStatus
+from shardline.core.store.request_store import RequestStore
 from shardline.proto import sampling_pb2, scheduler_pb2
-from shardline.request_record import RequestStatus
-from shardline.request_store import RequestStore
 from tests.scheduler_svc.harness import cluster
 from tests.tracing.run_async import run_async
 

@@ -5,7 +5,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from shardline.request_store import RequestStore
+from shardline.core.store.request_store import RequestStore
 from tests.scheduler_svc.harness import cluster
 from tests.tracing.run_async import run_async
 from tracing import attributes as attr

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from shardline.core.text.detokenizer import DetokenizeItem, detokenize_batch, next_prefix
+from shardline.core.text.tokenizer import Tokenizer
 from shardline.proto import tokenizer_pb2
-from shardline.text.detokenizer import DetokenizeItem, detokenize_batch, next_prefix
-from shardline.text.tokenizer import Tokenizer
 from tests.tokenizer_svc.test_service import Stub, service, with_stub
 from tokenizer_svc.service import TokenizerService
 

@@ -10,9 +10,9 @@ import grpc
 import pytest
 from tokenizers import normalizers
 
-from shardline.ports import free_port
+from shardline.core.ports import free_port
+from shardline.core.text.tokenizer import Tokenizer
 from shardline.proto import sampling_pb2, tokenizer_pb2, tokenizer_pb2_grpc
-from shardline.text.tokenizer import Tokenizer
 from tests.gateway.conftest import start_tokenizer
 from tokenizer_svc.prompt_size import PromptSize
 

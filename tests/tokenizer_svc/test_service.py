@@ -14,11 +14,11 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from shardline.model_path import model_name
+from shardline.core.model_path import model_name
+from shardline.core.text.chat_template import ChatTemplate
+from shardline.core.text.detokenizer import PREFIX_WINDOW, next_prefix
+from shardline.core.text.tokenizer import Tokenizer, TokenizerError
 from shardline.proto import sampling_pb2, tokenizer_pb2, tokenizer_pb2_grpc
-from shardline.text.chat_template import ChatTemplate
-from shardline.text.detokenizer import PREFIX_WINDOW, next_prefix
-from shardline.text.tokenizer import Tokenizer, TokenizerError
 from tokenizer_svc.main import main, parse_settings
 from tokenizer_svc.server import (
     SERVICE_NAME,

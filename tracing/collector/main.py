@@ -13,7 +13,7 @@ import signal
 
 from aiohttp import web
 
-from shardline.service_main import run_service, started
+from shardline.core.service_main import run_service, started
 from tracing.collector.dashboard_app import build_app
 from tracing.collector.otlp_receiver import serve_receiver
 from tracing.settings import TracingSettings

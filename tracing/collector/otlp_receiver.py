@@ -8,8 +8,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from redis.exceptions import RedisError
 
-from shardline.grpc_server import ErrorMappingInterceptor
-from shardline.service_main import redacted
+from shardline.core.grpc_server import ErrorMappingInterceptor
+from shardline.core.service_main import redacted
 from tracing.collector.span_store import SpanStore
 from tracing.settings import TracingSettings
 

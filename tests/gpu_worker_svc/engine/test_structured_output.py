@@ -13,10 +13,10 @@ from gpu_worker_svc.engine.batch_scheduler import SchedulerConfig
 from gpu_worker_svc.engine.llm_engine import EngineConfig, LLMEngine
 from gpu_worker_svc.engine.model_runner import RunnerConfig
 from gpu_worker_svc.engine.sampling_params import SamplingParams
-from shardline.model_path import default_model_path
+from shardline.core.model_path import default_model_path
+from shardline.core.text.chat_template import ChatTemplate
+from shardline.core.text.tokenizer import Tokenizer
 from shardline.structured_output import StructuredOutputSpec
-from shardline.text.chat_template import ChatTemplate
-from shardline.text.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.slow
 

@@ -20,7 +20,7 @@ from gpu_worker_svc.model.checkpoint import CheckpointError
 from gpu_worker_svc.model.config import ModelConfigError
 from gpu_worker_svc.model.loader import load_config, load_model
 from gpu_worker_svc.model.parallel import TPGroup
-from shardline.model_path import ModelNotFoundError, default_model_path
+from shardline.core.model_path import ModelNotFoundError, default_model_path
 from tests.gpu_worker_svc.model.random_checkpoints import hf_logits, random_hf_model, write_llama_gguf
 
 

@@ -15,7 +15,7 @@ from transformers import LlamaConfig, PreTrainedModel
 
 from gpu_worker_svc.engine.model_runner import ModelRunner, RunnerConfig
 from gpu_worker_svc.model.loader import load_config
-from shardline.gguf_file import GGUFFile
+from shardline.core.gguf_file import GGUFFile
 from tests.gpu_worker_svc.model.paged_driver import PagedDriver
 from tests.gpu_worker_svc.model.random_checkpoints import (
     hf_logits,

@@ -19,7 +19,7 @@ from gpu_worker_svc.model.layers.gguf import GGUFWeight
 from gpu_worker_svc.model.layers.kernels import cpu_build
 from gpu_worker_svc.model.loader import load_model
 from gpu_worker_svc.model.parallel import TPGroup
-from shardline.gguf_quants import dequantize
+from shardline.core.gguf_quants import dequantize
 from tests.gpu_worker_svc.model.paged_driver import PagedDriver
 from tests.gpu_worker_svc.model.random_checkpoints import random_hf_model, random_prompts, write_llama_gguf
 from tests.gpu_worker_svc.model.test_checkpoint_forms import CONFIG

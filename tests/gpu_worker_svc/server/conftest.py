@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from shardline.ports import free_port
+from shardline.core.ports import free_port
 from tests.gpu_worker_svc.server.harness import SchedulerStandIn, WorkerProcess
 
 # 64 blocks of 16 tokens for SmolLM2-135M in float32 (737,280 bytes per block).

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from shardline.ports import free_port
+from shardline.core.ports import free_port
 from tests.gpu_worker_svc.server.harness import (
     SchedulerStandIn,
     SessionClient,

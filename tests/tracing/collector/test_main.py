@@ -7,8 +7,8 @@ import sys
 import time
 import urllib.request
 
-from shardline.health_probe import grpc_serving
-from shardline.ports import free_port
+from shardline.core.ports import free_port
+from shardline.stack.health_probe import grpc_serving
 from tracing import attributes as attr
 from tracing.otel_setup import setup_tracing
 

@@ -9,7 +9,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from shardline.redis_server import EmbeddedRedis
+from shardline.stack.redis_server import EmbeddedRedis
 from tests.tracing.collector.fake_request import otlp_export
 from tests.tracing.run_async import run_async
 from tracing.collector.otlp_receiver import serve_receiver
