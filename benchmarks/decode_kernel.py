@@ -21,7 +21,7 @@ from gpu_worker_svc.engine.batch_scheduler import SchedulerConfig
 from gpu_worker_svc.engine.llm_engine import EngineConfig, LLMEngine
 from gpu_worker_svc.engine.model_runner import RunnerConfig
 from gpu_worker_svc.engine.ngram_proposer import SpeculativeConfig
-from gpu_worker_svc.model.layers.kernels import cpu_build
+from gpu_worker_svc.model.layers.kernels import cpu_kernels
 from gpu_worker_svc.model.layers.quantize import CPU_WEIGHT_FORMATS
 
 SIDES = ("kernel", "torch")
@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--out", default="results/decode_kernel.json")
     args = ap.parse_args(argv)
-    kernel = cpu_build.paged_decode_attention()
+    kernel = cpu_kernels.paged_decode_attention()
     if kernel is None:
         print("the CPU kernels cannot be built on this machine: nothing to compare")
         return 1
@@ -54,17 +54,17 @@ def main(argv: list[str] | None = None) -> int:
     )  # each round's prompts run twice: both sides must prefill them
     vocab = engine.model_config.vocab_size
     engine.runner._shard.model.model.fused_decode = None
-    paths = {"kernel": cpu_build.paged_decode_attention, "torch": lambda: None}
+    paths = {"kernel": cpu_kernels.paged_decode_attention, "torch": lambda: None}
     runs: dict[str, list[dict]] = {side: [] for side in SIDES}
     try:
         bench_engine(engine, random_prompts(args.concurrency, args.input_len, vocab, seed=7), 4)  # warm-up
         for r in range(args.rounds):
             prompts = random_prompts(args.concurrency, args.input_len, vocab, seed=100 + r)
             for side in SIDES if r % 2 == 0 else SIDES[::-1]:
-                cpu_build.paged_decode_attention = paths[side]  # what PagedAttention asks for, each step
+                cpu_kernels.paged_decode_attention = paths[side]  # what PagedAttention asks for, each step
                 runs[side].append(bench_engine(engine, prompts, args.output_len))
     finally:
-        cpu_build.paged_decode_attention = paths["kernel"]
+        cpu_kernels.paged_decode_attention = paths["kernel"]
         engine.shutdown()
     ratios = [k["tok_s"] / t["tok_s"] for k, t in zip(runs["kernel"], runs["torch"])]
     result = {

@@ -18,7 +18,7 @@ import torch
 from gpu_worker_svc.model.attention_metadata import AttentionMetadata
 from gpu_worker_svc.model.layers.attention import decode_contexts
 from gpu_worker_svc.model.layers.gguf import GGUFWeight
-from gpu_worker_svc.model.layers.kernels import cpu_build
+from gpu_worker_svc.model.layers.kernels import cpu_kernels
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,7 +38,7 @@ class FusedDecode:
     @classmethod
     def of(cls, model: torch.nn.Module) -> FusedDecode | None:
         """For a LlamaModel whose every layer the op can run; None otherwise (the Python layers then run)."""
-        op = cpu_build.llama_decode_layers()
+        op = cpu_kernels.llama_decode_layers()
         layers = list(model.layers)
         if op is None or not layers or model.embed_tokens.tp.world_size != 1:
             return None

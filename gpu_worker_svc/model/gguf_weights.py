@@ -22,7 +22,7 @@ from torch import nn
 from gpu_worker_svc.model.checkpoint import GGUFCheckpoint, GGUFCheckpointTensor, open_checkpoint, unpermute_rows
 from gpu_worker_svc.model.layers.embed_head import ParallelLMHead
 from gpu_worker_svc.model.layers.gguf import KERNEL_TYPES, GGUFWeight, block_row_bytes
-from gpu_worker_svc.model.layers.kernels import cpu_build
+from gpu_worker_svc.model.layers.kernels import cpu_kernels
 from gpu_worker_svc.model.layers.linear import ColumnParallelLinear, RowParallelLinear
 from gpu_worker_svc.model.loader import fused_parameter
 from shardline.core.model_path import resolve_model_path
@@ -62,7 +62,7 @@ class BlockRows:
 
 def load_gguf_blocks(model: nn.Module, model_path: str | Path | None) -> int:
     """Swap in GGUFWeights wherever the file's blocks fit (see the module docstring); returns how many."""
-    if cpu_build.gguf_linear() is None:
+    if cpu_kernels.gguf_linear() is None:
         log.warning("quantization gguf: the CPU kernels cannot be built here, so the weights stay fp32")
         return 0
     path = resolve_model_path(model_path)

@@ -11,7 +11,7 @@ from gpu_worker_svc.model.config import ModelConfig
 from gpu_worker_svc.model.fused_decode import FusedDecode
 from gpu_worker_svc.model.layers.attention import PagedAttention
 from gpu_worker_svc.model.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
-from gpu_worker_svc.model.layers.kernels import cpu_build
+from gpu_worker_svc.model.layers.kernels import cpu_kernels
 from gpu_worker_svc.model.layers.layernorm import RMSNorm
 from gpu_worker_svc.model.layers.linear import (
     MergedColumnParallelLinear,
@@ -61,7 +61,7 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        silu_mul = cpu_build.silu_mul() if _cpu_rows(gate_up) else None
+        silu_mul = cpu_kernels.silu_mul() if _cpu_rows(gate_up) else None
         if silu_mul is not None:  # CPU: one pass, kernels/silu_mul.cpp
             return self.down_proj(silu_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)

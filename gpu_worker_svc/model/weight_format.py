@@ -13,7 +13,7 @@ import logging
 import torch
 
 from gpu_worker_svc.model.dummy import is_dummy
-from gpu_worker_svc.model.layers.kernels import cpu_build
+from gpu_worker_svc.model.layers.kernels import cpu_kernels
 from shardline.core.model_path import resolve_model_path
 
 log = logging.getLogger(__name__)
@@ -30,7 +30,7 @@ def resolve_weight_format(quantization: str | None, model: str | None, device: s
         return quantization
     if device != "cpu" or dtype != torch.float32 or is_dummy(model) or resolve_model_path(model).suffix != ".gguf":
         return None
-    if cpu_build.gguf_linear() is None:
+    if cpu_kernels.gguf_linear() is None:
         log.warning("weights: the GGUF kernels cannot be built here, so the model runs dequantized to fp32")
         return None
     return "gguf"

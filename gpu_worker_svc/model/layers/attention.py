@@ -16,7 +16,7 @@ from torch import nn
 
 from gpu_worker_svc.model.attention_metadata import AttentionMetadata, DecodeGroup
 from gpu_worker_svc.model.layers.invariant_attention import InvariantContext, invariant_attention
-from gpu_worker_svc.model.layers.kernels import cpu_build
+from gpu_worker_svc.model.layers.kernels import cpu_kernels
 
 # Queries per call of the decode kernel for a prefill chunk: each reads the keys up to its last
 # query. 16 was fastest of 8-64 at 2048-token chunks, and within 25% of the best at 16 x 128.
@@ -44,7 +44,7 @@ class PagedAttention(nn.Module):
         values into the cache, where the decode kernel then takes every query (CPU, float32); else None."""
         if not self.kernel_takes_every_query(qkv.device.type, qkv.dtype) or kv_cache.dtype != torch.float32:
             return None  # torch's prefill attention reads the step's k, v, which the op does not return
-        return cpu_build.rope_cache_write() if qkv.dim() == 2 and qkv.is_contiguous() else None
+        return cpu_kernels.rope_cache_write() if qkv.dim() == 2 and qkv.is_contiguous() else None
 
     def attend(
         self,
@@ -186,7 +186,7 @@ class PagedAttention(nn.Module):
             self.cpu_kernel_fits
             and device == "cpu"
             and dtype == torch.float32
-            and cpu_build.paged_decode_attention() is not None
+            and cpu_kernels.paged_decode_attention() is not None
         )
 
     def _cpu_kernel(self, q: torch.Tensor, k_cache: torch.Tensor) -> Callable | None:
@@ -198,7 +198,7 @@ class PagedAttention(nn.Module):
             or k_cache.dtype != torch.float32
         ):
             return None
-        return cpu_build.paged_decode_attention()
+        return cpu_kernels.paged_decode_attention()
 
     def _attend(
         self,

@@ -21,7 +21,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from torch import nn
 
-from gpu_worker_svc.model.layers.kernels import cpu_build
+from gpu_worker_svc.model.layers.kernels import cpu_kernels
 
 # The block formats the kernel multiplies as stored; other GGUF types are dequantized at load.
 KERNEL_TYPES = (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0)
@@ -82,7 +82,7 @@ class GGUFWeight(nn.Module):
                 f"{qtype.name} weight of {in_features} inputs: expected uint8 rows of "
                 f"{block_row_bytes(qtype, in_features)} bytes, got {blocks.dtype} {tuple(blocks.shape)}"
             )
-        op = cpu_build.gguf_linear()
+        op = cpu_kernels.gguf_linear()
         if op is None:
             raise RuntimeError("the GGUF kernel needs Shardline's CPU kernels, which cannot be built here")
         self._op = op

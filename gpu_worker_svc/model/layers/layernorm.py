@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from gpu_worker_svc.model.layers.kernels import cpu_build
+from gpu_worker_svc.model.layers.kernels import cpu_kernels
 
 # torch.rms_norm's CPU path is the faster below this size (64 rows of 576), HF's form above it.
 _FUSED_MAX_ELEMENTS = 64 * 576
@@ -29,7 +29,7 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        kernels = cpu_build.rms_norm() if self._kernel_fits(x, residual) else None
+        kernels = cpu_kernels.rms_norm() if self._kernel_fits(x, residual) else None
         if kernels is not None:  # one op for the add and the norm, whatever the row count
             if residual is None:
                 return kernels[0](x, self.weight, self.eps)

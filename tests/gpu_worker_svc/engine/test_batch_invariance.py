@@ -15,7 +15,7 @@ from gpu_worker_svc.engine.llm_engine import EngineConfig, LLMEngine
 from gpu_worker_svc.engine.model_runner import RunnerConfig
 from gpu_worker_svc.engine.ngram_proposer import SpeculativeConfig
 from gpu_worker_svc.engine.sampling_params import SamplingParams
-from gpu_worker_svc.model.layers.kernels import cpu_build
+from gpu_worker_svc.model.layers.kernels import cpu_kernels
 
 pytestmark = pytest.mark.slow
 
@@ -31,7 +31,7 @@ def engine(request):
     # at most 96 tokens split the longer prompts over several steps.
     with pytest.MonkeyPatch.context() as patch:
         if request.param.endswith("torch attention"):
-            patch.setattr(cpu_build, "paged_decode_attention", lambda: None)
+            patch.setattr(cpu_kernels, "paged_decode_attention", lambda: None)
         e = LLMEngine(
             EngineConfig(
                 runner=RunnerConfig(quantization="int8", batch_invariant=request.param != "default", num_blocks=40),

@@ -8,10 +8,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gpu_worker_svc.model.layers.kernels import cpu_build
+from gpu_worker_svc.model.layers.kernels import cpu_kernels
 from gpu_worker_svc.model.layers.rotary import RotaryEmbedding
 
-rope_cache_write, silu_mul = cpu_build.rope_cache_write(), cpu_build.silu_mul()
+rope_cache_write, silu_mul = cpu_kernels.rope_cache_write(), cpu_kernels.silu_mul()
 pytestmark = pytest.mark.skipif(rope_cache_write is None, reason="the CPU kernels cannot be built here")
 
 HEADS, KV_HEADS, DIM, BLOCKS, BLOCK = 9, 3, 64, 6, 4

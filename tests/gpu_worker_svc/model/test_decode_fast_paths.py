@@ -10,7 +10,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from gpu_worker_svc.model.attention_metadata import StepBatch, _decode_context, build_step
 from gpu_worker_svc.model.layers.attention import PagedAttention
-from gpu_worker_svc.model.layers.kernels import cpu_build
+from gpu_worker_svc.model.layers.kernels import cpu_kernels
 from gpu_worker_svc.model.layers.layernorm import RMSNorm
 
 BLOCK = 16
@@ -27,8 +27,8 @@ def decode_batch(contexts: list[int], num_blocks: int = 64) -> StepBatch:
 def decode_path(request, monkeypatch) -> str:
     """Decode attention by kernels/decode_attention.cpp, or by the torch path it replaces on CPU."""
     if request.param == "torch":
-        monkeypatch.setattr(cpu_build, "paged_decode_attention", lambda: None)
-    elif cpu_build.paged_decode_attention() is None:
+        monkeypatch.setattr(cpu_kernels, "paged_decode_attention", lambda: None)
+    elif cpu_kernels.paged_decode_attention() is None:
         pytest.skip("the CPU kernels cannot be built on this machine")
     return request.param
 
@@ -85,7 +85,7 @@ def _norms() -> tuple[RMSNorm, LlamaRMSNorm]:
 
 
 def test_cpu_rms_norm_without_the_kernel_is_bitwise_hf(monkeypatch):
-    monkeypatch.setattr(cpu_build, "rms_norm", lambda: None)
+    monkeypatch.setattr(cpu_kernels, "rms_norm", lambda: None)
     torch.manual_seed(0)
     ours, hf = _norms()
     for rows in (1, 3, 16, 63, 64, 65, 130, 2048):  # torch.rms_norm below 64 rows, HF's form from there
@@ -95,7 +95,7 @@ def test_cpu_rms_norm_without_the_kernel_is_bitwise_hf(monkeypatch):
         assert torch.equal(summed, x + residual) and torch.equal(out, hf(x + residual))
 
 
-@pytest.mark.skipif(cpu_build.rms_norm() is None, reason="the CPU kernels cannot be built here")
+@pytest.mark.skipif(cpu_kernels.rms_norm() is None, reason="the CPU kernels cannot be built here")
 def test_the_norm_kernel_is_hf_within_rounding_and_a_rows_own_at_any_row_count():
     torch.manual_seed(0)
     ours, hf = _norms()
@@ -112,7 +112,7 @@ def test_the_norm_kernel_is_hf_within_rounding_and_a_rows_own_at_any_row_count()
 def test_a_worker_checks_that_its_two_norm_paths_agree(monkeypatch):
     # Batch invariance needs a row's norm to be the same bits whichever path its step's row count
     # picks: two torch paths where the norm kernel cannot be built.
-    monkeypatch.setattr(cpu_build, "rms_norm", lambda: None)
+    monkeypatch.setattr(cpu_kernels, "rms_norm", lambda: None)
     norm = RMSNorm(576, 1e-5, torch.float32)
     norm.weight.data.uniform_(0.5, 1.5)
     norm.check_paths_agree()  # so on this machine
@@ -126,7 +126,7 @@ def test_prefill_attention_takes_the_flash_kernel(monkeypatch):
     # Given 3-D inputs torch's CPU SDPA falls back to its unfused math path, 5-7x slower at 512
     # tokens: a prefill chunk, fresh or after a cached prefix, must reach the flash kernel where
     # the decode kernel does not take prefills (GPU, bf16; here: without the kernel).
-    monkeypatch.setattr(cpu_build, "paged_decode_attention", lambda: None)
+    monkeypatch.setattr(cpu_kernels, "paged_decode_attention", lambda: None)
     torch.manual_seed(0)
     heads, kv_heads, dim = 9, 3, 64
     attention = PagedAttention(heads, kv_heads, dim)
@@ -147,7 +147,7 @@ def test_prefill_attention_takes_the_flash_kernel(monkeypatch):
 def test_chunks_of_one_length_attend_in_one_call_bitwise_as_apart(monkeypatch):
     """Without the decode kernel, a burst's prompts prefill in one SDPA call per run of equal chunks;
     each chunk's result is the same bits as attending alone (so batching never changes its tokens)."""
-    monkeypatch.setattr(cpu_build, "paged_decode_attention", lambda: None)
+    monkeypatch.setattr(cpu_kernels, "paged_decode_attention", lambda: None)
     torch.manual_seed(0)
     heads, kv_heads, dim = 9, 3, 64
     attention = PagedAttention(heads, kv_heads, dim)
@@ -167,7 +167,7 @@ def test_chunks_of_one_length_attend_in_one_call_bitwise_as_apart(monkeypatch):
         assert torch.equal(together[start : start + n], alone.flatten(1))
 
 
-@pytest.mark.skipif(cpu_build.paged_decode_attention() is None, reason="the CPU kernels cannot be built here")
+@pytest.mark.skipif(cpu_kernels.paged_decode_attention() is None, reason="the CPU kernels cannot be built here")
 @pytest.mark.parametrize("chunks", [[50], [20, 30], [1, 33, 16]])
 def test_a_prefills_queries_are_the_bits_of_decoding_its_tokens_one_by_one(chunks):
     """On CPU a prefill's queries go through the decode kernel: its keys, values and outputs are the

@@ -14,14 +14,16 @@ from transformers import LlamaConfig
 from gpu_worker_svc.engine.model_runner import ModelRunner, RunnerConfig
 from gpu_worker_svc.model.fused_decode import FusedDecode
 from gpu_worker_svc.model.gguf_weights import load_gguf_blocks
-from gpu_worker_svc.model.layers.kernels import cpu_build
+from gpu_worker_svc.model.layers.kernels import cpu_kernels
 from gpu_worker_svc.model.loader import load_model
 from gpu_worker_svc.model.parallel import TPGroup
 from tests.gpu_worker_svc.model.paged_driver import PagedDriver
 from tests.gpu_worker_svc.model.random_checkpoints import random_hf_model, random_prompts, write_llama_gguf
 from tests.gpu_worker_svc.model.test_checkpoint_forms import CONFIG
 
-pytestmark = pytest.mark.skipif(cpu_build.llama_decode_layers() is None, reason="the CPU kernels cannot be built here")
+pytestmark = pytest.mark.skipif(
+    cpu_kernels.llama_decode_layers() is None, reason="the CPU kernels cannot be built here"
+)
 
 
 @pytest.fixture(scope="module", params=[(GGMLQuantizationType.Q4_1, False), (GGMLQuantizationType.Q8_0, True)])

@@ -15,12 +15,12 @@ from gguf import GGMLQuantizationType
 from gguf.quants import quantize
 
 from gpu_worker_svc.model.layers.gguf import GGUFWeight, block_row_bytes, blocks_of_panels, panels_of
-from gpu_worker_svc.model.layers.kernels import cpu_build
+from gpu_worker_svc.model.layers.kernels import cpu_kernels
 
-pytestmark = pytest.mark.skipif(cpu_build.gguf_linear() is None, reason="the CPU kernels cannot be built here")
+pytestmark = pytest.mark.skipif(cpu_kernels.gguf_linear() is None, reason="the CPU kernels cannot be built here")
 
 TYPES = [GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0]
-KERNELS = torch.ops.shardline_cpu.gguf_kernels() if cpu_build.gguf_linear() is not None else []
+KERNELS = torch.ops.shardline_cpu.gguf_kernels() if cpu_kernels.gguf_linear() is not None else []
 U = 2.0**-24  # float32's unit roundoff
 
 

@@ -16,7 +16,7 @@ from gpu_worker_svc.engine.sampling_params import SamplingParams
 from gpu_worker_svc.model.attention_metadata import StepBatch
 from gpu_worker_svc.model.gguf_weights import load_gguf_blocks
 from gpu_worker_svc.model.layers.gguf import GGUFWeight
-from gpu_worker_svc.model.layers.kernels import cpu_build
+from gpu_worker_svc.model.layers.kernels import cpu_kernels
 from gpu_worker_svc.model.loader import load_model
 from gpu_worker_svc.model.parallel import TPGroup
 from shardline.core.gguf_quants import dequantize
@@ -24,7 +24,7 @@ from tests.gpu_worker_svc.model.paged_driver import PagedDriver
 from tests.gpu_worker_svc.model.random_checkpoints import random_hf_model, random_prompts, write_llama_gguf
 from tests.gpu_worker_svc.model.test_checkpoint_forms import CONFIG
 
-pytestmark = pytest.mark.skipif(cpu_build.gguf_linear() is None, reason="the CPU kernels cannot be built here")
+pytestmark = pytest.mark.skipif(cpu_kernels.gguf_linear() is None, reason="the CPU kernels cannot be built here")
 
 
 @pytest.fixture(scope="module", params=[(GGMLQuantizationType.Q4_1, False), (GGMLQuantizationType.Q8_0, True)])

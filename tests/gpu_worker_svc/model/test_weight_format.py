@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from gpu_worker_svc.model import weight_format
-from gpu_worker_svc.model.layers.kernels import cpu_build
+from gpu_worker_svc.model.layers.kernels import cpu_kernels
 from gpu_worker_svc.model.weight_format import resolve_weight_format
 
 
-@pytest.mark.skipif(cpu_build.gguf_linear() is None, reason="the CPU kernels cannot be built here")
+@pytest.mark.skipif(cpu_kernels.gguf_linear() is None, reason="the CPU kernels cannot be built here")
 def test_a_gguf_model_on_cpu_keeps_its_blocks_by_default():
     assert resolve_weight_format("auto", None, "cpu", torch.float32) == "gguf"  # the default model's .gguf
 
@@ -22,7 +22,7 @@ def test_auto_keeps_the_dtype_where_the_blocks_cannot_run(tmp_path, monkeypatch)
     assert resolve_weight_format("auto", None, "cuda", torch.bfloat16) is None  # CPU kernels
     assert resolve_weight_format("auto", None, "cpu", torch.bfloat16) is None
     assert resolve_weight_format("auto", "dummy:llama-3.2-1b", "cpu", torch.float32) is None
-    monkeypatch.setattr(weight_format.cpu_build, "gguf_linear", lambda: None)
+    monkeypatch.setattr(weight_format.cpu_kernels, "gguf_linear", lambda: None)
     assert resolve_weight_format("auto", None, "cpu", torch.float32) is None
 
 

@@ -1,9 +1,15 @@
 // The entry points of the CPU ops, for an op that chains them in C++ (decode_layers.cpp): a call
 // here costs neither Python nor torch's dispatcher. Each is registered in torch.ops.shardline_cpu
 // by the file that defines it.
+//
+// The kernels include the few ATen headers they use, not <ATen/ATen.h>: every library level is
+// compiled from these sources (kernel_build.py), and torch's whole operator set is most of the time
+// a source takes to compile.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 
 #include <string>
 #include <tuple>

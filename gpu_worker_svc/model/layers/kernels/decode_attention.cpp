@@ -8,7 +8,6 @@
 // Every reduction has a fixed order that depends only on the decode's own context length,
 // never on its batch-mates or the padding of the step's slot table: a decode's output is
 // the same bits however it is batched, which the engine's determinism rests on.
-#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

@@ -6,7 +6,6 @@
 // of a 10 ms step, more than the attention and the norms together. Here the layers' ops run as
 // llama.py's CPU path spells them, the same ops with the same arguments in the same order, so
 // every result is bitwise the Python layers' (tested), without the interpreter between them.
-#include <ATen/ATen.h>
 #include <torch/library.h>
 
 #include <tuple>

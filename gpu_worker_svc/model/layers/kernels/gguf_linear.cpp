@@ -10,7 +10,6 @@
 // A row's result depends on that row alone: its own quantization, and a sum over blocks in a fixed
 // order, whatever the batch, the thread count, the tiling or the instruction set. The engine's
 // determinism rests on it.
-#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

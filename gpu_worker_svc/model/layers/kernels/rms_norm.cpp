@@ -4,7 +4,6 @@
 // decode step runs 61 of them: 1.4 of the default model's 11 ms. One pass here does the add, the
 // sum of squares and the scaling. A row's result depends on that row alone, in a fixed order
 // (16 lanes, then a fixed tree), whatever the number of rows or threads.
-#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

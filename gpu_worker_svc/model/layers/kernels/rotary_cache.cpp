@@ -5,7 +5,6 @@
 // and two index_copy_), ~25 us a layer at a decode step's few rows. Here one pass reads each
 // row of q/k/v once. A row's result depends on that row alone, whatever the row count, so a
 // prefill writes the bits a decode of the same token would: the engine's determinism rests on it.
-#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

@@ -5,7 +5,6 @@
 // reads each row once. silu(g) = g / (1 + e^-g) is computed from e = exp(-|g|) <= 1, which never
 // overflows: g / (1 + e) for g >= 0, g e / (1 + e) below. A row's result depends on that row
 // alone, lane by lane, whatever the row count.
-#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
