@@ -28,9 +28,9 @@ from pathlib import Path
 
 import openai
 
-from shardline.bench.backends import StackBackend
 from shardline.bench.load import LoadSpec, run_load
 from shardline.bench.metrics import summarize
+from shardline.bench.stack_backend import StackBackend
 from shardline.stack.local_stack import LocalStack, StackConfig
 
 logger = logging.getLogger("batch_api")

@@ -16,8 +16,8 @@ from pathlib import Path
 import grpc
 import yaml
 
-from shardline.bench.backends import StackBackend
 from shardline.bench.openai_backend import OpenAIBackend
+from shardline.bench.stack_backend import StackBackend
 from shardline.bench.tenant_load import TenantRun, run_tenants
 from shardline.bench.tenant_report import workload_report
 from shardline.bench.tenant_workload import TenantSpec, TenantWorkload

@@ -22,9 +22,9 @@ from pathlib import Path
 
 import redis
 
-from shardline.bench.backends import StackBackend
 from shardline.bench.load import LoadSpec, run_load
 from shardline.bench.metrics import summarize
+from shardline.bench.stack_backend import StackBackend
 from shardline.stack.local_stack import LocalStack, StackConfig
 from tracing.collector.span_store import PREFIX
 

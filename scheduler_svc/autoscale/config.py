@@ -4,6 +4,8 @@ from dataclasses import dataclass
 
 POLICIES = ("static", "reactive", "naive", "lt-u", "lt-ua")
 FORECASTERS = ("ewma", "arima")
+# The synthetic load traces the simulator generates (trace_shapes.py).
+TRACE_SHAPES = ("diurnal", "burst", "ramp")
 
 
 @dataclass(frozen=True, slots=True)

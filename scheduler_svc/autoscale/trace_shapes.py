@@ -5,9 +5,9 @@ from collections.abc import Callable
 
 import numpy as np
 
+from scheduler_svc.autoscale.config import TRACE_SHAPES
 from scheduler_svc.autoscale.trace import Trace
 
-SHAPES = ("diurnal", "burst", "ramp")
 _DAY_S = 86_400.0
 
 
@@ -26,7 +26,7 @@ def rate_curve(shape: str, duration_s: float, base_rps: float) -> Callable[[np.n
     if shape == "ramp":
         rise = duration_s * 5 / 6
         return lambda t: base_rps * (1.0 + 7.0 * np.minimum(t / rise, 1.0))
-    raise ValueError(f"unknown trace shape {shape!r}: one of {', '.join(SHAPES)}")
+    raise ValueError(f"unknown trace shape {shape!r}: one of {', '.join(TRACE_SHAPES)}")
 
 
 def generate_trace(

@@ -21,7 +21,7 @@ class LoadSpec:
     request_rate: float = float("inf")  # requests/s on average; inf: all at t=0
     max_concurrency: int | None = 16
     seed: int = 0
-    vocab_size: int = 49152
+    vocab_size: int | None = 49152  # None: not known yet (the servers say theirs)
     # The shape of the gamma-distributed gaps between arrivals, as vLLM's --burstiness: 1 is a
     # Poisson process, below 1 burstier, above 1 more even. The mean rate stays request_rate.
     burstiness: float = 1.0
@@ -68,3 +68,13 @@ async def run_load(spec: LoadSpec, send: SendFn, label: str = "") -> tuple[list[
     wall = time.perf_counter() - t0
     bar.close()
     return list(timings), wall
+
+
+def model_vocab_size(model: str | None) -> int | None:
+    """The vocabulary size of a model's files (None: the default model), or None in an install without
+    the services (no torch to read them with): the servers then say theirs."""
+    try:
+        from gpu_worker_svc.model.loader import load_config
+    except ModuleNotFoundError:
+        return None
+    return load_config(model).vocab_size

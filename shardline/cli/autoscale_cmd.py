@@ -6,14 +6,14 @@ import argparse
 import json
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from scheduler_svc.autoscale.config import FORECASTERS, POLICIES
-from scheduler_svc.autoscale.policy import AutoscaleConfig
-from scheduler_svc.autoscale.sim_report import SimResult, SloTargets
-from scheduler_svc.autoscale.simulator import WorkerModel, simulate
-from scheduler_svc.autoscale.trace import read_trace, write_trace
-from scheduler_svc.autoscale.trace_shapes import SHAPES, generate_trace
+from scheduler_svc.autoscale.config import FORECASTERS, POLICIES, TRACE_SHAPES
 from shardline.cli.one_line_errors import one_line_errors
+from shardline.cli.serve_extra import require_serve
+
+if TYPE_CHECKING:
+    from scheduler_svc.autoscale.sim_report import SimResult
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -38,7 +38,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     sim.set_defaults(func=one_line_errors("autoscale simulate", run_simulate))
 
     gen = actions.add_parser("trace", help="generate a synthetic arrival trace")
-    gen.add_argument("--shape", choices=SHAPES, required=True)
+    gen.add_argument("--shape", choices=TRACE_SHAPES, required=True)
     gen.add_argument("--out", type=Path, required=True, help="a .csv or .jsonl file to write")
     gen.add_argument("--hours", type=float, default=24.0)
     gen.add_argument("--rps", type=float, default=4.0, help="the base arrival rate")
@@ -48,6 +48,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run_simulate(args: argparse.Namespace) -> int:
+    require_serve("autoscale simulate")
+    from scheduler_svc.autoscale.policy import AutoscaleConfig
+    from scheduler_svc.autoscale.sim_report import SloTargets
+    from scheduler_svc.autoscale.simulator import WorkerModel, simulate
+    from scheduler_svc.autoscale.trace import read_trace
+
     trace = read_trace(args.trace)
     config = AutoscaleConfig(
         policy=args.policy,
@@ -90,6 +96,10 @@ def _table(r: SimResult, wall_s: float) -> str:
 
 
 def run_trace(args: argparse.Namespace) -> int:
+    require_serve("autoscale trace")
+    from scheduler_svc.autoscale.trace import write_trace
+    from scheduler_svc.autoscale.trace_shapes import generate_trace
+
     if args.hours <= 0:
         raise ValueError("--hours must be positive")
     trace = generate_trace(args.shape, args.hours * 3600.0, args.rps, seed=args.seed, noise=args.noise)

@@ -13,10 +13,11 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from shardline.bench.load import LoadSpec, run_load
+from shardline.bench.load import LoadSpec, model_vocab_size, run_load
 from shardline.bench.metrics import Slos, median_of_rounds, summarize
 from shardline.cli.arg_types import at_least_one
 from shardline.cli.one_line_errors import one_line_errors
+from shardline.cli.serve_extra import require_serve
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -122,9 +123,14 @@ async def _measure(
             backends[name] = make()  # inside the loop: grpc.aio channels belong to the loop that creates them
         for name, backend in backends.items():  # prompts are random ids: ids every served model has
             if hasattr(backend, "vocab_size") and (size := await backend.vocab_size()):
-                spec = dataclasses.replace(spec, vocab_size=min(spec.vocab_size, size))
+                spec = dataclasses.replace(spec, vocab_size=min(spec.vocab_size or size, size))
             if hasattr(backend, "root"):
                 targets[name] = f"{backend.root}, model {backend.model}"
+        if spec.vocab_size is None:
+            raise _FlagsError(
+                "no server says its vocabulary size, so prompts of random ids cannot be drawn: reading "
+                "--tokenizer's needs the services (pip install 'shardline[serve]')"
+            )
         for name, backend in backends.items():
             warm = LoadSpec(
                 num_prompts=min(4, spec.num_prompts),
@@ -165,9 +171,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    # Imported here: they pull in torch, which would slow every other subcommand's start.
-    from gpu_worker_svc.model.loader import load_config
-
     if args.rounds < 1:
         print("--rounds must be at least 1")
         return 2
@@ -194,7 +197,7 @@ def _run(args: argparse.Namespace) -> int:
         args.request_rate,
         args.max_concurrency,
         args.seed,
-        load_config(args.tokenizer if args.backend == "openai" else args.model).vocab_size,
+        model_vocab_size(args.tokenizer if args.backend == "openai" else args.model),
         args.burstiness,
     )
     makers: dict[str, Callable[[], object]] = {}
@@ -238,35 +241,41 @@ class _FlagsError(Exception):
 
 def _stack_targets(args: argparse.Namespace, makers: dict[str, Callable[[], object]]):
     """The gRPC stack (--url or --launch) and the in-process engine; returns the launched stack, if any."""
-    from gpu_worker_svc.server.main import engine_config
-    from gpu_worker_svc.server.settings import WorkerSettings
-    from shardline.bench.backends import EngineBackend, StackBackend
-    from shardline.core.host_memory import reexec_with_malloc_env
+    from shardline.bench.stack_backend import StackBackend
 
     if args.base_url or args.compare_base_url:
         raise _FlagsError("--base-url and --compare-base-url need --backend openai")
     if not (args.url or args.launch or args.engine):
         raise _FlagsError("give --url, --launch and/or --engine")
-    # The worker's own settings (its defaults and any SHARDLINE_* variables, as a launched stack's
-    # worker reads them), so the engine runs exactly as it does inside the stack. Read before
-    # anything starts: a bad variable must not leave a launched stack behind.
-    settings = WorkerSettings(model=args.model, tracing=False)
-    if args.engine and settings.resolved_device == "cpu" and getattr(args, "own_process", False):
-        reexec_with_malloc_env()  # the engine then runs under a CPU worker's malloc settings
-    stack = None
-    if args.launch:
-        env: dict[str, object] = {}
-        if args.engine and settings.resolved_device != "cpu":
-            # Both hold the GPU for the whole run: the stack's worker takes half the share, and the
-            # engine's sizing counts the worker's memory as used by others.
-            env["GPU_MEMORY_UTILIZATION"] = settings.gpu_memory_utilization / 2
-        stack = _launch(args.model, env)
+    stack, engine = None, None
+    if args.launch or args.engine:
+        require_serve("bench --launch" if args.launch else "bench --engine")
+        from gpu_worker_svc.server.main import engine_config
+        from gpu_worker_svc.server.settings import WorkerSettings
+        from shardline.bench.engine_backend import EngineBackend
+        from shardline.core.host_memory import reexec_with_malloc_env
+
+        # The worker's own settings (its defaults and any SHARDLINE_* variables, as a launched stack's
+        # worker reads them), so the engine runs exactly as it does inside the stack. Read before
+        # anything starts: a bad variable must not leave a launched stack behind.
+        settings = WorkerSettings(model=args.model, tracing=False)
+        if args.engine and settings.resolved_device == "cpu" and getattr(args, "own_process", False):
+            reexec_with_malloc_env()  # the engine then runs under a CPU worker's malloc settings
+        if args.launch:
+            env: dict[str, object] = {}
+            if args.engine and settings.resolved_device != "cpu":
+                # Both hold the GPU for the whole run: the stack's worker takes half the share, and the
+                # engine's sizing counts the worker's memory as used by others.
+                env["GPU_MEMORY_UTILIZATION"] = settings.gpu_memory_utilization / 2
+            stack = _launch(args.model, env)
+        if args.engine:
+            config, gap = engine_config(settings), settings.resolved_admission_gap_s
+            engine = lambda: EngineBackend(config, gap, settings.torch_threads)  # noqa: E731
     url = f"127.0.0.1:{stack.config.grpc_port}" if stack is not None else args.url
     if url:
         makers["stack"] = lambda: StackBackend(url)
-    if args.engine:
-        config, gap = engine_config(settings), settings.resolved_admission_gap_s
-        makers["engine"] = lambda: EngineBackend(config, gap, settings.torch_threads)
+    if engine is not None:
+        makers["engine"] = engine
     return stack
 
 
@@ -281,8 +290,11 @@ def _openai_targets(args: argparse.Namespace, makers: dict[str, Callable[[], obj
         raise _FlagsError(
             "--backend openai: give --base-url or --launch (a private stack as the base target), not both"
         )
+    if args.launch:
+        require_serve("bench --launch")
     detokenize = None
     if args.prompt_format == "text":
+        require_serve("bench --prompt-format text (it reads the tokenizer)")
         from shardline.core.model_path import resolve_model_path
         from shardline.core.text.tokenizer import Tokenizer
 

@@ -7,10 +7,11 @@ import asyncio
 import json
 from collections.abc import Callable
 
-from shardline.bench.load import LoadSpec, SendFn, run_load
+from shardline.bench.load import LoadSpec, SendFn, model_vocab_size, run_load
 from shardline.bench.tenant_load import SentRequest, TenantRun, run_tenants
 from shardline.bench.tenant_report import print_report, workload_report
 from shardline.bench.tenant_workload import TenantWorkload, load_workload
+from shardline.cli.serve_extra import require_serve
 
 
 class TenantFlagsError(ValueError):
@@ -21,15 +22,13 @@ def run_tenant_bench(args: argparse.Namespace) -> int:
     """Runs the workload of --tenants once against one target, prints its report (or JSON), writes --out."""
     workload = load_workload(args.tenants)
     _check_flags(args, workload)
-    from gpu_worker_svc.model.loader import load_config  # pulls in torch: only once a run is certain
-
     stack = _launch(args) if args.launch else None
     try:
         if args.backend == "openai":
             url = f"http://127.0.0.1:{stack.config.http_port}" if stack else args.base_url
         else:
             url = f"127.0.0.1:{stack.config.grpc_port}" if stack else args.url
-        vocab = load_config(args.tokenizer if args.backend == "openai" else args.model).vocab_size
+        vocab = model_vocab_size(args.tokenizer if args.backend == "openai" else args.model)
         run, target = asyncio.run(_measure(args, workload, _backend_maker(args, url), vocab))
     finally:
         if stack is not None:
@@ -66,13 +65,13 @@ def _backend_maker(args: argparse.Namespace, url: str) -> Callable[[object], obj
         from shardline.bench.openai_backend import OpenAIBackend
 
         return lambda t: OpenAIBackend(url, args.model, t.api_key, args.ignore_eos, extra_body=t.body_fields())
-    from shardline.bench.backends import StackBackend
+    from shardline.bench.stack_backend import StackBackend
 
     return lambda t: StackBackend(url, t.api_key, t.priority or 0)
 
 
 async def _measure(
-    args: argparse.Namespace, workload: TenantWorkload, make: Callable[[object], object], vocab: int
+    args: argparse.Namespace, workload: TenantWorkload, make: Callable[[object], object], vocab: int | None
 ) -> tuple[TenantRun, str]:
     backends = {}
     try:
@@ -80,7 +79,12 @@ async def _measure(
             backends[t.name] = make(t)
         first = backends[workload.tenants[0].name]
         if size := await first.vocab_size():  # prompts are random ids: ids the served model has
-            vocab = min(vocab, size)
+            vocab = min(vocab or size, size)
+        if vocab is None:
+            raise TenantFlagsError(
+                "the server does not say its vocabulary size, and reading --tokenizer's needs the services "
+                "(pip install 'shardline[serve]')"
+            )
         target = f"{first.root}, model {first.model}" if hasattr(first, "root") else str(args.url or "launched")
         # A few requests first, each tenant's key: a server's first requests pay for its warm-up, and a
         # key the server refuses shows here rather than as a run of failures.
@@ -97,6 +101,7 @@ async def _measure(
 
 
 def _launch(args: argparse.Namespace):
+    require_serve("bench --launch")
     from shardline.stack.local_stack import LocalStack, StackConfig
 
     model = args.tokenizer if args.backend == "openai" else args.model

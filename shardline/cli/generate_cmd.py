@@ -8,6 +8,7 @@ from collections.abc import Iterator
 
 from shardline.cli.arg_types import at_least_one, non_negative, probability
 from shardline.cli.one_line_errors import one_line_errors
+from shardline.cli.serve_extra import require_serve
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
@@ -15,11 +16,11 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     g.add_argument("prompt")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     _common(g)
-    g.set_defaults(func=run_generate)
+    g.set_defaults(func=run_generate, command="generate")
     c = sub.add_parser("chat", help="chat interactively (empty line or Ctrl-D to quit)")
     c.add_argument("--system", default=None, help="system prompt")
     _common(c)
-    c.set_defaults(func=run_chat)
+    c.set_defaults(func=run_chat, command="chat")
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -49,6 +50,7 @@ class _Backend:
             self.client = ShardlineClient(args.url, api_key=args.api_key)
             self.local = None
         else:
+            require_serve(f"{args.command} without --url (the engine in this process)")
             from shardline.cli.local_generator import LocalGenerator
 
             self.client = None

@@ -7,6 +7,9 @@ import importlib
 import logging
 import sys
 
+import shardline
+from shardline.cli.serve_extra import ServeExtraMissing, require_serve
+
 SERVICES = {
     "gateway": "gateway.main",
     "tokenizer": "tokenizer_svc.main",
@@ -20,11 +23,20 @@ SERVICES = {
 def main(argv: list[str] | None = None) -> int:
     own_process = argv is None  # run as the program, not called from Python: a command may restart it
     argv = sys.argv[1:] if argv is None else argv
+    try:
+        return _main(argv, own_process)
+    except ServeExtraMissing as exc:
+        print(exc, file=sys.stderr)
+        return 2
+
+
+def _main(argv: list[str], own_process: bool) -> int:
     if argv[:1] == ["serve"]:
         # Flags after the service name belong to that service's own parser.
         if len(argv) < 2 or argv[1] not in SERVICES:
             print(f"usage: shardline serve {{{','.join(SERVICES)}}} [service flags]", file=sys.stderr)
             return 2
+        require_serve(f"serve {argv[1]}")
         service = importlib.import_module(SERVICES[argv[1]])
         if argv[1] == "worker":  # a CPU worker restarts itself (malloc settings), only as its own process
             return service.main(argv[2:], own_process=own_process)
@@ -55,6 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     parser = argparse.ArgumentParser(prog="shardline", description="Shardline: LLM serving in Python")
+    parser.add_argument("--version", action="version", version=f"shardline {shardline.__version__}")
     sub = parser.add_subparsers(metavar="command")
     sub.add_parser("serve", help="start one service: " + ", ".join(SERVICES))
     up_cmd.add_parser(sub)

@@ -30,6 +30,7 @@ from pathlib import Path
 
 from shardline.cli.arg_types import at_least_one
 from shardline.cli.one_line_errors import one_line_errors
+from shardline.cli.serve_extra import require_serve
 from shardline.core.batch.input_lines import ENDPOINTS, BatchLine, LineError, parse_line
 from shardline.core.errors import InvalidArgument
 
@@ -57,6 +58,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Exit 0 when every line was answered with status 200, 1 when some were not, 2 for bad input."""
+    require_serve("run-batch")
     lines, errors = read_lines(args.input)
     if errors:
         for e in errors:

@@ -1,4 +1,8 @@
-"""`shardline trace export|view`: .pftrace files from the span store, and a local Perfetto UI to read them."""
+"""`shardline trace export|view`: .pftrace files from the span store, and a local Perfetto UI to read them.
+
+Both run the tracing service's own code (its span store, its Perfetto writer and UI), which comes
+with the serve extra: it is imported when a command runs, so that `shardline --help` works without.
+"""
 
 from __future__ import annotations
 
@@ -10,15 +14,16 @@ import sys
 import webbrowser
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from aiohttp import web
 from redis.exceptions import RedisError
 
-from tracing.collector import perfetto_ui, trace_export
-from tracing.collector.perfetto_writer import write_pftrace
-from tracing.collector.span_store import SpanStore
-from tracing.collector.stored_span import StoredSpan
-from tracing.settings import TracingSettings
+from shardline.cli.serve_extra import require_serve
+
+if TYPE_CHECKING:
+    from tracing.collector.span_store import SpanStore
+    from tracing.collector.stored_span import StoredSpan
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +69,8 @@ class Selection:
         if args.last is not None and args.last < 1:
             raise ValueError("--last must be at least 1")
         if windowed:
+            from tracing.collector import trace_export
+
             return cls([], window=trace_export.window_bounds(args.since, args.until))
         return cls(list(args.request or []), last=None if args.request else (args.last or 1))
 
@@ -77,6 +84,8 @@ class Selection:
 
 async def select_spans(store: SpanStore, selection: Selection) -> tuple[list[str], list[StoredSpan]]:
     """The selected requests' ids (empty for a window) and the spans to export."""
+    from tracing.collector import trace_export
+
     if selection.window is not None:
         return [], await trace_export.window_spans(store, *selection.window)
     if selection.last is not None:
@@ -85,6 +94,11 @@ async def select_spans(store: SpanStore, selection: Selection) -> tuple[list[str
 
 
 def run_export(args: argparse.Namespace) -> int:
+    require_serve("trace export")
+    from tracing.collector.perfetto_writer import write_pftrace
+    from tracing.collector.span_store import SpanStore
+    from tracing.settings import TracingSettings
+
     try:
         selection = Selection.from_args(args)
     except ValueError as exc:
@@ -127,6 +141,8 @@ def run_export(args: argparse.Namespace) -> int:
 
 def build_view_app(trace: Path) -> web.Application:
     """The Perfetto UI under /perfetto/ and ``trace`` under /trace/<its name>."""
+    from tracing.collector import perfetto_ui
+
     app = web.Application()
     perfetto_ui.add_routes(app)
 
@@ -139,11 +155,14 @@ def build_view_app(trace: Path) -> web.Application:
 
 def view_url(host: str, port: int, trace: Path) -> str:
     """The URL that opens ``trace`` in the UI served by ``build_view_app``."""
+    from tracing.collector import perfetto_ui
+
     base = f"http://{host}:{port}"
     return perfetto_ui.viewer_url(f"{base}{perfetto_ui.PREFIX}", f"{base}/trace/{trace.name}")
 
 
 def run_view(args: argparse.Namespace) -> int:
+    require_serve("trace view")
     trace = args.file.resolve()
     if not trace.is_file():
         print(f"shardline trace view: no such file: {args.file}", file=sys.stderr)

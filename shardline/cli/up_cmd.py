@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 from shardline.cli.arg_types import at_least_one, at_least_zero, tcp_port
+from shardline.cli.serve_extra import require_serve
 from shardline.cli.service_logs import ServiceLogFollower
 from shardline.core.service_main import redacted
 from shardline.stack.local_scaler import LocalWorkerScaler
@@ -69,6 +70,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    require_serve("up")
     ports = {"--http-port": args.http_port, "--grpc-port": args.grpc_port}
     if args.tracing:
         ports |= {"--otlp-port": args.otlp_port, "--dashboard-port": args.dashboard_port}

@@ -7,7 +7,7 @@ import asyncio
 import grpc
 import pytest
 
-from shardline.bench.backends import StackBackend
+from shardline.bench.stack_backend import StackBackend
 from shardline.client import AsyncShardlineClient, ModelInfo
 from shardline.core.text.tokenizer import Tokenizer
 from shardline.proto import common_pb2, generation_pb2, generation_pb2_grpc, sampling_pb2

@@ -8,7 +8,7 @@ import pytest
 
 from gpu_worker_svc.engine.llm_engine import EngineConfig
 from gpu_worker_svc.engine.model_runner import RunnerConfig
-from shardline.bench.backends import EngineBackend
+from shardline.bench.engine_backend import EngineBackend
 from shardline.bench.load import LoadSpec, run_load
 
 pytestmark = pytest.mark.slow
