@@ -15,11 +15,12 @@ import re
 import secrets
 import time
 from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import BinaryIO, Protocol
 
-from shardline.core.errors import InvalidArgument
+from shardline.core.errors import InvalidArgument, Unavailable
 
 _SAFE_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
 # OpenAI's purposes; batches read "batch" files and write "batch_output" ones.
@@ -73,6 +74,11 @@ class FileStore(Protocol):
         """Remove the file; False when there was none."""
 
 
+class FileStoreUnavailable(Unavailable):
+    """The folder cannot be read or written (its permissions, a full disk, a volume gone): 503, naming
+    the folder and the reason, rather than a 500 with nothing to act on."""
+
+
 class LocalFileStore:
     """Files in one folder: `<id>` holds the bytes and `<id>.json` the metadata."""
 
@@ -86,7 +92,23 @@ class LocalFileStore:
             raise InvalidArgument("file_id", f"must be letters, digits, '-' and '_', got {file_id[:64]!r}")
         return self.root / file_id
 
+    @contextmanager
+    def _storage(self, action: str) -> Iterator[None]:
+        try:
+            yield
+        except FileNotFoundError:
+            raise
+        except OSError as exc:
+            raise FileStoreUnavailable(
+                f"files: cannot {action} the file store {self.root} ({exc.strerror or exc}); its folder must be "
+                f"writable by the service's user"
+            ) from exc
+
     def write(self, meta: FileObject, chunks: Iterable[bytes]) -> FileObject:
+        with self._storage("write to"):
+            return self._write(meta, chunks)
+
+    def _write(self, meta: FileObject, chunks: Iterable[bytes]) -> FileObject:
         path = self._path(meta.id)
         part = path.with_name(f"{path.name}.part-{secrets.token_hex(4)}")
         size = 0
@@ -104,16 +126,20 @@ class LocalFileStore:
         return meta
 
     def get(self, file_id: str) -> FileObject | None:
+        path = self._path(file_id).with_name(f"{file_id}.json")
         try:
-            return FileObject(**json.loads(self._path(file_id).with_name(f"{file_id}.json").read_text()))
+            with self._storage("read"):
+                return FileObject(**json.loads(path.read_text()))
         except FileNotFoundError:
             return None
 
     def open(self, file_id: str) -> BinaryIO:
-        return open(self._path(file_id), "rb")
+        with self._storage("read"):
+            return open(self._path(file_id), "rb")
 
     def list(self) -> list[FileObject]:
-        files = [meta for meta in (self.get(p.stem) for p in self.root.glob("*.json")) if meta is not None]
+        with self._storage("list"):
+            files = [meta for meta in (self.get(p.stem) for p in self.root.glob("*.json")) if meta is not None]
         return sorted(files, key=lambda f: (f.created_at, f.id), reverse=True)
 
     def delete(self, file_id: str) -> bool:
@@ -121,7 +147,8 @@ class LocalFileStore:
         found = False
         for target in (path.with_name(f"{file_id}.json"), path):  # the metadata first: it is what lists it
             try:
-                target.unlink()
+                with self._storage("delete from"):
+                    target.unlink()
                 found = True
             except FileNotFoundError:
                 pass

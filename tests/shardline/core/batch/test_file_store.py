@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from shardline.core.batch.file_store import FileObject, LocalFileStore
+from shardline.core.batch.file_store import FileObject, FileStoreUnavailable, LocalFileStore
 from shardline.core.errors import InvalidArgument
 
 
@@ -26,3 +26,13 @@ def test_ids_cannot_name_paths(tmp_path):
     store = LocalFileStore(tmp_path / "files")
     with pytest.raises(InvalidArgument):
         store.get("../secret")
+
+
+def test_a_store_that_cannot_be_written_is_unavailable_naming_its_folder(tmp_path):
+    """A folder gone, or one the service's user may not write (a volume owned by root): 503, not 500."""
+    store = LocalFileStore(tmp_path / "files")
+    store.root.rmdir()
+    store.root.write_text("not a folder any more")
+    with pytest.raises(FileStoreUnavailable, match=f"cannot write to the file store {store.root}") as refused:
+        store.write(FileObject("file-1", 0, 10, "a.jsonl", "batch"), [b"{}\n"])
+    assert refused.value.http_status == 503
