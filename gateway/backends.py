@@ -11,6 +11,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.bounded_tokenizer import BoundedTokenizer
 from shardline.core.errors import (
+    NO_WORKER,
     AlreadyExists,
     InvalidArgument,
     NotFound,
@@ -92,6 +93,8 @@ def upstream_error(service: str, exc: grpc.aio.AioRpcError) -> ShardlineError:
         return NotFound(details)
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
         return ResourceExhausted(details or f"{service} is at capacity; retry later")
+    if code == grpc.StatusCode.UNAVAILABLE and details.startswith(NO_WORKER):  # the scheduler is fine
+        return Unavailable(details)
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
         return Unavailable(f"{service} unavailable: {details or code.name}")
     return ShardlineError(f"{service} failed: {code.name}: {details}")

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from gateway.stop_matcher import StopMatcher
 from shardline.core.errors import (
+    NO_WORKER,
     SLO_UNMET,
     STREAM_INTERRUPTED,
     DeadlineExceeded,
@@ -50,8 +51,9 @@ class StreamChunk:
 def failure_of(finish_reason: str | None, error: str) -> ShardlineError | None:
     if finish_reason == "error" and error.startswith(DEAD_END):  # the client's own constraint is at fault
         return InvalidArgument("structured_output", error.removeprefix("structured_output: "))
-    # Refused for a TTFT target it can no longer meet: the platform's answer to overload, as a 503.
-    if finish_reason == "error" and error.startswith((TOKENIZER_DOWN, STREAM_INTERRUPTED, SLO_UNMET)):
+    # Refused for a TTFT target it can no longer meet (the platform's answer to overload), or with no
+    # worker of its model left: a 503, which the client may retry.
+    if finish_reason == "error" and error.startswith((TOKENIZER_DOWN, STREAM_INTERRUPTED, SLO_UNMET, NO_WORKER)):
         return Unavailable(error)
     if finish_reason == "error":
         return ShardlineError(f"generation failed: {error}")

@@ -12,6 +12,7 @@ from opentelemetry import trace
 from scheduler_svc.deadlines import Deadlines
 from scheduler_svc.live_request import LiveRequest, queue_span
 from scheduler_svc.load_meter import LoadMeter
+from scheduler_svc.model_coverage import ModelCoverage
 from scheduler_svc.relay import Relay
 from scheduler_svc.request_queue import RequestQueue
 from scheduler_svc.request_table import Outcome, RequestTable
@@ -20,7 +21,7 @@ from scheduler_svc.settings import SchedulerSettings
 from scheduler_svc.store_outage import StoreOutage
 from scheduler_svc.worker_registry import WorkerRegistry
 from scheduler_svc.worker_session import WorkerSession
-from shardline.core.errors import NotFound, ShardlineError
+from shardline.core.errors import NotFound, ShardlineError, Unavailable
 from shardline.core.store.request_record import FinishReason, RequestStatus
 from shardline.core.store.request_store import RequestStore, StoreUnavailable
 from shardline.proto import worker_pb2
@@ -58,6 +59,10 @@ class Dispatcher:
             store, relay, self.registry, self._wake.set, self._outage, self.queue.counters, self.meter
         )
         self._deadlines = Deadlines(self.queue, self.requests, self.cancel)
+        no_worker_s = settings.no_worker_timeout_s
+        if settings.autoscale_policy != "static":
+            no_worker_s += settings.autoscale_cold_start_s
+        self.coverage = ModelCoverage(self.registry, self.queue, self.requests, no_worker_s)
         self.store_up = True  # Redis answered its last ping; nothing is dispatched while it does not
         self.on_store_health: Callable[[bool], Awaitable[None]] | None = None  # told when that changes
         self._parked: list[LiveRequest] = []  # held by no worker, waiting for Redis to re-queue them
@@ -73,6 +78,7 @@ class Dispatcher:
             asyncio.create_task(self._dispatch_loop(), name="dispatch"),
             asyncio.create_task(self._watch_heartbeats(), name="heartbeats"),
             asyncio.create_task(self._watch_store(), name="store"),
+            asyncio.create_task(self._watch_coverage(), name="coverage"),
         ]
 
     async def stop(self) -> None:
@@ -98,6 +104,8 @@ class Dispatcher:
         """Persists and queues a new request; returns how many requests are ahead of it."""
         if request.request_id in self.requests:
             raise AlreadyExists(f"request_id: {request.request_id!r} is already in use")
+        if (refusal := self.coverage.refusal(request.model)) is not None:
+            raise Unavailable(refusal)
         self.queue.reserve()  # before any write: a full queue leaves nothing behind in Redis
         # Shielded: a Submit cancelled mid-write (its client left, a deadline) must still end with the
         # request either written and held (queued, so a Cancel finds it) or not written at all.
@@ -260,6 +268,15 @@ class Dispatcher:
                 session = self._sessions.get(worker_id)
                 if session is not None:
                     await session.close(f"silent for over {self._settings.heartbeat_timeout_s:.1f}s")
+
+    async def _watch_coverage(self) -> None:
+        """Fails the queued requests of models that no live worker has served for too long."""
+        while True:
+            await asyncio.sleep(min(1.0, self.coverage.timeout_s / 4))
+            try:
+                await self.coverage.sweep()
+            except Exception:  # a Redis write; the next sweep tries again
+                log.exception("no-worker sweep failed")
 
     async def _on_worker_lost(self, worker_id: str, reason: str) -> None:
         """Re-queues what a dead worker held, with the tokens it generated, or fails it after max_attempts."""

@@ -150,9 +150,11 @@ class RequestQueue:
 
     def depth_for(self, model: str) -> int:
         """Queued requests for `model`, for the autoscaler (a walk of the queue, once an interval)."""
-        return sum(
-            1 for tenants in self._classes.values() for lane in tenants.values() for r in lane if r.model == model
-        )
+        return sum(1 for r in self.waiting() if r.model == model)
+
+    def waiting(self) -> list[LiveRequest]:
+        """Every queued request, in no particular order (a copy: the caller may remove them)."""
+        return [r for tenants in self._classes.values() for lane in tenants.values() for r in lane]
 
     @staticmethod
     def _depth(tenants: dict[str, _Lane]) -> int:

@@ -28,6 +28,10 @@ class SchedulerSettings(BaseSettings):
     worker_connect_timeout_s: float = Field(3.0, gt=0)
     # Dispatches per request; a worker failure after the last one fails the request.
     max_attempts: int = Field(3, ge=1)
+    # How long a model's requests wait while no live worker serves it: past it, its queued requests
+    # fail with UNAVAILABLE (HTTP 503) and new ones are refused, until a worker of it registers.
+    # With an autoscaling policy, autoscale_cold_start_s is added (it may be starting one).
+    no_worker_timeout_s: float = Field(30.0, gt=0)
     # How long a Redis write is retried (the streams pause meanwhile) before the requests it held
     # are failed resumably and wait for Redis to come back; and how many steps of one worker may wait
     # behind it meanwhile.

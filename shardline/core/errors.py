@@ -83,3 +83,7 @@ STREAM_INTERRUPTED = "stream interrupted"
 # Starts the error of a request refused because its TTFT target could no longer be met while it
 # waited (it asked to be refused rather than served late): gateways answer 503, the reason given.
 SLO_UNMET = "ttft target unmet"
+
+# Starts the error of a request failed, or refused at Submit, because no live worker has served its
+# model for the scheduler's no_worker_timeout_s: gateways answer 503 with Retry-After, the reason given.
+NO_WORKER = "no live worker serves the model"

@@ -51,6 +51,7 @@ class ScriptedScheduler(scheduler_pb2_grpc.SchedulerServicer):
         self.submit_metadata: list[dict[str, str]] = []
         self.cancelled: list[str] = []
         self.reject_with: grpc.StatusCode | None = None
+        self.reject_details = "the queue is full"  # what a refused Submit says
         self.accept_only: int | None = None  # Submits past this many are refused as a full queue
         self.refuse_cancels: grpc.StatusCode | None = None  # answer Cancel with this, as a scheduler going down
         self.honour_cancels = True  # False: record cancels but keep generating (a gateway lost without cancelling)
@@ -86,7 +87,7 @@ class ScriptedScheduler(scheduler_pb2_grpc.SchedulerServicer):
 
     async def Submit(self, request, context):
         if self.reject_with is not None or (self.accept_only is not None and len(self.submitted) >= self.accept_only):
-            await context.abort(self.reject_with or grpc.StatusCode.RESOURCE_EXHAUSTED, "the queue is full")
+            await context.abort(self.reject_with or grpc.StatusCode.RESOURCE_EXHAUSTED, self.reject_details)
         self.submitted.append(request)
         self.submit_metadata.append({k: v for k, v in context.invocation_metadata() if isinstance(v, str)})
         self.records[request.request_id] = Record(request, self.script, request.gateway_id)
