@@ -27,6 +27,8 @@ SHARDLINE_SERVICES = {
 }
 # Every service sets up span export, which reads these settings too.
 SHARED_SETTINGS = "tracing.settings:TracingSettings"
+# What a user puts in .env before a first `up`: the one variable without a default.
+REDIS_PASSWORD = "composetest"
 
 
 def compose_binary() -> Path:
@@ -44,9 +46,14 @@ def compose_binary() -> Path:
 
 
 def run_compose(
-    *args: str, files: tuple[Path, ...] = (COMPOSE_FILE,), env_file: Path | None = ENV_EXAMPLE, home: Path | None = None
+    *args: str,
+    files: tuple[Path, ...] = (COMPOSE_FILE,),
+    env_file: Path | None = ENV_EXAMPLE,
+    home: Path | None = None,
+    redis_password: str | None = REDIS_PASSWORD,
 ) -> subprocess.CompletedProcess[str]:
-    """`docker-compose -f FILE... [--env-file F] ARGS`, with no variable from this process's environment.
+    """`docker-compose -f FILE... [--env-file F] ARGS`, with no variable from this process's environment
+    but REDIS_PASSWORD, as a user's .env sets it.
 
     Variables of the shell win over .env in compose's interpolation: a clean environment
     makes the result depend on the files alone.
@@ -57,6 +64,8 @@ def run_compose(
     if env_file is not None:
         cmd += ["--env-file", str(env_file)]
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(home or REPO)}
+    if redis_password is not None:
+        env["REDIS_PASSWORD"] = redis_password
     return subprocess.run([*cmd, *args], capture_output=True, text=True, env=env, timeout=60)
 
 

@@ -12,6 +12,7 @@ from tests.deploy.compose_project import (
     COMPOSE_FILE,
     CPU_OVERRIDE,
     ENV_EXAMPLE,
+    REDIS_PASSWORD,
     SHARDLINE_SERVICES,
     SHARED_SETTINGS,
     env_example_variables,
@@ -28,19 +29,61 @@ def test_compose_config_validates(profile_args):
     assert result.returncode == 0, result.stderr
 
 
-def test_compose_config_validates_without_an_env_file(tmp_path):
-    # A first `docker compose up` before anyone copied .env.example must work too.
+def test_compose_config_validates_with_only_a_redis_password(tmp_path):
+    # A first `docker compose up` before anyone copied .env.example works once the password is set.
     empty = tmp_path / "empty.env"
     empty.write_text("")
     result = run_compose("--profile", "observability", "config", "-q", env_file=empty)
     assert result.returncode == 0, result.stderr
 
 
+def test_without_a_redis_password_compose_refuses_and_says_what_to_set(tmp_path):
+    empty = tmp_path / "empty.env"
+    empty.write_text("")
+    for env_file in (empty, ENV_EXAMPLE):
+        result = run_compose("config", "-q", env_file=env_file, redis_password=None)
+        assert result.returncode != 0
+        assert "set REDIS_PASSWORD in .env" in result.stderr
+
+
+def test_redis_asks_for_the_password_and_every_service_gives_it():
+    config = resolved_config()
+    redis = config["services"]["redis"]
+    assert redis["command"][-2:] == ["--requirepass", REDIS_PASSWORD]
+    assert "ports" not in redis
+    for name, service in config["services"].items():
+        url = (service.get("environment") or {}).get("SHARDLINE_REDIS_URL")
+        if url is not None:
+            assert url == f"redis://:{REDIS_PASSWORD}@redis:6379/0", name
+
+
+def test_each_image_is_built_once_with_every_base_image_a_build_argument():
+    config = resolved_config()
+    builders = {name: service["build"] for name, service in config["services"].items() if "build" in service}
+    # One build per image: compose builds one for every service with a build section, even the same one.
+    assert {name: build["target"] for name, build in builders.items()} == {
+        "tracing": "service",
+        "gpu-worker": "gpu-worker",
+    }
+    for build in builders.values():
+        assert {"PYTHON_IMAGE", "CUDA_IMAGE", "PIP_INDEX_URL", "PIP_FIND_LINKS", "PIP_TRUSTED_HOST"} <= set(
+            build["args"]
+        )
+        assert [secret["source"] for secret in build["secrets"]] == ["pip_ca"]
+    assert builders["tracing"]["args"]["TORCH_INDEX_URL"].endswith("/whl/cpu")
+    assert builders["gpu-worker"]["args"]["TORCH_INDEX_URL"] == ""  # PyPI's CUDA build
+    # The CPU worker keeps no locked-memory limit that a host with a finite one would refuse.
+    cpu = resolved_config(files=(COMPOSE_FILE, CPU_OVERRIDE))["services"]["gpu-worker"]
+    assert "memlock" not in cpu.get("ulimits", {}) and cpu["ulimits"]["stack"] == 67108864
+
+
 def test_cpu_override_validates_and_drops_the_gpu_reservation():
     config = resolved_config(files=(COMPOSE_FILE, CPU_OVERRIDE))
     worker = config["services"]["gpu-worker"]
     assert "deploy" not in worker or not worker["deploy"].get("resources")
-    assert worker["build"]["target"] == "service"
+    # The CPU worker runs the service image, built once by the tracing service's entry.
+    assert "build" not in worker and worker["image"] == config["services"]["tracing"]["image"]
+    assert config["services"]["tracing"]["build"]["target"] == "service"
     assert worker["environment"]["SHARDLINE_DEVICE"] == "cpu"
 
 
@@ -74,7 +117,8 @@ def test_compose_config_rejects_a_broken_copy(tmp_path, old, new, error):
 
 def test_shardline_services_run_shardline_serve():
     services = resolved_config()["services"]
-    built_here = {name for name, service in services.items() if "build" in service}
+    images = {services["tracing"]["image"], services["gpu-worker"]["image"]}  # the two built here
+    built_here = {name for name, service in services.items() if service["image"] in images}
     assert built_here == set(SHARDLINE_SERVICES)
     for name in built_here:
         command = services[name]["command"]

@@ -135,7 +135,7 @@ def test_one_scheduler_replaced_not_rolled(objects):
 
 
 def driver_permissions() -> set[tuple[str, str, str]]:
-    source = (REPO / "shardline" / "autoscale" / "kubernetes_driver.py").read_text()
+    source = (REPO / "scheduler_svc" / "autoscale" / "kubernetes_driver.py").read_text()
     called = set(re.findall(r"self\._(?:apps|core)\.(\w+)", source))
     assert called and called <= DRIVER_CALLS.keys(), called - DRIVER_CALLS.keys()
     return {DRIVER_CALLS[method] for method in called}

@@ -71,7 +71,12 @@ def effective_config(argv: list[str], data_dir: Path) -> dict[str, str]:
     settings = {**options(argv), "dir": str(data_dir), "port": str(free_port()), "bind": "127.0.0.1"}
     flags = [item for key, value in settings.items() for item in (f"--{key}", value)]
     server = subprocess.Popen([str(find_redis_server()), *flags], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-    client = redis.Redis(port=int(settings["port"]), decode_responses=True, socket_connect_timeout=0.5)
+    client = redis.Redis(
+        port=int(settings["port"]),
+        password=settings.get("requirepass"),
+        decode_responses=True,
+        socket_connect_timeout=0.5,
+    )
     try:
         for _ in range(250):
             assert server.poll() is None, f"redis-server refused {flags}"

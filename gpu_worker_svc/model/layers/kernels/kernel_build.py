@@ -214,8 +214,18 @@ def build(dest: Path = PREBUILT_DIR, variants_: tuple[Variant, ...] | None = Non
     return True
 
 
+def check(folder: Path = PREBUILT_DIR) -> str | None:
+    """Why this machine cannot load the build in `folder`, or None when it can (an image's last step)."""
+    return unusable_reason(folder, best_variant(cpu_flags()))
+
+
 def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if argv[:1] == ["--check"]:
+        reason = check()
+        variant = best_variant(cpu_flags()).name
+        print(f"Shardline CPU kernels: {reason or f'the {variant} build in {PREBUILT_DIR} loads here'}")
+        return 1 if reason else 0
     dest = Path(argv[0]) if argv else PREBUILT_DIR
     try:
         compiled = build(dest)
