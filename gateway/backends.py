@@ -12,9 +12,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from gateway.bounded_tokenizer import BoundedTokenizer
 from shardline.core.errors import (
     NO_WORKER,
-    AlreadyExists,
     InvalidArgument,
     NotFound,
+    RequestIdTaken,
     ResourceExhausted,
     ShardlineError,
     Unavailable,
@@ -88,7 +88,7 @@ def upstream_error(service: str, exc: grpc.aio.AioRpcError) -> ShardlineError:
         return InvalidArgument(field, problem) if problem else InvalidArgument("request", details)
     if code == grpc.StatusCode.ALREADY_EXISTS:
         field, _, problem = details.partition(": ")
-        return AlreadyExists(field, problem) if problem else AlreadyExists("request_id", details)
+        return RequestIdTaken(field, problem) if problem else RequestIdTaken("request_id", details)
     if code == grpc.StatusCode.NOT_FOUND:
         return NotFound(details)
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:

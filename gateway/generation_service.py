@@ -20,7 +20,7 @@ from gateway.tenant_limiter import RateLimited
 from gateway.tool_calls import ToolCallOutput
 from gateway.tool_params import ToolRequest, constrain, keep_tool_call_tags, resolve_parser, tools_from_grpc
 from shardline.core.errors import InvalidArgument, NotFound, Unavailable
-from shardline.core.ids import require_id
+from shardline.core.ids import require_id, require_named_id
 from shardline.proto import common_pb2, generation_pb2, generation_pb2_grpc, sampling_pb2, scheduler_pb2, tokenizer_pb2
 from tracing import attributes as attr
 
@@ -31,7 +31,6 @@ _FINISH_REASONS = {
     "error": sampling_pb2.FINISH_REASON_ERROR,
     "tool_calls": sampling_pb2.FINISH_REASON_TOOL_CALLS,
 }
-MAX_REQUEST_ID_LENGTH = 128
 
 
 class GenerationService(generation_pb2_grpc.GenerationServicer):
@@ -201,7 +200,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             "prompt_token_ids": lambda: Prompt(token_ids=list(request.prompt_token_ids.ids), field="prompt_token_ids"),
         }[kind]()
         if request.HasField("request_id"):
-            request_id = require_id(request.request_id, "request_id", MAX_REQUEST_ID_LENGTH)
+            request_id = require_named_id(request.request_id, "request_id")
         else:
             request_id = f"{'chatcmpl' if kind == 'messages' else 'cmpl'}-{secrets.token_hex(16)}"
         timeout_s = _positive_seconds(request.timeout, "timeout") if request.HasField("timeout") else None

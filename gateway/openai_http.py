@@ -31,7 +31,7 @@ from gateway.tenant_limiter import RateLimited
 from gateway.tokenize_http import TokenizeApi
 from gateway.tool_params import keep_tool_call_tags, resolve_parser
 from shardline.core.errors import InvalidArgument, ShardlineError
-from shardline.core.ids import require_id
+from shardline.core.ids import require_named_id
 from shardline.proto import generation_pb2, sampling_pb2
 from tracing import attributes as attr
 from tracing.grpc_context import start_http_server_span
@@ -154,7 +154,7 @@ class OpenAIHttpApi:
         # A request the client names is idempotent: sent again, it attaches to the first (request_attach.py).
         named = request.headers.get(ID_HEADER)
         kind = "chatcmpl" if chat else "cmpl"
-        request_id = require_id(named, ID_HEADER) if named is not None else f"{kind}-{secrets.token_hex(16)}"
+        request_id = require_named_id(named, ID_HEADER) if named is not None else f"{kind}-{secrets.token_hex(16)}"
         default_max_tokens = self._runner.settings.default_max_tokens if chat else OPENAI_COMPLETIONS_DEFAULT_MAX_TOKENS
         owner = self._keys.owner(request.headers.get("Authorization"))
         specs = choice_specs(parsed, request_id, default_max_tokens, arrival_s, owner, idempotent=named is not None)

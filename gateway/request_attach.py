@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from gateway.backends import RPC_TIMEOUT_S, upstream
 from gateway.request_stream import RequestStream
 from gateway.stop_matcher import StopMatcher
-from shardline.core.errors import AlreadyExists
+from shardline.core.errors import RequestIdTaken
 from shardline.proto import common_pb2, sampling_pb2, scheduler_pb2
 
 if TYPE_CHECKING:
@@ -40,7 +40,7 @@ def stream_for_record(info: common_pb2.RequestInfo, eos_token_ids: list[int]) ->
 
 
 async def attach_existing(runner: RequestRunner, prepared: PreparedRequest, deadline_s: float) -> SubmittedRequest:
-    """The already submitted request `prepared` names, followed from its start; AlreadyExists when
+    """The already submitted request `prepared` names, followed from its start; RequestIdTaken when
     the id names another request."""
     from gateway.request_runner import SubmittedRequest  # the runner imports this module
 
@@ -49,7 +49,7 @@ async def attach_existing(runner: RequestRunner, prepared: PreparedRequest, dead
         read = common_pb2.GetRequestRequest(request_id=spec.request_id)
         info = await scheduler.GetRequest(read, timeout=RPC_TIMEOUT_S)
     if info.owner != spec.owner or not _same_request(info, prepared):
-        raise AlreadyExists(ID_HEADER, f"{spec.request_id!r} names another request; pick an id of its own")
+        raise RequestIdTaken(ID_HEADER, f"{spec.request_id!r} names another request; pick an id of its own")
     hub.register(stream_for_record(info, list(prepared.info.eos_token_ids)))
     try:
         if info.status < sampling_pb2.REQUEST_STATUS_FINISHED:

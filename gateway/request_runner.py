@@ -32,10 +32,10 @@ from gateway.tenant_limiter import Hold, RateLimited, limiter_for
 from gateway.tenants import Tenant, TenantDirectory, tenant_of
 from gateway.tenants_redis import RedisTenantDirectory
 from shardline.core.errors import (
-    AlreadyExists,
     DeadlineExceeded,
     InvalidArgument,
     NotFound,
+    RequestIdTaken,
     ResourceExhausted,
     Unavailable,
 )
@@ -295,7 +295,7 @@ class RequestRunner:
             hold = await self._admit(tenant, prepared)
             with upstream("scheduler"):
                 await self.backends.scheduler.Submit(submit, timeout=RPC_TIMEOUT_S)
-        except AlreadyExists:
+        except RequestIdTaken:
             self.hub.release(spec.request_id, cancel=False)
             if self.limiter is not None:  # a resend follows the request admitted before, which keeps its slot
                 self.limiter.release_unsubmitted(hold, free_slot=False)

@@ -36,7 +36,7 @@ T = TypeVar("T")
 _STOP_TIMEOUT_S = 5.0  # how long stop() waits for its tasks and worker streams
 
 
-class AlreadyExists(ShardlineError):
+class DuplicateSubmit(ShardlineError):
     """A request id that is live or still retained was submitted again."""
 
     code = grpc.StatusCode.ALREADY_EXISTS
@@ -103,7 +103,7 @@ class Dispatcher:
     async def submit(self, request: LiveRequest) -> int:
         """Persists and queues a new request; returns how many requests are ahead of it."""
         if request.request_id in self.requests:
-            raise AlreadyExists(f"request_id: {request.request_id!r} is already in use")
+            raise DuplicateSubmit(f"request_id: {request.request_id!r} is already in use")
         if (refusal := self.coverage.refusal(request.model)) is not None:
             raise Unavailable(refusal)
         self.queue.reserve()  # before any write: a full queue leaves nothing behind in Redis
@@ -122,7 +122,7 @@ class Dispatcher:
             raise
         if not created:
             self.queue.release()
-            raise AlreadyExists(f"request_id: {request.request_id!r} is already in use")
+            raise DuplicateSubmit(f"request_id: {request.request_id!r} is already in use")
         self.requests.add(request)
         self.meter.arrived(request.model)
         self._open_queue_span(request)

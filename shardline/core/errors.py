@@ -39,7 +39,7 @@ class FailedPrecondition(ShardlineError):
         self.field = field
 
 
-class AlreadyExists(InvalidArgument):
+class RequestIdTaken(InvalidArgument):
     """The id is taken by another request. INVALID_ARGUMENT / 400 naming the field, as any bad id is; a
     separate class so that a resend of an idempotent request can attach to the one it names instead."""
 
