@@ -24,7 +24,7 @@ from batch_svc.settings import BatchSettings
 from shardline.core.batch.batch_record import TERMINAL, BatchRecord
 from shardline.core.batch.batch_store import BatchStore
 from shardline.core.batch.file_store import FileStore
-from shardline.core.batch.input_lines import BatchLine, Chunk, read_chunk
+from shardline.core.batch.input_lines import BatchLine, LineChunk, read_chunk
 from shardline.core.batch.output_lines import error_line, output_line
 from shardline.proto import common_pb2, generation_pb2_grpc
 from tracing import attributes as attr
@@ -57,7 +57,7 @@ class ChunkRunner:
                 await self._mark_expired(record)
             else:
                 await self._store.transition(batch_id, "in_progress", ("validating",))
-                kept = await self._run_lines(record, Chunk(**record.chunks[chunk_index]))
+                kept = await self._run_lines(record, LineChunk(**record.chunks[chunk_index]))
             span.set_attribute(attr.BATCH_LINES_KEPT, kept)
         CHUNKS.inc()
         if await self._store.chunk_done(batch_id, chunk_index) >= len(record.chunks):
@@ -66,7 +66,7 @@ class ChunkRunner:
                 await finalize(self._store, self._files, record)
         return kept
 
-    async def _run_lines(self, record: BatchRecord, chunk: Chunk) -> int:
+    async def _run_lines(self, record: BatchRecord, chunk: LineChunk) -> int:
         lines = await asyncio.to_thread(self._read, record, chunk)
         done = await self._store.done_lines(record.id, chunk.first_line, chunk.lines)
         todo = [line for line in lines if line.index not in done]
@@ -97,7 +97,7 @@ class ChunkRunner:
         finally:
             watcher.cancel()
 
-    def _read(self, record: BatchRecord, chunk: Chunk) -> list[BatchLine]:
+    def _read(self, record: BatchRecord, chunk: LineChunk) -> list[BatchLine]:
         with self._files.open(record.input_file_id) as source:
             return read_chunk(source, chunk, record.endpoint)
 

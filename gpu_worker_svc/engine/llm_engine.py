@@ -23,7 +23,7 @@ from gpu_worker_svc.engine.grammar import GrammarBackend
 from gpu_worker_svc.engine.lookahead import Lookahead
 from gpu_worker_svc.engine.model_runner import ModelRunner, PromptLogits, RunnerConfig
 from gpu_worker_svc.engine.ngram_proposer import NgramIndex, SpeculativeConfig
-from gpu_worker_svc.engine.outputs import GenerationResult, RequestOutput, StepOutput, TokenLogprobs
+from gpu_worker_svc.engine.outputs import GenerationResult, RequestOutput, StepResult, TokenLogprobs
 from gpu_worker_svc.engine.sampler import Sampler, select_rows
 from gpu_worker_svc.engine.sampling_params import SamplingParams
 from gpu_worker_svc.engine.sequence import Sequence
@@ -188,12 +188,12 @@ class LLMEngine:
         return self.runner.is_dead
 
     # -- the loop -----------------------------------------------------------
-    def step(self) -> StepOutput:
+    def step(self) -> StepResult:
         t0 = time.perf_counter()
         if self.config.speculative.enabled:
             self._propose_drafts()
         sched = self.scheduler.schedule()
-        out = StepOutput(outputs=self._aborted)
+        out = StepResult(outputs=self._aborted)
         self._aborted = []
         if sched.scheduled:
             # Admission sets num_computed_tokens to the prefix-cache hit; a running

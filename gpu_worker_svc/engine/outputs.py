@@ -49,7 +49,9 @@ class StepStats:
 
 
 @dataclass(slots=True)
-class StepOutput:
+class StepResult:
+    """What one engine step produced: the requests with news, its figures, and whom it admitted."""
+
     outputs: list[RequestOutput] = field(default_factory=list)  # one per request with news
     stats: StepStats | None = None  # None when nothing ran
     admitted_ids: list[str] = field(default_factory=list)  # requests admitted from waiting this step

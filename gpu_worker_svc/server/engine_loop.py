@@ -26,7 +26,7 @@ from gpu_worker_svc.engine.model_runner import EngineDeadError
 from gpu_worker_svc.engine.torch_thread import TorchThread
 from gpu_worker_svc.server.grammar_gate import GrammarGate
 from gpu_worker_svc.server.request_params import EngineLimits, engine_request
-from gpu_worker_svc.server.step_message import abort_delta, error_delta, request_delta, step_stats
+from gpu_worker_svc.server.step_message import abort_delta, error_delta, request_delta, stats_message
 from gpu_worker_svc.server.telemetry import StepTelemetry
 from shardline.proto import common_pb2, worker_pb2
 
@@ -230,7 +230,7 @@ class EngineLoop:
         self._requests.difference_update(o.request_id for o in out.outputs if o.finish_reason)
         if self._session is not None and (deltas or out.stats is not None):
             self._session.send(
-                worker_pb2.StepOutput(step=self._step, deltas=deltas, stats=step_stats(self._engine, out.stats))
+                worker_pb2.StepOutput(step=self._step, deltas=deltas, stats=stats_message(self._engine, out.stats))
             )
         self._refresh_load()
         self._telemetry.step(self._step, out, start_ns, end_ns)

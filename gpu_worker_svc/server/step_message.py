@@ -69,7 +69,7 @@ def _final_delta(new: worker_pb2.NewRequest, reason: int, message: str) -> commo
     )
 
 
-def step_stats(engine: LLMEngine, stats: StepStats | None) -> worker_pb2.StepStats:
+def stats_message(engine: LLMEngine, stats: StepStats | None) -> worker_pb2.StepStats:
     """The step's figures; occupancy only when nothing ran (an abort-only step still frees blocks)."""
     msg = worker_pb2.StepStats(
         kv_blocks_used=engine.block_pool.num_used_blocks,

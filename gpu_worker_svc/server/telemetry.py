@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from opentelemetry import trace
 from opentelemetry.context import Context
 
-from gpu_worker_svc.engine.outputs import StepOutput, StepStats
+from gpu_worker_svc.engine.outputs import StepResult, StepStats
 from gpu_worker_svc.server.utilization import StepCostModel
 from tracing import attributes as attr
 from tracing import metrics
@@ -64,7 +64,7 @@ class StepTelemetry:
         metrics.RUNNING_REQUESTS.set(running)
         metrics.KV_CACHE_USAGE.set(kv_blocks_used / max(1, kv_blocks_total))
 
-    def step(self, step: int, out: StepOutput, start_ns: int, end_ns: int) -> None:
+    def step(self, step: int, out: StepResult, start_ns: int, end_ns: int) -> None:
         stats = out.stats
         if stats is not None:  # None: nothing ran (only aborts were reported)
             generated = sum(len(o.new_token_ids) for o in out.outputs)
@@ -100,7 +100,7 @@ class StepTelemetry:
         )
         span.end(end_time=end_ns)
 
-    def _request_events(self, out: StepOutput, start_ns: int, end_ns: int) -> None:
+    def _request_events(self, out: StepResult, start_ns: int, end_ns: int) -> None:
         for request_id in out.admitted_ids:
             spans = self._requests.get(request_id)
             if spans is not None and spans.prefill is None and spans.decode is None:  # not on a readmission

@@ -14,7 +14,7 @@ from shardline.client.types import (
     Chunk,
     Completion,
     ModelInfo,
-    RequestInfo,
+    RequestDetails,
     build_request,
     build_tools,
     resume_request,
@@ -160,9 +160,9 @@ class AsyncShardlineClient:
         """Stop a request; its worker frees the request's KV blocks."""
         await self._call(self._stub.Cancel, common_pb2.CancelRequest(request_id=request_id), None)
 
-    async def get_request(self, request_id: str) -> RequestInfo:
+    async def get_request(self, request_id: str) -> RequestDetails:
         """A request's status, worker, attempts, timings, usage and generated token ids."""
-        return RequestInfo.from_proto(
+        return RequestDetails.from_proto(
             await self._call(self._stub.GetRequest, common_pb2.GetRequestRequest(request_id=request_id), None)
         )
 

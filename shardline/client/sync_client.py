@@ -14,7 +14,7 @@ from shardline.client.types import (
     Chunk,
     Completion,
     ModelInfo,
-    RequestInfo,
+    RequestDetails,
     build_request,
     build_tools,
     resume_request,
@@ -172,9 +172,9 @@ class ShardlineClient:
         """Stop a request; its worker frees the request's KV blocks."""
         self._call(self._stub.Cancel, common_pb2.CancelRequest(request_id=request_id), None)
 
-    def get_request(self, request_id: str) -> RequestInfo:
+    def get_request(self, request_id: str) -> RequestDetails:
         """A request's status, worker, attempts, timings, usage and generated token ids."""
-        return RequestInfo.from_proto(
+        return RequestDetails.from_proto(
             self._call(self._stub.GetRequest, common_pb2.GetRequestRequest(request_id=request_id), None)
         )
 

@@ -158,7 +158,7 @@ class Chunk:
 
 
 @dataclass(slots=True)
-class RequestInfo:
+class RequestDetails:
     """A request's record: status, worker, attempts, timings (unix seconds), tokens and their logprobs."""
 
     request_id: str
@@ -179,7 +179,7 @@ class RequestInfo:
     prompt_logprobs: list[TokenLogprob] | None = None
 
     @classmethod
-    def from_proto(cls, r: common_pb2.RequestInfo) -> RequestInfo:
+    def from_proto(cls, r: common_pb2.RequestInfo) -> RequestDetails:
         def ts(name: str) -> float | None:
             return getattr(r, name).ToMicroseconds() / 1e6 if r.HasField(name) else None
 

@@ -48,7 +48,7 @@ class BatchRecord:
     total: int = 0
     completed: int = 0
     failed: int = 0
-    chunks: list[dict] = field(default_factory=list)  # Chunk fields: the work split for the batch workers
+    chunks: list[dict] = field(default_factory=list)  # LineChunk fields: the work split for the batch workers
     output_file_id: str | None = None
     error_file_id: str | None = None
     timestamps: dict[str, int] = field(default_factory=dict)

@@ -48,7 +48,7 @@ class BatchLine:
 
 
 @dataclass(slots=True)
-class Chunk:
+class LineChunk:
     """A run of consecutive lines, the unit a batch worker takes: bytes [start, end) of the file."""
 
     first_line: int
@@ -60,7 +60,7 @@ class Chunk:
 @dataclass(slots=True)
 class CheckedInput:
     lines: int
-    chunks: list[Chunk]
+    chunks: list[LineChunk]
     errors: list[LineError]
 
 
@@ -68,7 +68,7 @@ def check_input(source: BinaryIO, endpoint: str, check_body: Callable[[dict], No
     """Every line of `source` checked; the chunks of `chunk_lines` lines it splits into."""
     errors: list[LineError] = []
     seen: set[str] = set()
-    chunks: list[Chunk] = []
+    chunks: list[LineChunk] = []
     offset = index = 0
     for raw in source:
         start, offset = offset, offset + len(raw)
@@ -86,7 +86,7 @@ def check_input(source: BinaryIO, endpoint: str, check_body: Callable[[dict], No
             if len(errors) < MAX_REPORTED_ERRORS:
                 errors.append(LineError(index + 1, exc.field, str(exc)))
         if index % chunk_lines == 0:
-            chunks.append(Chunk(index, 0, start, start))
+            chunks.append(LineChunk(index, 0, start, start))
         chunks[-1].lines += 1
         chunks[-1].end = offset
         index += 1
@@ -125,7 +125,7 @@ def parse_line(raw: bytes, index: int, endpoint: str, check_body: Callable[[dict
     return BatchLine(index, custom_id, body)
 
 
-def read_chunk(source: BinaryIO, chunk: Chunk, endpoint: str) -> list[BatchLine]:
+def read_chunk(source: BinaryIO, chunk: LineChunk, endpoint: str) -> list[BatchLine]:
     """The lines of a chunk, already checked at create time."""
     source.seek(chunk.start)
     data = source.read(chunk.end - chunk.start)

@@ -4,7 +4,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client import REGISTRY
 
-from gpu_worker_svc.engine.outputs import RequestOutput, StepOutput, StepStats
+from gpu_worker_svc.engine.outputs import RequestOutput, StepResult, StepStats
 from gpu_worker_svc.model.config import ModelConfig
 from gpu_worker_svc.server.telemetry import StepTelemetry
 from gpu_worker_svc.server.utilization import DevicePeak, StepCostModel
@@ -59,10 +59,10 @@ def recorded():
     telemetry.request_added("one", "", 5, 1, 0.0)
     telemetry.request_added("dropped", "", 5, 8, 0.0)
     steps = [
-        StepOutput([_token("one", 0, "length")], _stats(0, 3, 30, 5, 2), admitted_ids=["r", "one", "dropped"]),
-        StepOutput([_token("r", 0)], _stats(1, 2, 2, 4, 2)),
-        StepOutput([_token("r", 1)], _stats(2, 1, 1, 4, 1)),
-        StepOutput([_token("r", 2, "length")], _stats(3, 1, 1, 0, 0)),
+        StepResult([_token("one", 0, "length")], _stats(0, 3, 30, 5, 2), admitted_ids=["r", "one", "dropped"]),
+        StepResult([_token("r", 0)], _stats(1, 2, 2, 4, 2)),
+        StepResult([_token("r", 1)], _stats(2, 1, 1, 4, 1)),
+        StepResult([_token("r", 2, "length")], _stats(3, 1, 1, 0, 0)),
     ]
     for i, out in enumerate(steps):
         if i == 2:
