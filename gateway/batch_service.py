@@ -159,7 +159,7 @@ class BatchService:
         least, most, _ = LIST_LIMIT
         if not least <= limit <= most:
             raise InvalidArgument("limit", f"must be an integer from {least} to {most}, got {limit}")
-        return await self.store.list(owner, after, limit)
+        return await self.store.page(owner, after, limit)
 
     async def cancel_batch(self, batch_id: str, owner: str) -> BatchRecord:
         """Flags a validating or running batch for its workers to stop; FailedPrecondition once it ended."""

@@ -91,6 +91,7 @@ class StructuredOutputSpec:
         if size > MAX_SPEC_CHARS:
             raise ValueError(f"structured_output: {self.kind} is {size} characters; at most {MAX_SPEC_CHARS}")
         if self.kind == "json_schema":
+            assert isinstance(self.value, str)  # checked above
             try:
                 schema = json.loads(self.value)
             except json.JSONDecodeError as exc:

@@ -27,6 +27,7 @@ import time
 from collections import abc
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 from gpu_worker_svc.engine.background_yield import BackgroundYield
 from gpu_worker_svc.engine.block_pool import BlockPool
@@ -181,13 +182,13 @@ class BatchScheduler:
                 break  # the queue is in priority order: only background work is behind it
             item = self._admit(head, budget) if len(self._running) < self.config.max_num_seqs else None
             if item is None:
-                victim = self._class_victim(head, budget, scheduled)
-                if victim is None:
+                displaced = self._class_victim(head, budget, scheduled)
+                if displaced is None:
                     break  # strict order: nothing overtakes the head of the queue
-                self._cache_full_blocks(victim)
-                budget += self._preempt_now(victim, scheduled, preempted_ids)
-                floor = min(floor, victim.priority)
-                if foreground and self._yield.is_background(victim):
+                self._cache_full_blocks(displaced)
+                budget += self._preempt_now(displaced, scheduled, preempted_ids)
+                floor = min(floor, displaced.priority)
+                if foreground and self._yield.is_background(displaced):
                     background_running -= 1
                 continue
             if background:
@@ -297,7 +298,8 @@ class BatchScheduler:
         num_cached = len(hit_ids) * self.block_size
         pool.acquire(hit_ids)
         seq.block_ids = hit_ids + pool.allocate(num_alloc)
-        seq.block_hashes = [pool.block_hash(b) for b in hit_ids]
+        # Prefix-cache hits are full blocks, each with its hash.
+        seq.block_hashes = cast(list[int], [pool.block_hash(b) for b in hit_ids])
         seq.num_computed_tokens = num_cached
         seq.num_cached_tokens = num_cached
         if seq.num_cached_prompt_tokens is None:

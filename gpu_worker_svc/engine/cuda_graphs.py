@@ -33,6 +33,8 @@ class _Graph:
     positions: torch.Tensor
     meta: AttentionMetadata
     hidden: torch.Tensor
+    gather: torch.Tensor  # meta.decode_gather, which a captured graph always has
+    mask: torch.Tensor  # meta.decode_mask, likewise
 
 
 class DecodeGraphs:
@@ -61,14 +63,14 @@ class DecodeGraphs:
         g.positions[:b].copy_(positions)
         g.meta.slot_mapping[:b].copy_(meta.slot_mapping)
         g.meta.slot_mapping[b:].fill_(self.scratch_slot)
-        g.meta.decode_gather.zero_()
-        g.meta.decode_gather[:b, :length].copy_(meta.decode_gather)
-        g.meta.decode_mask.zero_()
+        g.gather.zero_()
+        g.gather[:b, :length].copy_(meta.decode_gather)
+        g.mask.zero_()
         if meta.decode_mask is None:  # every context is `length` long
-            g.meta.decode_mask[:b, :, :, :length] = True
+            g.mask[:b, :, :, :length] = True
         else:
-            g.meta.decode_mask[:b, :, :, :length].copy_(meta.decode_mask)
-        g.meta.decode_mask[b:, :, :, 0] = True  # padded rows attend to one slot, so they stay finite
+            g.mask[:b, :, :, :length].copy_(meta.decode_mask)
+        g.mask[b:, :, :, 0] = True  # padded rows attend to one slot, so they stay finite
         g.graph.replay()
         return g.hidden[:b]
 
@@ -76,6 +78,7 @@ class DecodeGraphs:
         dev = self.kv_caches[0].device
         input_ids = torch.zeros(b, dtype=torch.long, device=dev)
         positions = torch.zeros(b, dtype=torch.long, device=dev)
+        gather = torch.full((b, length), self.scratch_slot, dtype=torch.long, device=dev)
         mask = torch.zeros(b, 1, 1, length, dtype=torch.bool, device=dev)
         mask[:, :, :, 0] = True
         meta = AttentionMetadata(
@@ -84,7 +87,7 @@ class DecodeGraphs:
             prefill_gather=[],
             prefill_mask=[],
             decode_index=torch.arange(b, device=dev),
-            decode_gather=torch.full((b, length), self.scratch_slot, dtype=torch.long, device=dev),
+            decode_gather=gather,
             decode_mask=mask,
         )
         side = torch.cuda.Stream()
@@ -97,6 +100,6 @@ class DecodeGraphs:
         with torch.cuda.graph(graph, pool=self.pool), torch.inference_mode():
             hidden = self.model(input_ids, positions, meta, self.kv_caches)
         log.info("captured a decode CUDA graph for batch %d, context %d", b, length)
-        g = _Graph(graph, input_ids, positions, meta, hidden)
+        g = _Graph(graph, input_ids, positions, meta, hidden, gather, mask)
         self.graphs[(b, length)] = g
         return g

@@ -13,7 +13,7 @@ log = logging.getLogger(__name__)
 
 def bytes_per_block(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype) -> int:
     """K and V of `block_size` tokens across every layer, for this rank's KV heads."""
-    attn = model.model.layers[0].self_attn.attn
+    attn = model.attention()
     per_token = 2 * model.config.num_layers * attn.num_kv_heads * attn.head_dim * dtype.itemsize
     return per_token * block_size
 
@@ -46,7 +46,7 @@ def num_blocks_for(
 def allocate_kv_cache(
     model: LlamaForCausalLM, num_blocks: int, block_size: int, dtype: torch.dtype, device: str
 ) -> list[torch.Tensor]:
-    attn = model.model.layers[0].self_attn.attn
+    attn = model.attention()
     shape = (2, num_blocks, block_size, attn.num_kv_heads, attn.head_dim)
     return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(model.config.num_layers)]
 

@@ -277,6 +277,7 @@ class LLMEngine:
     def _keep_prompt_logprobs(sched: SchedulerOutput, batch: StepBatch, prompt: PromptLogits) -> None:
         """Files each sequence's share of the step's prompt logprobs at its place in the prompt."""
         results = iter(prompt.result or [])
+        assert batch.prompt_logits is not None  # a step with prompt logprobs to keep asked for them
         for s, k in zip(sched.scheduled, batch.prompt_logits.tolist()):
             if k:
                 # A recompute after preemption redoes positions it had: the later values replace them.

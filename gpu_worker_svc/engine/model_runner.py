@@ -135,7 +135,7 @@ class ShardWorker:
         self.model = load_model(config.model, self.tp, self.dtype, self.device, config.max_model_len)
         # Where the decode kernel takes every query (CPU, float32), each query's result is already
         # its own, bit for bit: batch-invariant attention is the kernel, with the step's usual layout.
-        attn = self.model.model.layers[0].self_attn.attn
+        attn = self.model.attention()
         self.invariant_layout = self.batch_invariant and not attn.kernel_takes_every_query(self.device, self.dtype)
         if self.invariant_layout:  # with this rank's own attention shapes
             check_invariant_attention((attn.num_heads, attn.num_kv_heads, attn.head_dim))
@@ -303,7 +303,7 @@ class ModelRunner:
         sentinels = {p.sentinel: p for p in self._children}
         ready = mp.connection.wait(list(sentinels))
         if not getattr(self, "_closing", False):
-            p = sentinels[ready[0]]
+            p = next(p for sentinel, p in sentinels.items() if sentinel in ready)
             p.join(timeout=1.0)  # reaps it: its exit code (or -signal) is known only once it is reaped
             log.error("tensor-parallel rank %s died with exit code %s", p.name, p.exitcode)
             self._dead.set()

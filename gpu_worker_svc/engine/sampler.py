@@ -62,7 +62,9 @@ def race_noise(seqs: list[Sequence], vocab: int, device: torch.device, ahead: li
     noise = torch.empty(len(seqs), vocab, device=device)
     generator = torch.Generator(device=device)
     for row, seq, k in zip(noise, seqs, ahead or [0] * len(seqs)):
-        key = draw_key(seq.params.seed, seq.num_output_tokens + k)
+        seed = seq.params.seed
+        assert seed is not None  # the engine gives every request one when it is added
+        key = draw_key(seed, seq.num_output_tokens + k)
         generator.manual_seed((key ^ (key >> 32)) & 0xFFFFFFFF)  # CPU's mt19937 keeps 32 bits: fold all 64 in
         row.uniform_(generator=generator)
     return noise.log_().neg_()  # a uniform 0 gives infinite noise: that token cannot win

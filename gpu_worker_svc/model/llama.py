@@ -166,6 +166,11 @@ class LlamaForCausalLM(nn.Module):
         """Logits [N, vocab] on rank 0; None on the other ranks."""
         return self.lm_head.compute_logits(hidden)
 
+    def attention(self) -> PagedAttention:
+        """This rank's attention, whose shapes (heads, KV heads, head size) every layer shares."""
+        layer: LlamaDecoderLayer = self.model.layers[0]  # type: ignore[assignment]  # a ModuleList's item
+        return layer.self_attn.attn
+
     def smoothing_groups(self) -> list[SmoothingGroup]:
         """The linear layers whose input channels a producer can rescale (see layers/smoothing.py).
 

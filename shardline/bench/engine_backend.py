@@ -11,6 +11,7 @@ import logging
 import threading
 import time
 from concurrent.futures import Future, wait
+from typing import cast
 
 import torch
 
@@ -21,6 +22,8 @@ from gpu_worker_svc.server.engine_loop import Inbox, collect_burst
 from shardline.bench.metrics import RequestTiming
 
 log = logging.getLogger(__name__)
+# What the inbox carries to add a request: its id, its prompt and its sampling.
+_Add = tuple[str, list[int], SamplingParams]
 
 
 def _build(config: EngineConfig | None, torch_threads: int) -> LLMEngine:
@@ -53,15 +56,15 @@ class EngineBackend:
         self.done: Future[None] | None = None  # the loop on self.torch, from the first request on
         self.error: Exception | None = None  # what ended the engine thread, if anything did
 
-    def _run(self) -> None:
+    def _run(self, loop: asyncio.AbstractEventLoop) -> None:
         try:
-            self._loop()
+            self._loop(loop)
         except Exception as exc:  # every open request fails with it, rather than waiting forever
             self.error = exc
             for queue in list(self.streams.values()):
-                self.loop.call_soon_threadsafe(queue.put_nowait, (time.perf_counter(), exc))
+                loop.call_soon_threadsafe(queue.put_nowait, (time.perf_counter(), exc))
 
-    def _loop(self) -> None:
+    def _loop(self, loop: asyncio.AbstractEventLoop) -> None:
         config = self.engine.scheduler.config
         while not self.stop.is_set():
             idle = not self.engine.has_unfinished
@@ -71,22 +74,22 @@ class EngineBackend:
                     self.inbox,
                     items,
                     self.admission_gap_s,
-                    lambda xs: config.fills_a_step([len(x[1]) for x in xs if x is not None]),
+                    lambda xs: config.fills_a_step([len(cast(_Add, x)[1]) for x in xs if x is not None]),
                 )
             for item in items:
                 if item is not None:
-                    self.engine.add_request(*item)
+                    self.engine.add_request(*cast(_Add, item))
             if not self.engine.has_unfinished:
                 continue
             outputs = self.engine.step().outputs
             now = time.perf_counter()
             for o in outputs:
-                self.loop.call_soon_threadsafe(self.streams[o.request_id].put_nowait, (now, o))
+                loop.call_soon_threadsafe(self.streams[o.request_id].put_nowait, (now, o))
 
     async def send(self, prompt: list[int], output_len: int, timing: RequestTiming) -> None:
         if self.loop is None:
             self.loop = asyncio.get_running_loop()
-            self.done = self.torch.submit(self._run)
+            self.done = self.torch.submit(self._run, self.loop)
         rid = f"bench-{next(self.ids)}"
         queue: asyncio.Queue = asyncio.Queue()
         self.streams[rid] = queue
@@ -104,6 +107,10 @@ class EngineBackend:
             if out.finish_reason:
                 del self.streams[rid]
                 return
+
+    async def vocab_size(self) -> int | None:
+        """None: the engine runs the model the flags name, whose vocabulary the load already has."""
+        return None
 
     async def close(self) -> None:
         self.stop.set()

@@ -7,6 +7,7 @@ import random
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from tqdm import tqdm
 
@@ -44,6 +45,19 @@ class LoadSpec:
 
 
 SendFn = Callable[[list[int], int, RequestTiming], Awaitable[None]]
+
+
+class Target(Protocol):
+    """Where a benchmark sends its load: the stack over gRPC, an OpenAI-compatible server, the engine."""
+
+    async def send(self, prompt: list[int], output_len: int, timing: RequestTiming) -> None:
+        """Streams one request, recording its chunks' arrival in `timing`."""
+
+    async def vocab_size(self) -> int | None:
+        """The served model's vocabulary size, or None where the target does not say."""
+
+    async def close(self) -> None:
+        """Releases its connections."""
 
 
 async def run_load(spec: LoadSpec, send: SendFn, label: str = "") -> tuple[list[RequestTiming], float]:

@@ -38,7 +38,7 @@ class StackBackend:
             timing.status = _STATUS_OF_CODE.get(exc.code(), 0)
             raise
 
-    async def vocab_size(self) -> int:
+    async def vocab_size(self) -> int | None:
         """The served model's vocabulary size: random prompts must be ids it has."""
         models = await self.client.models()
         if not models:

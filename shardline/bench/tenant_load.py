@@ -43,7 +43,7 @@ def arrival_offsets(tenant: TenantSpec, duration_s: float, seed: int) -> list[fl
     rng = random.Random(seed)
     scale = 1.0 / (tenant.request_rate * tenant.burstiness)
     cap = tenant.max_requests or float("inf")
-    t, out = 0.0, []
+    t, out = 0.0, list[float]()
     while t < duration_s and len(out) < cap:
         out.append(t)
         t += rng.gammavariate(tenant.burstiness, scale)

@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import json
 import math
 import statistics
@@ -13,8 +14,9 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from shardline.bench.load import LoadSpec, model_vocab_size, run_load
+from shardline.bench.load import LoadSpec, Target, model_vocab_size, run_load
 from shardline.bench.metrics import Slos, median_of_rounds, summarize
+from shardline.bench.openai_backend import OpenAIBackend
 from shardline.cli.arg_types import at_least_one
 from shardline.cli.one_line_errors import one_line_errors
 from shardline.cli.serve_extra import require_serve
@@ -112,19 +114,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 async def _measure(
-    makers: dict[str, Callable[[], object]], spec: LoadSpec, args: argparse.Namespace, targets: dict[str, str]
+    makers: dict[str, Callable[[], Target]], spec: LoadSpec, args: argparse.Namespace, targets: dict[str, str]
 ) -> dict[str, list[dict]]:
     """Each backend's summary per round; rounds alternate which backend goes first. `targets` gets
     what each OpenAI-compatible backend is: its server and model."""
-    backends = {}
+    backends: dict[str, Target] = {}
     slos = Slos(args.slo_ttft_ms, args.slo_tpot_ms, args.slo_e2el_ms)
     try:
         for name, make in makers.items():
             backends[name] = make()  # inside the loop: grpc.aio channels belong to the loop that creates them
         for name, backend in backends.items():  # prompts are random ids: ids every served model has
-            if hasattr(backend, "vocab_size") and (size := await backend.vocab_size()):
+            if size := await backend.vocab_size():
                 spec = dataclasses.replace(spec, vocab_size=min(spec.vocab_size or size, size))
-            if hasattr(backend, "root"):
+            if isinstance(backend, OpenAIBackend):
                 targets[name] = f"{backend.root}, model {backend.model}"
         if spec.vocab_size is None:
             raise _FlagsError(
@@ -200,7 +202,7 @@ def _run(args: argparse.Namespace) -> int:
         model_vocab_size(args.tokenizer if args.backend == "openai" else args.model),
         args.burstiness,
     )
-    makers: dict[str, Callable[[], object]] = {}
+    makers: dict[str, Callable[[], Target]] = {}
     targets: dict[str, str] = {}
     stack = None
     try:
@@ -239,7 +241,7 @@ class _FlagsError(Exception):
     """Flags that do not make a run: said in one line, exit 2."""
 
 
-def _stack_targets(args: argparse.Namespace, makers: dict[str, Callable[[], object]]):
+def _stack_targets(args: argparse.Namespace, makers: dict[str, Callable[[], Target]]):
     """The gRPC stack (--url or --launch) and the in-process engine; returns the launched stack, if any."""
     from shardline.bench.stack_backend import StackBackend
 
@@ -279,10 +281,9 @@ def _stack_targets(args: argparse.Namespace, makers: dict[str, Callable[[], obje
     return stack
 
 
-def _openai_targets(args: argparse.Namespace, makers: dict[str, Callable[[], object]]):
+def _openai_targets(args: argparse.Namespace, makers: dict[str, Callable[[], Target]]):
     """`base` (--base-url, or a launched stack's HTTP API) and `compare` (--compare-base-url), both
     through the same OpenAI client; returns the launched stack, if any."""
-    from shardline.bench.openai_backend import OpenAIBackend
 
     if args.url or args.engine:
         raise _FlagsError("--backend openai takes --base-url, --compare-base-url and --launch, not --url or --engine")
@@ -304,7 +305,7 @@ def _openai_targets(args: argparse.Namespace, makers: dict[str, Callable[[], obj
     if args.compare_base_url:
         urls["compare"] = args.compare_base_url
     for name, url in urls.items():
-        makers[name] = lambda url=url: OpenAIBackend(url, args.model, args.api_key, args.ignore_eos, detokenize)
+        makers[name] = functools.partial(OpenAIBackend, url, args.model, args.api_key, args.ignore_eos, detokenize)
     return stack
 
 
@@ -364,7 +365,7 @@ def _print(results: dict[str, dict], spec: LoadSpec, rounds: int) -> None:
         + (f"; medians of {rounds} alternating rounds" if rounds > 1 else "")
     )
     print(f"{'metric':<28}" + "".join(f"{n:>14}" for n in names))
-    rows = [
+    rows: list[tuple[str, str, str | None]] = [
         ("completed", "completed", None),
         ("failed", "failed", None),
         ("request throughput (req/s)", "request_throughput", None),

@@ -7,10 +7,12 @@ import asyncio
 import json
 from collections.abc import Callable
 
-from shardline.bench.load import LoadSpec, SendFn, model_vocab_size, run_load
+from shardline.bench.load import LoadSpec, SendFn, Target, model_vocab_size, run_load
+from shardline.bench.openai_backend import OpenAIBackend
+from shardline.bench.stack_backend import StackBackend
 from shardline.bench.tenant_load import SentRequest, TenantRun, run_tenants
 from shardline.bench.tenant_report import print_report, workload_report
-from shardline.bench.tenant_workload import TenantWorkload, load_workload
+from shardline.bench.tenant_workload import TenantSpec, TenantWorkload, load_workload
 from shardline.cli.serve_extra import require_serve
 
 
@@ -59,21 +61,17 @@ def _check_flags(args: argparse.Namespace, workload: TenantWorkload) -> None:
             raise TenantFlagsError("ttft_target_ms and refuse_late go over HTTP only: use --backend openai")
 
 
-def _backend_maker(args: argparse.Namespace, url: str) -> Callable[[object], object]:
+def _backend_maker(args: argparse.Namespace, url: str) -> Callable[[TenantSpec], Target]:
     """A function from a tenant to its own backend: its key, its extension fields."""
     if args.backend == "openai":
-        from shardline.bench.openai_backend import OpenAIBackend
-
         return lambda t: OpenAIBackend(url, args.model, t.api_key, args.ignore_eos, extra_body=t.body_fields())
-    from shardline.bench.stack_backend import StackBackend
-
     return lambda t: StackBackend(url, t.api_key, t.priority or 0)
 
 
 async def _measure(
-    args: argparse.Namespace, workload: TenantWorkload, make: Callable[[object], object], vocab: int | None
+    args: argparse.Namespace, workload: TenantWorkload, make: Callable[[TenantSpec], Target], vocab: int | None
 ) -> tuple[TenantRun, str]:
-    backends = {}
+    backends: dict[str, Target] = {}
     try:
         for t in workload.tenants:  # inside the loop: gRPC channels belong to the loop that creates them
             backends[t.name] = make(t)
@@ -85,7 +83,9 @@ async def _measure(
                 "the server does not say its vocabulary size, and reading --tokenizer's needs the services "
                 "(pip install 'shardline[serve]')"
             )
-        target = f"{first.root}, model {first.model}" if hasattr(first, "root") else str(args.url or "launched")
+        target = (
+            f"{first.root}, model {first.model}" if isinstance(first, OpenAIBackend) else str(args.url or "launched")
+        )
         # A few requests first, each tenant's key: a server's first requests pay for its warm-up, and a
         # key the server refuses shows here rather than as a run of failures.
         for name, backend in backends.items():

@@ -5,10 +5,15 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
 from shardline.cli.arg_types import at_least_one, non_negative, probability
 from shardline.cli.one_line_errors import one_line_errors
 from shardline.cli.serve_extra import require_serve
+
+if TYPE_CHECKING:
+    from shardline.cli.local_generator import LocalGenerator
+    from shardline.client import ShardlineClient
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
@@ -38,7 +43,9 @@ def _common(p: argparse.ArgumentParser) -> None:
 class _Backend:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
-        self.params = {
+        self.client: ShardlineClient | None = None
+        self.local: LocalGenerator | None = None
+        self.params: dict[str, Any] = {
             "max_tokens": args.max_tokens,
             "temperature": args.temperature,
             "top_p": args.top_p,
@@ -48,18 +55,17 @@ class _Backend:
             from shardline.client import ShardlineClient
 
             self.client = ShardlineClient(args.url, api_key=args.api_key)
-            self.local = None
         else:
             require_serve(f"{args.command} without --url (the engine in this process)")
             from shardline.cli.local_generator import LocalGenerator
 
-            self.client = None
             self.local = LocalGenerator(args.model, args.tp)
 
     def stream(self, prompt: str | None = None, messages: list[dict[str, str]] | None = None) -> Iterator[str]:
         if self.local is not None:
             yield from self.local.stream(prompt, messages, **self.params)
             return
+        assert self.client is not None  # one of the two is set, by --url
         model = {"model": self.args.model} if self.args.model else {}
         for chunk in self.client.stream(prompt, messages=messages, **model, **self.params):
             yield chunk.text

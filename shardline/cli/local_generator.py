@@ -31,7 +31,14 @@ class LocalGenerator:
         self.engine = build_engine(WorkerSettings(model=str(path), tp_size=tp, tracing=False))
 
     def stream(
-        self, prompt: str | None = None, messages: list[dict[str, str]] | None = None, **params: object
+        self,
+        prompt: str | None = None,
+        messages: list[dict[str, str]] | None = None,
+        *,
+        max_tokens: int,
+        temperature: float,
+        top_p: float | None = None,
+        seed: int | None = None,
     ) -> Iterator[str]:
         """Yield text as it is generated, from a raw prompt or chat messages."""
         if messages is not None:
@@ -42,7 +49,9 @@ class LocalGenerator:
         else:
             ids = self.tokenizer.encode_batch([prompt or ""])[0]
         eos = self.tokenizer.eos_token_ids
-        sp = SamplingParams(**{k: v for k, v in params.items() if v is not None})
+        sp = SamplingParams(
+            max_tokens=max_tokens, temperature=temperature, top_p=1.0 if top_p is None else top_p, seed=seed
+        )
         sp.stop_token_ids = sorted(set(sp.stop_token_ids) | set(eos[1:]))
         rid = f"local-{uuid.uuid4().hex[:8]}"
         check_request(ids, sp, EngineLimits.of(self.engine))  # the worker's edge: the engine trusts it

@@ -31,11 +31,13 @@ def missing_serve_requirements() -> list[str]:
         spec, _, marker = requirement.partition(";")
         if EXTRA not in _EXTRA_MARKER.findall(marker):
             continue
-        name = _NAME.match(spec.strip()).group(0)
+        name = _NAME.match(spec.strip())
+        if name is None:  # not a requirement line: nothing to look up
+            continue
         try:
-            importlib.metadata.version(name)
+            importlib.metadata.version(name.group(0))
         except importlib.metadata.PackageNotFoundError:
-            missing.append(name)
+            missing.append(name.group(0))
     return missing
 
 

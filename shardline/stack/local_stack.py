@@ -8,6 +8,7 @@ supervisor() restarts whatever dies, the embedded Redis included (shardline/stac
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import signal
@@ -92,6 +93,10 @@ class Child:
     ready: bool = False  # its health check has passed once
     argv: list[str] = field(default_factory=list)  # how it was started, to restart it the same way
     env: dict[str, str] = field(default_factory=dict)
+
+    def exit_code(self) -> int | None:
+        """Its process's exit status, or None while it runs (the process restart() gave it, if any)."""
+        return self.proc.poll()
 
 
 class LocalStack:
@@ -337,12 +342,7 @@ class LocalStack:
         if self.redis is not None:
             services.append(SupervisedProcess("redis", self.redis.exit_code, self.redis.respawn))
         for child in self.children:
-            # Late-bound on the child: restart() gives it a new process.
-            services.append(
-                SupervisedProcess(
-                    child.name, lambda child=child: child.proc.poll(), lambda child=child: self.restart(child)
-                )
-            )
+            services.append(SupervisedProcess(child.name, child.exit_code, functools.partial(self.restart, child)))
         return services
 
     def supervisor(self, report: Callable[[str], None], policy: BackoffPolicy | None = None) -> Supervisor:

@@ -22,8 +22,10 @@ def signals_deferred() -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():  # only the main thread gets signals
         yield
         return
-    received: list[int] = []
-    previous = {sig: signal.signal(sig, lambda sig, frame: received.append(sig)) for sig in STOP_SIGNALS}
+    received: list[signal.Signals] = []
+    previous = {
+        sig: signal.signal(sig, lambda sig, frame: received.append(signal.Signals(sig))) for sig in STOP_SIGNALS
+    }
     try:
         yield
     finally:

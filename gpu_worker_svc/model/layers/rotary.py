@@ -32,6 +32,9 @@ def _inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> to
 class RotaryEmbedding(nn.Module):
     """cos/sin tables, gathered once per step for all layers (`prepare`) and applied per layer (`apply`)."""
 
+    cos: torch.Tensor  # [max_positions, head_dim], a buffer
+    sin_signed: torch.Tensor  # the same, with the first half's sign flipped
+
     def __init__(
         self,
         head_dim: int,

@@ -97,7 +97,7 @@ class BatchRecord:
         )
 
     def to_openai(self) -> dict:
-        body = {
+        body: dict[str, object] = {
             "id": self.id,
             "object": "batch",
             "endpoint": self.endpoint,

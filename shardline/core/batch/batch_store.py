@@ -95,7 +95,7 @@ class BatchStore:
         return BatchRecord.from_hash(fields) if fields else None
 
     @unavailable_when_down
-    async def list(self, owner: str, after: str | None, limit: int) -> tuple[list[BatchRecord], bool]:
+    async def page(self, owner: str, after: str | None, limit: int) -> tuple[list[BatchRecord], bool]:
         """The owner's batches, newest first, from the one after `after`; and whether more follow."""
         ids = await self._redis.zrevrange(_owner_key(owner), 0, -1)
         if after is not None:

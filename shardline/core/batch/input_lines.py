@@ -95,7 +95,7 @@ def check_input(source: BinaryIO, endpoint: str, check_body: Callable[[dict], No
     return CheckedInput(index, chunks, errors)
 
 
-def parse_line(raw: bytes, index: int, endpoint: str, check_body: Callable[[dict], None] | None = None) -> BatchLine:
+def parse_line(raw: bytes, index: int, endpoint: str, check_body: Callable[[dict], object] | None = None) -> BatchLine:
     """One line as a BatchLine; InvalidArgument naming the field when it is not one."""
     try:
         line = json.loads(raw)

@@ -64,11 +64,11 @@ def test_listing_is_per_owner_newest_first_with_pages(redis_url):
             for i in range(5):
                 await store.create(_record(f"batch_{i}", owner="k1", created=100 + i))
             await store.create(_record("batch_other", owner="k2"))
-            page, more = await store.list("k1", None, 2)
+            page, more = await store.page("k1", None, 2)
             assert [r.id for r in page] == ["batch_4", "batch_3"] and more
-            page, more = await store.list("k1", "batch_3", 10)
+            page, more = await store.page("k1", "batch_3", 10)
             assert [r.id for r in page] == ["batch_2", "batch_1", "batch_0"] and not more
-            assert [r.id for r in (await store.list("k2", None, 10))[0]] == ["batch_other"]
+            assert [r.id for r in (await store.page("k2", None, 10))[0]] == ["batch_other"]
         finally:
             await store.close()
 
