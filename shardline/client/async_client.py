@@ -8,8 +8,8 @@ from typing import Any, TypeVar
 
 import grpc
 
+from shardline.client.call_policy import RETRYABLE, CallPolicy
 from shardline.client.channel_options import CHANNEL_OPTIONS
-from shardline.client.sync_client import RETRYABLE
 from shardline.client.types import (
     Chunk,
     Completion,
@@ -48,10 +48,7 @@ class AsyncShardlineClient:
         # it was made in, so a client built at import time (outside any loop) must not make it yet.
         self._channel: grpc.aio.Channel | None = None
         self._stub_: generation_pb2_grpc.GenerationStub | None = None
-        self._metadata = [("authorization", f"Bearer {api_key}")] if api_key else []
-        self.timeout = timeout
-        self.retries = retries
-        self.backoff_s = backoff_s
+        self._policy = CallPolicy.of(api_key, timeout, retries, backoff_s)
 
     @property
     def _stub(self) -> generation_pb2_grpc.GenerationStub:
@@ -67,16 +64,17 @@ class AsyncShardlineClient:
         timeout: float | None,
         taken: Callable[[], Awaitable[T]] | None = None,
     ) -> T:
-        """As ShardlineClient._call, awaited."""
-        for attempt in range(self.retries + 1):
+        """As CallPolicy.call, awaited."""
+        policy = self._policy
+        for attempt in range(policy.retries + 1):
             try:
-                return await fn(request, timeout=timeout or self.timeout, metadata=self._metadata)
+                return await policy.once(fn, request, timeout)
             except grpc.aio.AioRpcError as exc:
                 if attempt and taken is not None and was_taken(exc):
                     return await taken()
-                if exc.code() not in RETRYABLE or attempt == self.retries:
+                if exc.code() not in RETRYABLE or attempt == policy.retries:
                     raise
-                await asyncio.sleep(self.backoff_s * 2**attempt)
+                await asyncio.sleep(policy.delay_s(attempt))
         raise AssertionError("unreachable")
 
     async def generate(
@@ -132,9 +130,10 @@ class AsyncShardlineClient:
         self, fn: Callable[..., Any], req: Any, timeout: float | None, starts: bool = False
     ) -> AsyncIterator[Chunk]:
         """`fn`'s chunks, retried until the first; `starts`: it starts the generation `req` names."""
-        for attempt in range(self.retries + 1):
+        policy = self._policy
+        for attempt in range(policy.retries + 1):
             started = False
-            call = fn(req, timeout=timeout or self.timeout, metadata=self._metadata)
+            call = policy.once(fn, req, timeout)
             try:
                 async for msg in call:
                     started = True
@@ -147,9 +146,9 @@ class AsyncShardlineClient:
                     ):
                         yield chunk
                     return
-                if started or exc.code() not in RETRYABLE or attempt == self.retries:
+                if started or exc.code() not in RETRYABLE or attempt == policy.retries:
                     raise
-                await asyncio.sleep(self.backoff_s * 2**attempt)
+                await asyncio.sleep(policy.delay_s(attempt))
             finally:
                 # A caller that stops early must end the rpc (the server then cancels the request after
                 # its resume grace): the call and its reader reference each other, so it would never be

@@ -10,19 +10,15 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
 
 import grpc
 
 from shardline.client.batch_types import BatchInfo, FileInfo
+from shardline.client.call_policy import RETRYABLE, CallPolicy
 from shardline.proto import batches_pb2, batches_pb2_grpc
-
-if TYPE_CHECKING:
-    from shardline.client.sync_client import ShardlineClient
 
 # Bytes sent per message of an upload.
 UPLOAD_PIECE_BYTES = 1 << 20
-RETRYABLE = (grpc.StatusCode.UNAVAILABLE,)
 
 
 class BatchClient:
@@ -34,12 +30,9 @@ class BatchClient:
     ...     client.batches.download(batch.output_file_id, "results.jsonl")
     """
 
-    def __init__(self, client: ShardlineClient, channel: grpc.Channel) -> None:
-        self._client = client
+    def __init__(self, policy: CallPolicy, channel: grpc.Channel) -> None:
+        self._policy = policy  # the client's: its API key, its timeout, its retries
         self._stub = batches_pb2_grpc.BatchesStub(channel)
-
-    def _once(self, fn: Callable[..., Any], request: Any, timeout: float | None) -> Any:
-        return fn(request, timeout=timeout or self._client.timeout, metadata=self._client._metadata)
 
     # -- files ----------------------------------------------------------------
     def upload_file(
@@ -52,22 +45,22 @@ class BatchClient:
         else:
             name = filename or Path(source).name
         header = batches_pb2.FileHeader(filename=name, purpose=purpose)
-        return FileInfo.from_proto(self._once(self._stub.UploadFile, _upload_parts(header, source), None))
+        return FileInfo.from_proto(self._policy.once(self._stub.UploadFile, _upload_parts(header, source), None))
 
     def get_file(self, file_id: str) -> FileInfo:
         """A file's metadata; NOT_FOUND for an unknown id or another API key's file."""
         return FileInfo.from_proto(
-            self._client._call(self._stub.GetFile, batches_pb2.GetFileRequest(file_id=file_id), None)
+            self._policy.call(self._stub.GetFile, batches_pb2.GetFileRequest(file_id=file_id), None)
         )
 
     def list_files(self, purpose: str | None = None) -> list[FileInfo]:
         """Your files, newest first; only those of `purpose` when given."""
-        resp = self._client._call(self._stub.ListFiles, batches_pb2.ListFilesRequest(purpose=purpose or ""), None)
+        resp = self._policy.call(self._stub.ListFiles, batches_pb2.ListFilesRequest(purpose=purpose or ""), None)
         return [FileInfo.from_proto(f) for f in resp.files]
 
     def delete_file(self, file_id: str) -> None:
         """Delete a file."""
-        self._client._call(self._stub.DeleteFile, batches_pb2.DeleteFileRequest(file_id=file_id), None)
+        self._policy.call(self._stub.DeleteFile, batches_pb2.DeleteFileRequest(file_id=file_id), None)
 
     def read_file(self, file_id: str) -> bytes:
         """A file's bytes, whole (a batch's output: one JSON result line per input line)."""
@@ -85,11 +78,11 @@ class BatchClient:
 
     def _download(self, file_id: str) -> Iterator[tuple[FileInfo | None, bytes]]:
         request = batches_pb2.DownloadFileRequest(file_id=file_id)
-        retries, backoff_s = self._client.retries, self._client.backoff_s
+        retries = self._policy.retries
         for attempt in range(retries + 1):
             started = False
             try:
-                for msg in self._once(self._stub.DownloadFile, request, None):
+                for msg in self._policy.once(self._stub.DownloadFile, request, None):
                     info = FileInfo.from_proto(msg.file) if msg.HasField("file") else None
                     started = True
                     yield info, msg.data
@@ -97,7 +90,7 @@ class BatchClient:
             except grpc.RpcError as exc:
                 if started or exc.code() not in RETRYABLE or attempt == retries:
                     raise
-                time.sleep(backoff_s * 2**attempt)
+                self._policy.back_off(attempt)
 
     # -- batches --------------------------------------------------------------
     def create(
@@ -114,7 +107,7 @@ class BatchClient:
         request = batches_pb2.CreateBatchRequest(
             input_file_id=input_file_id, endpoint=endpoint, completion_window=completion_window, metadata=metadata
         )
-        return BatchInfo.from_proto(self._once(self._stub.CreateBatch, request, None))
+        return BatchInfo.from_proto(self._policy.once(self._stub.CreateBatch, request, None))
 
     def submit(
         self,
@@ -130,21 +123,21 @@ class BatchClient:
     def get(self, batch_id: str) -> BatchInfo:
         """A batch's status and progress; NOT_FOUND for an unknown id or another API key's batch."""
         return BatchInfo.from_proto(
-            self._client._call(self._stub.GetBatch, batches_pb2.GetBatchRequest(batch_id=batch_id), None)
+            self._policy.call(self._stub.GetBatch, batches_pb2.GetBatchRequest(batch_id=batch_id), None)
         )
 
     def list(self, *, limit: int = 20, after: str | None = None) -> tuple[list[BatchInfo], bool]:
         """A page of your batches, newest first, and whether older ones follow (pass the page's last
         id as `after` for them); `limit` is 1 to 100."""
         request = batches_pb2.ListBatchesRequest(limit=limit, after=after or "")
-        resp = self._client._call(self._stub.ListBatches, request, None)
+        resp = self._policy.call(self._stub.ListBatches, request, None)
         return [BatchInfo.from_proto(b) for b in resp.batches], resp.has_more
 
     def cancel(self, batch_id: str) -> BatchInfo:
         """Ask a running batch to stop: "cancelling", then "cancelled" within seconds, with the
         results so far in its output. FAILED_PRECONDITION once it has ended otherwise."""
         return BatchInfo.from_proto(
-            self._client._call(self._stub.CancelBatch, batches_pb2.CancelBatchRequest(batch_id=batch_id), None)
+            self._policy.call(self._stub.CancelBatch, batches_pb2.CancelBatchRequest(batch_id=batch_id), None)
         )
 
     def wait(

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
+from typing import Any
 
 import grpc
 
 from shardline.client.batch_client import BatchClient
+from shardline.client.call_policy import RETRYABLE, CallPolicy
 from shardline.client.channel_options import CHANNEL_OPTIONS
 from shardline.client.types import (
     Chunk,
@@ -22,9 +22,6 @@ from shardline.client.types import (
     was_taken,
 )
 from shardline.proto import common_pb2, generation_pb2, generation_pb2_grpc
-
-T = TypeVar("T")
-RETRYABLE = (grpc.StatusCode.UNAVAILABLE,)
 
 
 class ShardlineClient:
@@ -54,27 +51,8 @@ class ShardlineClient:
     ) -> None:
         self._channel = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
         self._stub = generation_pb2_grpc.GenerationStub(self._channel)
-        self.batches = BatchClient(self, self._channel)  # the Batch API: files and batches
-        self._metadata = [("authorization", f"Bearer {api_key}")] if api_key else []
-        self.timeout = timeout
-        self.retries = retries
-        self.backoff_s = backoff_s
-
-    def _call(
-        self, fn: Callable[..., T], request: Any, timeout: float | None, taken: Callable[[], T] | None = None
-    ) -> T:
-        """`fn(request)`, retried on UNAVAILABLE; `taken` answers instead when a retry finds the
-        request it would start already started (see was_taken)."""
-        for attempt in range(self.retries + 1):
-            try:
-                return fn(request, timeout=timeout or self.timeout, metadata=self._metadata)
-            except grpc.RpcError as exc:
-                if attempt and taken is not None and was_taken(exc):
-                    return taken()
-                if exc.code() not in RETRYABLE or attempt == self.retries:
-                    raise
-                time.sleep(self.backoff_s * 2**attempt)
-        raise AssertionError("unreachable")
+        self._policy = CallPolicy.of(api_key, timeout, retries, backoff_s)
+        self.batches = BatchClient(self._policy, self._channel)  # the Batch API: files and batches
 
     def generate(
         self,
@@ -105,7 +83,7 @@ class ShardlineClient:
         template, such as {"enable_thinking": False}), continue_final_message=True (the model goes on
         with the last, assistant, message) and add_generation_prompt."""
         req = build_request(prompt, messages=messages, timeout=timeout, **params)
-        return self._call(
+        return self._policy.call(
             lambda r, **kw: Completion.from_proto(self._stub.Generate(r, **kw)),
             req,
             timeout,
@@ -151,10 +129,11 @@ class ShardlineClient:
 
     def _stream(self, fn: Callable[..., Any], req: Any, timeout: float | None, starts: bool = False) -> Iterator[Chunk]:
         """`fn`'s chunks, retried until the first; `starts`: it starts the generation `req` names."""
-        for attempt in range(self.retries + 1):
+        policy = self._policy
+        for attempt in range(policy.retries + 1):
             started = False
             try:
-                for msg in fn(req, timeout=timeout or self.timeout, metadata=self._metadata):
+                for msg in policy.once(fn, req, timeout):
                     started = True
                     yield Chunk.from_proto(msg)
                 return
@@ -164,18 +143,18 @@ class ShardlineClient:
                         self._stub.Resume, resume_request(req.request_id, 0, tools_of(req)), timeout
                     )
                     return
-                if started or exc.code() not in RETRYABLE or attempt == self.retries:
+                if started or exc.code() not in RETRYABLE or attempt == policy.retries:
                     raise
-                time.sleep(self.backoff_s * 2**attempt)
+                policy.back_off(attempt)
 
     def cancel(self, request_id: str) -> None:
         """Stop a request; its worker frees the request's KV blocks."""
-        self._call(self._stub.Cancel, common_pb2.CancelRequest(request_id=request_id), None)
+        self._policy.call(self._stub.Cancel, common_pb2.CancelRequest(request_id=request_id), None)
 
     def get_request(self, request_id: str) -> RequestDetails:
         """A request's status, worker, attempts, timings, usage and generated token ids."""
         return RequestDetails.from_proto(
-            self._call(self._stub.GetRequest, common_pb2.GetRequestRequest(request_id=request_id), None)
+            self._policy.call(self._stub.GetRequest, common_pb2.GetRequestRequest(request_id=request_id), None)
         )
 
     def list_models(self) -> list[str]:
@@ -184,7 +163,7 @@ class ShardlineClient:
 
     def models(self) -> list[ModelInfo]:
         """The models this gateway serves (those with a live worker), with their limits."""
-        resp = self._call(self._stub.ListModels, generation_pb2.ListModelsRequest(), None)
+        resp = self._policy.call(self._stub.ListModels, generation_pb2.ListModelsRequest(), None)
         return [ModelInfo.from_proto(m) for m in resp.models]
 
     def close(self) -> None:
