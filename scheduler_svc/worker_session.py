@@ -2,7 +2,7 @@
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
 
@@ -41,15 +41,16 @@ class WorkerSession:
         self._channel = channel
         self._on_steps = on_steps
         self._on_lost = on_lost
-        self._commands: asyncio.Queue[worker_pb2.WorkerCommand] = asyncio.Queue()
+        # None ends the stream of commands, once the session is over.
+        self._commands: asyncio.Queue[worker_pb2.WorkerCommand | None] = asyncio.Queue()
         self._steps: asyncio.Queue[worker_pb2.StepOutput | str] = asyncio.Queue()
         self._close_reason: str | None = None  # set when the scheduler itself ends the session
         self._unrecorded = False  # a batch of steps could not be recorded: the ones after it are dropped
         self.migrated = False  # the scheduler ended it to move the worker's requests elsewhere
-        self._call = worker_pb2_grpc.WorkerStub(channel).Session()
-        self._writer = asyncio.create_task(self._write(), name=f"session-write-{worker_id}")
+        # The commands as the call's request iterator, which the session ends itself: with write(),
+        # grpc's own iterator task would be left pending on a stream that broke, and then destroyed.
+        self._call = worker_pb2_grpc.WorkerStub(channel).Session(self._outgoing())
         self._tasks = [
-            self._writer,
             asyncio.create_task(self._read(), name=f"session-read-{worker_id}"),
             asyncio.create_task(self._handle(), name=f"session-handle-{worker_id}"),
         ]
@@ -94,17 +95,15 @@ class WorkerSession:
         so the next scheduler re-queues them."""
         for task in self._tasks:
             task.cancel()
+        self._commands.put_nowait(None)
         self._call.cancel()
         if self._tasks:  # bounded, like the dispatcher's stop: shutdown never hangs on a dead peer
             await asyncio.wait(self._tasks, timeout=5.0)
         await asyncio.wait_for(self._channel.close(), timeout=5.0)
 
-    async def _write(self) -> None:
-        try:
-            while True:
-                await self._call.write(await self._commands.get())
-        except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
-            pass  # the stream is gone: the reader reports why
+    async def _outgoing(self) -> AsyncIterator[worker_pb2.WorkerCommand]:
+        while (command := await self._commands.get()) is not None:
+            yield command
 
     async def _read(self) -> None:
         reason = "the worker closed its Session stream"
@@ -138,7 +137,7 @@ class WorkerSession:
                     self._close_reason = self._close_reason or f"its steps could not be recorded: {exc}"
                     self._call.cancel()
             if isinstance(batch[-1], str):
-                self._writer.cancel()
+                self._commands.put_nowait(None)
                 await self._channel.close()
                 try:
                     await self._on_lost(self.worker_id, batch[-1])

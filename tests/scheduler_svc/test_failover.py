@@ -1,6 +1,8 @@
 """Worker death, heartbeat expiry, re-registration and scheduler restarts, at the gRPC boundary."""
 
 import asyncio
+import gc
+import logging
 
 import grpc
 
@@ -211,3 +213,23 @@ async def test_a_request_redispatched_at_once_is_recorded_running(redis_url: str
         assert [(i.status, i.worker_id, i.attempt) for i in infos] == [
             (sampling_pb2.REQUEST_STATUS_RUNNING, "w2", 2)
         ] * 4
+
+
+@run_async
+async def test_a_broken_session_leaves_no_task_pending(redis_url: str, caplog) -> None:
+    """A worker's stream that breaks ends every task of its session: none is left pending for the
+    garbage collector to destroy, and no async generator is closed while it runs."""
+    with caplog.at_level(logging.ERROR, logger="asyncio"):
+        async with cluster(redis_url) as c:
+            gateway = await c.gateway("gw-1")
+            worker = await c.worker("w0")
+            await c.submit("r1", max_tokens=1000)
+            await eventually(lambda: worker.running, what="r1 on w0")
+            await worker.kill()
+            await eventually(lambda: not c.server.dispatcher.registry.get("w0"), what="w0 declared dead")
+            await asyncio.sleep(0.2)
+            gc.collect()
+            await asyncio.sleep(0.1)
+            gateway.close()
+    problems = [r.getMessage() for r in caplog.records if r.name == "asyncio"]
+    assert not problems, problems
