@@ -175,85 +175,132 @@ def build_step(
     """
     if group_decodes is None:
         group_decodes = str(device) == "cpu"
-    num_computed = batch.num_computed.tolist()
     num_new = batch.num_new.tolist()
     num_logits = batch.num_logits.tolist() if batch.num_logits is not None and not invariant else [1] * len(num_new)
-    bt = batch.block_tables
     # Every sequence a plain decode (the common step): one token each, at its computed length, and
     # none of the per-sequence work of chunks. Built with a few whole-batch ops, whatever the batch.
     all_decodes = len(batch.token_ids) == len(num_new) and num_new == num_logits
+    positions, slot_mapping = _positions_and_slots(batch, block_size, all_decodes)
     if all_decodes:
-        positions = batch.num_computed.clone()
-        seq_of_token = torch.arange(len(num_new))
+        chunks, decodes = _Chunks(), list(range(len(num_new)))
     else:
-        seq_of_token = torch.repeat_interleave(torch.arange(len(num_new)), batch.num_new)
-        starts = torch.cumsum(batch.num_new, 0) - batch.num_new
-        positions = batch.num_computed[seq_of_token] + torch.arange(len(seq_of_token)) - starts[seq_of_token]
-    slot_mapping = bt[seq_of_token, positions // block_size] * block_size + positions % block_size
-
-    bounds: list[tuple[int, int]] = []
-    gathers: list[torch.Tensor | None] = []
-    masks: list[torch.Tensor | None] = []
-    decodes: list[int] = list(range(len(num_new))) if all_decodes else []  # sequence index of each decode
-    start = 0
-    for i, (c, n) in enumerate(() if all_decodes else zip(num_computed, num_new)):
-        if n == num_logits[i]:  # a decode, with its drafts if it has any
-            decodes.append(i)
-        else:
-            bounds.append((start, start + n))
-            if c == 0 and not invariant:
-                gathers.append(None)
-                masks.append(None)
-            else:
-                pos = _padded(c + n, invariant)
-                gathers.append((bt[i, pos // block_size] * block_size + pos % block_size).to(device))
-                # The chunk ends the context: query i sees positions up to c + i (never the padding).
-                masks.append(torch.ones(n, len(pos), dtype=torch.bool, device=device).tril(c))
-        start += n
-
-    decode_index = decode_gather = decode_mask = query_rows = valid = None
-    groups: list[DecodeGroup] = []
-    queries = 1
-    if decodes:
-        rows = torch.tensor(decodes)
-        ends = torch.cumsum(batch.num_new, 0) - 1
-        n = batch.num_new[rows]
-        ctx = batch.num_computed[rows] + n  # keys: the context through the decode's last query
-        queries = int(n.max())
-        if queries == 1:
-            decode_index = ends[rows].to(device)
-        else:
-            j = torch.arange(queries)
-            padded = (ends[rows] - n + 1)[:, None] + torch.minimum(j[None, :], (n - 1)[:, None])
-            real = (j[None, :] < n[:, None]).flatten()
-            query_rows, valid = padded.flatten().to(device), real.nonzero().flatten().to(device)
-            decode_index = padded.flatten()[real].to(device)
-        split = _by_context(ctx.tolist()) if group_decodes else []
-        if len(split) > 1:
-            groups = [
-                DecodeGroup(
-                    torch.tensor(g).to(device),
-                    *_decode_context(bt[rows[g]], ctx[g], block_size, device, invariant, n[g], queries),
-                )
-                for g in split
-            ]
-        else:
-            decode_gather, decode_mask = _decode_context(bt[rows], ctx, block_size, device, invariant, n, queries)
+        chunks, decodes = _chunks_and_decodes(batch, block_size, device, invariant, num_logits)
+    layout = _decode_layout(batch, decodes, block_size, device, invariant, group_decodes)
     meta = AttentionMetadata(
         slot_mapping.to(device),
-        bounds,
-        gathers,
-        masks,
-        decode_index,
-        decode_gather,
-        decode_mask,
-        groups,
+        chunks.bounds,
+        chunks.gathers,
+        chunks.masks,
+        layout.index,
+        layout.gather,
+        layout.mask,
+        layout.groups,
         invariant,
-        decode_queries=queries,
-        decode_query_rows=query_rows,
-        decode_valid=valid,
+        decode_queries=layout.queries,
+        decode_query_rows=layout.query_rows,
+        decode_valid=layout.valid,
     )
     return positions.to(device), meta
+
+
+def _positions_and_slots(batch: StepBatch, block_size: int, all_decodes: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's position in its sequence, and the KV-cache slot it is written to."""
+    if all_decodes:
+        positions = batch.num_computed.clone()
+        seq_of_token = torch.arange(len(batch.num_new))
+    else:
+        seq_of_token = torch.repeat_interleave(torch.arange(len(batch.num_new)), batch.num_new)
+        starts = torch.cumsum(batch.num_new, 0) - batch.num_new
+        positions = batch.num_computed[seq_of_token] + torch.arange(len(seq_of_token)) - starts[seq_of_token]
+    bt = batch.block_tables
+    return positions, bt[seq_of_token, positions // block_size] * block_size + positions % block_size
+
+
+@dataclass(slots=True)
+class _Chunks:
+    """The prefill chunks of a step: each one's token range, and its keys and mask (None: the chunk
+    is its whole context, and attends causally to itself)."""
+
+    bounds: list[tuple[int, int]] = field(default_factory=list)
+    gathers: list[torch.Tensor | None] = field(default_factory=list)
+    masks: list[torch.Tensor | None] = field(default_factory=list)
+
+
+def _chunks_and_decodes(
+    batch: StepBatch, block_size: int, device: torch.device | str, invariant: bool, num_logits: list[int]
+) -> tuple[_Chunks, list[int]]:
+    """The step's prefill chunks, and the sequence index of each decode (with its drafts, if any)."""
+    chunks, decodes = _Chunks(), []
+    bt = batch.block_tables
+    start = 0
+    for i, (c, n) in enumerate(zip(batch.num_computed.tolist(), batch.num_new.tolist())):
+        if n == num_logits[i]:
+            decodes.append(i)
+        else:
+            chunks.bounds.append((start, start + n))
+            if c == 0 and not invariant:
+                chunks.gathers.append(None)
+                chunks.masks.append(None)
+            else:
+                pos = _padded(c + n, invariant)
+                chunks.gathers.append((bt[i, pos // block_size] * block_size + pos % block_size).to(device))
+                # The chunk ends the context: query i sees positions up to c + i (never the padding).
+                chunks.masks.append(torch.ones(n, len(pos), dtype=torch.bool, device=device).tril(c))
+        start += n
+    return chunks, decodes
+
+
+@dataclass(slots=True)
+class _DecodeLayout:
+    """Where a step's decodes read their queries and keys: AttentionMetadata's decode_* fields."""
+
+    index: torch.Tensor | None = None
+    gather: torch.Tensor | None = None
+    mask: torch.Tensor | None = None
+    query_rows: torch.Tensor | None = None
+    valid: torch.Tensor | None = None
+    groups: list[DecodeGroup] = field(default_factory=list)
+    queries: int = 1
+
+
+def _decode_layout(
+    batch: StepBatch,
+    decodes: list[int],
+    block_size: int,
+    device: torch.device | str,
+    invariant: bool,
+    group_decodes: bool,
+) -> _DecodeLayout:
+    """The decodes' query rows, their contexts' slots and masks, in one group or split by context length."""
+    layout = _DecodeLayout()
+    if not decodes:
+        return layout
+    bt = batch.block_tables
+    rows = torch.tensor(decodes)
+    ends = torch.cumsum(batch.num_new, 0) - 1
+    n = batch.num_new[rows]
+    ctx = batch.num_computed[rows] + n  # keys: the context through the decode's last query
+    layout.queries = queries = int(n.max())
+    if queries == 1:
+        layout.index = ends[rows].to(device)
+    else:
+        j = torch.arange(queries)
+        padded = (ends[rows] - n + 1)[:, None] + torch.minimum(j[None, :], (n - 1)[:, None])
+        real = (j[None, :] < n[:, None]).flatten()
+        layout.query_rows, layout.valid = padded.flatten().to(device), real.nonzero().flatten().to(device)
+        layout.index = padded.flatten()[real].to(device)
+    split = _by_context(ctx.tolist()) if group_decodes else []
+    if len(split) > 1:
+        layout.groups = [
+            DecodeGroup(
+                torch.tensor(g).to(device),
+                *_decode_context(bt[rows[g]], ctx[g], block_size, device, invariant, n[g], queries),
+            )
+            for g in split
+        ]
+    else:
+        layout.gather, layout.mask = _decode_context(bt[rows], ctx, block_size, device, invariant, n, queries)
+    return layout
 
 
 def _padded(length: int, invariant: bool) -> torch.Tensor:

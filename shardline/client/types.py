@@ -248,6 +248,26 @@ def build_request(
     can no longer be met while the request waits, fail it (UNAVAILABLE, its message starting "ttft
     target unmet") instead of serving it late; unset, the tenant's choice."""
     req = generation_pb2.GenerateRequest(model=model, priority=priority)
+    _set_input(req, prompt, messages, chat_template_kwargs, continue_final_message, add_generation_prompt)
+    if (spec := build_tools(tools, tool_choice, parallel_tool_calls)) is not None:
+        req.tools.CopyFrom(spec)
+    # Chosen here when not given: a retry after a connection lost mid-call must not start the
+    # generation twice, and with its id it finds the one that did start (see was_taken).
+    req.request_id = request_id or f"{'chatcmpl' if messages is not None else 'cmpl'}-{secrets.token_hex(16)}"
+    _set_deadlines(req, timeout, ttft_target, refuse_late)
+    _set_sampling(req.params, params)
+    return req
+
+
+def _set_input(
+    req: generation_pb2.GenerateRequest,
+    prompt: str | list[int] | None,
+    messages: list[dict[str, Any]] | None,
+    chat_template_kwargs: dict[str, Any] | None,
+    continue_final_message: bool,
+    add_generation_prompt: bool | None,
+) -> None:
+    """The request's input: chat messages with their template options, or a prompt's text or ids."""
     if messages is not None:
         req.messages.messages.extend(_chat_message(m) for m in messages)
         if chat_template_kwargs:
@@ -263,11 +283,12 @@ def build_request(
         req.prompt_token_ids.ids.extend(prompt)
     else:
         raise ValueError("give a prompt (text or token ids) or messages")
-    if (spec := build_tools(tools, tool_choice, parallel_tool_calls)) is not None:
-        req.tools.CopyFrom(spec)
-    # Chosen here when not given: a retry after a connection lost mid-call must not start the
-    # generation twice, and with its id it finds the one that did start (see was_taken).
-    req.request_id = request_id or f"{'chatcmpl' if messages is not None else 'cmpl'}-{secrets.token_hex(16)}"
+
+
+def _set_deadlines(
+    req: generation_pb2.GenerateRequest, timeout: float | None, ttft_target: float | None, refuse_late: bool | None
+) -> None:
+    """The request's time budget and its first token's target, in the wire's units."""
     if timeout is not None:
         if timeout <= 0:
             raise ValueError(f"timeout must be positive, got {timeout}")
@@ -278,33 +299,36 @@ def build_request(
         req.ttft_target.FromMicroseconds(max(1, round(ttft_target * 1e6)))
     if refuse_late is not None:
         req.refuse_late = refuse_late
+
+
+def _set_sampling(sampling: sampling_pb2.SamplingParameters, params: dict[str, Any]) -> None:
+    """The sampling keywords onto their message; None leaves a field to the server's default."""
     for name, value in params.items():
         if value is None:
             continue
         if name in ("stop", "stop_token_ids"):
-            getattr(req.params, name).extend([value] if isinstance(value, (str, int)) else value)
+            getattr(sampling, name).extend([value] if isinstance(value, (str, int)) else value)
         elif name == "seed":
-            req.params.seed = value % (1 << 64)  # signed seeds (OpenAI's) map onto the wire's uint64
+            sampling.seed = value % (1 << 64)  # signed seeds (OpenAI's) map onto the wire's uint64
         elif name == "logit_bias":  # {token id: bias}; OpenAI-style string ids are taken too
-            req.params.logit_bias.update({int(token): float(bias) for token, bias in value.items()})
+            sampling.logit_bias.update({int(token): float(bias) for token, bias in value.items()})
         elif name == "top_logprobs":
-            req.params.logprobs = True
-            req.params.top_logprobs = value
+            sampling.logprobs = True
+            sampling.top_logprobs = value
         elif name == "json_object" and not value:
             continue  # json_object=False asks for nothing, as in vLLM
         elif name in STRUCTURED_OUTPUT_KINDS:
-            if req.params.structured_output.WhichOneof("kind") is not None:
+            if sampling.structured_output.WhichOneof("kind") is not None:
                 raise ValueError(f"{name}: give one structured output constraint, not several")
             if name == "choice" and isinstance(value, str):  # a string is a sequence too: "y", "e", "s"
                 raise ValueError("choice must be a list of strings")
             # Merged: a disable_any_whitespace given before it stays.
-            req.params.structured_output.MergeFrom(StructuredOutputSpec(name, _spec_value(name, value)).to_proto())
+            sampling.structured_output.MergeFrom(StructuredOutputSpec(name, _spec_value(name, value)).to_proto())
         elif name == "disable_any_whitespace":  # with json_schema or json_object: compact JSON
             if value:  # False is the default: setting it would create an empty constraint
-                req.params.structured_output.disable_any_whitespace = True
+                sampling.structured_output.disable_any_whitespace = True
         else:
-            setattr(req.params, name, value)  # AttributeError names an unknown parameter
-    return req
+            setattr(sampling, name, value)  # AttributeError names an unknown parameter
 
 
 def build_tools(
