@@ -126,6 +126,11 @@ def test_the_client_commands_run_and_the_serving_ones_say_what_to_install(sdk_ve
         cwd=tmp_path,
     )
     assert (tmp_path / "bench.json").is_file(), bench.stdout
+    # status reads a `shardline up` stack's folder: none here, said in one line.
+    status = subprocess.run(
+        [str(cli), "status", "--data-dir", str(tmp_path / "none")], cwd=tmp_path, capture_output=True, text=True
+    )
+    assert status.returncode == 1 and "shardline status:" in status.stderr and "Traceback" not in status.stderr
     for command in (["up"], ["serve", "worker"], ["generate", "hi"]):
         done = subprocess.run([str(cli), *command], cwd=tmp_path, capture_output=True, text=True, timeout=60)
         assert done.returncode == 2, (command, done.stdout, done.stderr)
