@@ -24,93 +24,109 @@ from shardline.cli.serve_extra import require_serve
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="serving benchmark: TTFT, TPOT, ITL, E2EL, throughput, goodput")
-    p.add_argument("--url", default=None, help="gateway gRPC address of a running stack")
-    p.add_argument("--launch", action="store_true", help="start a private stack for the run (free ports)")
-    p.add_argument("--engine", action="store_true", help="also run the same load on the engine in-process")
-    p.add_argument(
+    _target_flags(p.add_argument_group("targets: where the load goes"))
+    _load_flags(p.add_argument_group("the load"))
+    _slo_flags(p.add_argument_group("goodput: the SLOs a request must meet"))
+    _report_flags(p.add_argument_group("the report"))
+    p.set_defaults(func=one_line_errors("bench", run))
+
+
+def _target_flags(g: argparse._ArgumentGroup) -> None:
+    g.add_argument("--url", default=None, help="gateway gRPC address of a running stack")
+    g.add_argument("--launch", action="store_true", help="start a private stack for the run (free ports)")
+    g.add_argument("--engine", action="store_true", help="also run the same load on the engine in-process")
+    g.add_argument(
         "--model",
         default=None,
         help="the model to run (a path, a name or dummy:<shape>); with --backend openai, the model the "
         "requests name (default: the first of each server's GET /v1/models)",
     )
-    p.add_argument(
+    g.add_argument(
         "--backend",
         choices=("stack", "openai"),
         default="stack",
         help="stack: the gateway's gRPC API (--url, --launch); openai: streamed /v1/completions of any "
         "OpenAI-compatible server (--base-url, or --launch for a private stack's HTTP API)",
     )
-    p.add_argument("--base-url", default=None, help="--backend openai: the server, e.g. http://127.0.0.1:8080")
-    p.add_argument(
+    g.add_argument("--base-url", default=None, help="--backend openai: the server, e.g. http://127.0.0.1:8080")
+    g.add_argument(
         "--compare-base-url",
         default=None,
         help="--backend openai: a second server, alternated with the first round by round",
     )
-    p.add_argument("--api-key", default=None, help="--backend openai: sent as 'Authorization: Bearer <key>'")
-    p.add_argument(
+    g.add_argument("--api-key", default=None, help="--backend openai: sent as 'Authorization: Bearer <key>'")
+    g.add_argument(
         "--tokenizer",
         default=None,
         help="--backend openai: the local model whose vocabulary the random prompts come from (and which "
         "--launch runs); default: Shardline's default model",
     )
-    p.add_argument(
+    g.add_argument(
         "--prompt-format",
         choices=("ids", "text"),
         default="ids",
         help="--backend openai: send prompts as token-id lists (vLLM, SGLang, llama-server, Shardline), or "
         "as their text under --tokenizer, for servers that take only text",
     )
-    p.add_argument(
+    g.add_argument(
         "--ignore-eos",
         action=argparse.BooleanOptionalAction,
         default=True,
         help="--backend openai: send ignore_eos (a vLLM and llama.cpp extension) so every request makes "
         "--output-len tokens; --no-ignore-eos for servers that refuse the field",
     )
-    p.add_argument("--num-prompts", type=int, default=64)
-    p.add_argument("--input-len", type=int, default=128)
-    p.add_argument("--output-len", type=int, default=64)
-    p.add_argument(
+
+
+def _load_flags(g: argparse._ArgumentGroup) -> None:
+    g.add_argument("--num-prompts", type=int, default=64)
+    g.add_argument("--input-len", type=int, default=128)
+    g.add_argument("--output-len", type=int, default=64)
+    g.add_argument(
         "--request-rate",
         type=float,
         default=float("inf"),
         help="mean arrival rate (req/s); inf: every request arrives at t=0 (and waits for a slot)",
     )
-    p.add_argument(
+    g.add_argument(
         "--burstiness",
         type=float,
         default=1.0,
         help="with a finite --request-rate: the gamma shape of the gaps between arrivals, as in "
         "vLLM (1: Poisson; below 1: burstier; above 1: more even)",
     )
-    p.add_argument(
+    g.add_argument(
         "--max-concurrency",
         type=at_least_one,
         default=16,
         help="requests in flight at once (default 16; vLLM's default is no limit)",
     )
-    p.add_argument("--slo-ttft-ms", type=float, default=None, help="goodput: time to first token at most this")
-    p.add_argument("--slo-tpot-ms", type=float, default=None, help="goodput: time per output token at most this")
-    p.add_argument("--slo-e2el-ms", type=float, default=None, help="goodput: end-to-end latency at most this")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument(
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument(
         "--rounds",
         type=int,
         default=1,
         help="alternate the backends this many times, on fresh prompts each round, and report medians "
         "(on a shared machine either side's speed drifts from minute to minute)",
     )
-    p.add_argument(
+    g.add_argument(
         "--tenants",
         type=Path,
         default=None,
         help="a multi-tenant workload (YAML or JSON: tenants with keys, rates, lengths, SLOs; docs/benchmarks.md): "
         "reported per tenant, with Jain's fairness index and goodput; replaces the single-load flags",
     )
-    p.add_argument("--json", action="store_true", help="print the results as JSON on stdout (the table goes to stderr)")
-    p.add_argument("--out", type=Path, default=Path("results/bench.json"))
-    p.add_argument("-v", "--verbose", action="store_true")
-    p.set_defaults(func=one_line_errors("bench", run))
+
+
+def _slo_flags(g: argparse._ArgumentGroup) -> None:
+    g.add_argument("--slo-ttft-ms", type=float, default=None, help="goodput: time to first token at most this")
+    g.add_argument("--slo-tpot-ms", type=float, default=None, help="goodput: time per output token at most this")
+    g.add_argument("--slo-e2el-ms", type=float, default=None, help="goodput: end-to-end latency at most this")
+
+
+def _report_flags(g: argparse._ArgumentGroup) -> None:
+    g.add_argument("--json", action="store_true", help="print the results as JSON on stdout (the table goes to stderr)")
+    g.add_argument("--out", type=Path, default=Path("results/bench.json"))
+    g.add_argument("-v", "--verbose", action="store_true")
 
 
 async def _measure(
