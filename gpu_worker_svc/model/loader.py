@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from gpu_worker_svc.model.checkpoint import CheckpointError, open_checkpoint
+from gpu_worker_svc.model.checkpoint import CheckpointError, GGUFCheckpoint, SafetensorsCheckpoint, open_checkpoint
 from gpu_worker_svc.model.config import ModelConfig
 from gpu_worker_svc.model.dummy import dummy_config, init_dummy_weights, is_dummy
 from gpu_worker_svc.model.llama import LlamaForCausalLM
@@ -63,6 +63,27 @@ def load_model(
     cfg = ckpt.config()
     with torch.device(device):
         model = LlamaForCausalLM(cfg, tp, dtype, rotary_positions(cfg, max_model_len))
+    _load_tensors(model, ckpt, cfg, path)
+    model.eval()
+    log.info(
+        "loaded %s (%s, %.1fM params) rank %d/%d as %s on %s in %.2fs",
+        cfg.name or path.name,
+        cfg.architecture,
+        cfg.num_params / 1e6,
+        tp.rank,
+        tp.world_size,
+        dtype,
+        device,
+        time.perf_counter() - t0,
+    )
+    return model
+
+
+def _load_tensors(
+    model: LlamaForCausalLM, ckpt: SafetensorsCheckpoint | GGUFCheckpoint, cfg: ModelConfig, path: Path
+) -> None:
+    """Every checkpoint tensor into its parameter's shard, each checked against the config's shape;
+    CheckpointError naming the tensor for one that has no place, the wrong shape, or is missing."""
     params = dict(model.named_parameters())
     expected = _expected_shards(params)
     loaded: set[tuple[str, object]] = set()
@@ -95,19 +116,6 @@ def load_model(
             f"{path}: checkpoint lacks {len(missing)} tensor(s): {', '.join(missing[:5])}"
             + (", ..." if len(missing) > 5 else "")
         )
-    model.eval()
-    log.info(
-        "loaded %s (%s, %.1fM params) rank %d/%d as %s on %s in %.2fs",
-        cfg.name or path.name,
-        cfg.architecture,
-        cfg.num_params / 1e6,
-        tp.rank,
-        tp.world_size,
-        dtype,
-        device,
-        time.perf_counter() - t0,
-    )
-    return model
 
 
 def fused_parameter(name: str) -> tuple[str, object]:
