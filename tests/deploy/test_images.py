@@ -317,3 +317,21 @@ def test_healthcheck_fails_when_nothing_listens():
     assert _healthcheck("grpc", f"127.0.0.1:{port}") == 1
     assert _healthcheck("http", f"http://127.0.0.1:{port}/health") == 1
     assert _healthcheck("tcp", "x") == 2
+
+
+def test_every_image_tag_is_the_packages_version():
+    """The version is written in shardline/__init__.py; the images, compose, Kubernetes and the docs
+    tag what it says, so a release that bumps it and forgets one fails here."""
+    import shardline
+
+    places = [".env.example", "Dockerfile", "docker-compose.yml", "deploy/compose/cpu-worker.yml", "docs/deploy.md"]
+    tags = {
+        (place, tag)
+        for place in places
+        for tag in re.findall(r"shardline/(?:service|gpu-worker):([\w.-]+)", (REPO / place).read_text())
+    }
+    tags |= {
+        ("kustomization.yaml", tag)
+        for tag in re.findall(r"newTag: (\S+)", (REPO / "deploy/k8s/kustomization.yaml").read_text())
+    }
+    assert tags and {tag for _, tag in tags} == {shardline.__version__}, sorted(tags)
