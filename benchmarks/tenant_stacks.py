@@ -46,7 +46,7 @@ def write_results(out: Path, result: dict, table: str) -> None:
 
 
 def write_tenants_file(path: Path, tenants: list[StackTenant]) -> None:
-    """SHARDLINE_TENANTS_FILE as gateway/tenants.py documents it: keys as sha256 hex digests."""
+    """SHARDLINE_TENANTS_FILE as gateway/tenancy/tenants.py documents it: keys as sha256 hex digests."""
     entries = {
         t.name: {"weight": t.weight, "priority": t.priority, "keys": [hashlib.sha256(t.key.encode()).hexdigest()]}
         for t in tenants

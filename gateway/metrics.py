@@ -26,7 +26,7 @@ from prometheus_client import (
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from gateway.tenants import DEFAULT_TENANT
+from gateway.tenancy.tenants import DEFAULT_TENANT
 from shardline.core.errors import ShardlineError
 from shardline.proto import scheduler_pb2, scheduler_pb2_grpc
 from tracing.metrics import (
@@ -49,7 +49,7 @@ REQUESTS = Counter(
     "Requests ended, by finish reason (stop, length, abort, timeout, error).",
     [MODEL_LABEL, "finish_reason"],
 )
-# A tenant's requests refused for its limits (gateway/tenant_limiter.py), by the limit: requests,
+# A tenant's requests refused for its limits (gateway/tenancy/tenant_limiter.py), by the limit: requests,
 # tokens (per minute) or concurrency; and those let through unchecked because Redis did not answer.
 THROTTLED = Counter(
     "shardline_gateway_throttled", "Requests refused for their tenant's limits, by reason.", ["tenant", "reason"]
@@ -60,9 +60,9 @@ RATE_LIMITS_UNCHECKED = Counter(
     ["tenant"],
 )
 
-# The same per tenant, the tenant a request counts against (gateway/tenants.py): names from the tenants
+# The same per tenant, the tenant a request counts against (gateway/tenancy/tenants.py): names from the tenants
 # file, or "default", so the label stays bounded. The TTFT histogram and the SLO outcomes (met,
-# missed, refused; gateway/request_metrics.py) give a tenant's attainment of its TTFT targets.
+# missed, refused; gateway/runner/request_metrics.py) give a tenant's attainment of its TTFT targets.
 TENANT_REQUESTS = Counter(
     "shardline_tenant_requests", "Requests ended, per tenant, by finish reason.", ["tenant", "finish_reason"]
 )

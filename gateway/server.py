@@ -10,18 +10,18 @@ from dataclasses import dataclass
 from aiohttp import web
 from opentelemetry import trace
 
-from gateway.auth import ApiKeys, GrpcAuthInterceptor
-from gateway.backends import Backends
-from gateway.batches_grpc import SERVICE_NAME as BATCHES_SERVICE_NAME
-from gateway.batches_grpc import BatchesServicer
-from gateway.generation_service import GenerationService
-from gateway.health_mirror import HealthMirror
-from gateway.openai_http import OpenAIHttpApi
-from gateway.request_runner import RequestRunner
+from gateway.grpc_api.batches_grpc import SERVICE_NAME as BATCHES_SERVICE_NAME
+from gateway.grpc_api.batches_grpc import BatchesServicer
+from gateway.grpc_api.generation_service import GenerationService
+from gateway.grpc_api.health_mirror import HealthMirror
+from gateway.http_api.openai_http import OpenAIHttpApi
+from gateway.output.stream_hub import StreamHub
+from gateway.runner.request_runner import RequestRunner
 from gateway.settings import GatewaySettings
-from gateway.stream_hub import StreamHub
-from gateway.tenant_limiter import TenantLimiter
-from gateway.tenants import TenantDirectory
+from gateway.tenancy.auth import ApiKeys, GrpcAuthInterceptor
+from gateway.tenancy.tenant_limiter import TenantLimiter
+from gateway.tenancy.tenants import TenantDirectory
+from gateway.upstream.backends import Backends
 from shardline.core.grpc_server import GrpcService, RunningServer, start_grpc_server
 from shardline.core.service_main import started
 from shardline.proto import batches_pb2_grpc, generation_pb2, generation_pb2_grpc

@@ -68,10 +68,10 @@ class GatewaySettings(BaseSettings):
     batch_window_s: float | None = Field(None, gt=0)
     # Export spans over OTLP (SHARDLINE_TRACING=0 turns it off); trace context is propagated either way.
     tracing: bool = True
-    # YAML file of tenants (gateway/tenants.py): each API key's tenant, weight and priority class, keys stored
+    # YAML file of tenants (gateway/tenancy/tenants.py): each API key's tenant, weight and priority class, keys stored
     # as sha256 digests, re-read when it changes. Empty: one default tenant, and SHARDLINE_API_KEYS alone.
     tenants_file: str = ""
-    # Or a Redis key on SHARDLINE_REDIS_URL holding the same YAML (gateway/tenants_redis.py), shared by every
+    # Or a Redis key on SHARDLINE_REDIS_URL holding the same YAML (gateway/tenancy/tenants_redis.py), shared by every
     # gateway and polled for changes; not both.
     tenants_redis_key: str = ""
     # Lease of a tenant's concurrency slot in Redis: the gateway running the request renews it, so the

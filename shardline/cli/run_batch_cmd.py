@@ -75,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
 
 def read_lines(path: Path) -> tuple[list[tuple[str, BatchLine]], list[LineError]]:
     """The input's (url, line) pairs, checked as a batch's input is (the online parser for each body)."""
-    from gateway.openai_request import parse_request
+    from gateway.http_api.openai_request import parse_request
 
     checks = {url: (lambda body, chat=url == "/v1/chat/completions": parse_request(body, chat)) for url in ENDPOINTS}
     lines: list[tuple[str, BatchLine]] = []

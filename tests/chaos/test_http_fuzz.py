@@ -24,7 +24,7 @@ import aiohttp
 import pytest
 from aiohttp.http_exceptions import HttpProcessingError
 
-from gateway.openai_fields import CHAT_FIELDS, COMPLETIONS_FIELDS
+from gateway.http_api.openai_fields import CHAT_FIELDS, COMPLETIONS_FIELDS
 from shardline.core.ports import free_port
 from tests.gateway.conftest import start_tokenizer
 from tests.gateway.harness import Stack, running_stack

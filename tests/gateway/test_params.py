@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from gateway.http_api.openai_request import parse_request
 from gateway.main import parse_settings
-from gateway.openai_request import parse_request
-from gateway.params import ModelLimits, resolve_max_tokens, sampling_from_openai, validate_sampling
+from gateway.runner.params import ModelLimits, resolve_max_tokens, sampling_from_openai, validate_sampling
 from shardline.core.errors import InvalidArgument
 from shardline.proto import sampling_pb2
 

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP API: routes, request bodies parsed into typed requests, responses and SSE, errors."""

@@ -1,0 +1,355 @@
+"""The OpenAI-compatible HTTP API (aiohttp): completions, chat completions, models, health, metrics, and
+vLLM's /tokenize and /detokenize."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import re
+import secrets
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
+
+from gateway.batches.batch_front import BatchFront
+from gateway.http_api.openai_choices import (
+    Choice,
+    choice_specs,
+    close_choices,
+    merged_chunks,
+    start_choices,
+    total_usage,
+)
+from gateway.http_api.openai_echo import echoed_prompts
+from gateway.http_api.openai_request import OpenAIRequest, parse_request
+from gateway.http_api.openai_response import ResponseFormatter, error_body
+from gateway.http_api.tokenize_http import TokenizeApi
+from gateway.metrics import metrics_handler
+from gateway.runner.params import OPENAI_COMPLETIONS_DEFAULT_MAX_TOKENS
+from gateway.runner.request_attach import ID_HEADER
+from gateway.runner.request_runner import ModelNotFound, RequestRunner
+from gateway.tenancy.auth import ApiKeys, http_auth_middleware
+from gateway.tenancy.tenant_limiter import RateLimited
+from gateway.tools.tool_params import keep_tool_call_tags, resolve_parser
+from gateway.upstream.backends import HEALTH_TIMEOUT_S
+from shardline.core.errors import InvalidArgument, ShardlineError
+from shardline.core.ids import require_named_id
+from shardline.proto import generation_pb2, sampling_pb2
+from tracing import attributes as attr
+from tracing.grpc_context import start_http_server_span
+
+logger = logging.getLogger(__name__)
+
+_DONE = b"data: [DONE]\n\n"
+
+
+# Seconds a client should wait before retrying a full queue (429) or a missing dependency (503).
+RETRY_AFTER_S = 1
+# Seconds a request body may take to arrive in full: a client trickling its bytes would otherwise
+# hold a connection and a handler for as long as it liked (aiohttp sets no limit of its own).
+BODY_TIMEOUT_S = 30.0
+
+
+class BodyTimeout(ShardlineError):
+    """The request body did not arrive within BODY_TIMEOUT_S: 408, and the connection is closed."""
+
+    http_status = 408
+
+
+class BodyUnreadable(InvalidArgument):
+    """The body does not decode under its Content-Encoding, or its chunked framing is broken: 400, and
+    the connection is closed, since where the next request would start in it is unknown."""
+
+
+def error_response(
+    status: int,
+    message: str,
+    param: str | None = None,
+    code: str | None = None,
+    headers: dict[str, str] | None = None,
+    kind: str | None = None,
+) -> web.Response:
+    headers = dict(headers or {})
+    if status in (429, 503):
+        headers.setdefault("Retry-After", str(RETRY_AFTER_S))  # a tenant's limit gives its own
+    return web.json_response(error_body(status, message, param, code, kind), status=status, headers=headers)
+
+
+@web.middleware
+async def openai_errors(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    """Every failure as an OpenAI-style JSON error with the matching status."""
+    try:
+        return await handler(request)
+    except ShardlineError as exc:
+        response = error_response(
+            exc.http_status,
+            str(exc),
+            getattr(exc, "field", None),
+            getattr(exc, "openai_code", None),
+            exc.headers if isinstance(exc, RateLimited) else None,
+            exc.openai_type if isinstance(exc, RateLimited) else None,
+        )
+        if isinstance(exc, (BodyTimeout, BodyUnreadable)):
+            # The rest of the body may still come, or cannot be read: this connection can serve no other.
+            response.force_close()
+        return response
+    except web.HTTPException as exc:  # unknown route, wrong method, body over client_max_size (413)
+        if exc.status < 400:
+            raise
+        allow = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None  # a 405's methods
+        return error_response(exc.status, exc.text or exc.reason, headers=allow)
+    except ConnectionResetError:
+        raise  # the client left mid-stream; nothing can be sent
+    except Exception:
+        logger.exception("unhandled error in %s %s", request.method, request.path)
+        return error_response(500, "internal server error")
+
+
+class OpenAIHttpApi:
+    """Routes and handlers of the OpenAI-compatible API."""
+
+    def __init__(self, runner: RequestRunner, keys: ApiKeys) -> None:
+        self._runner = runner
+        self._keys = keys
+        self.batches = BatchFront(runner.settings, keys, json_body)
+        self._tracer = runner.tracer
+        self._started = int(time.time())
+        self._tokenizer = TokenizeApi(runner)
+
+    def application(self) -> web.Application:
+        app = web.Application(
+            client_max_size=self._runner.settings.max_body_bytes,
+            middlewares=[openai_errors, http_auth_middleware(self._keys)],
+        )
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/v1/models/{model:.+}", self.model)
+        app.router.add_post("/tokenize", self.tokenize)
+        app.router.add_post("/detokenize", self.detokenize)
+        self.batches.add_routes(app)
+        app.on_cleanup.append(lambda _: self.batches.close())
+        app.router.add_get("/health", self.health)
+        service = self.batches.service
+        app.router.add_get(
+            "/metrics",
+            metrics_handler(self._runner.backends.scheduler, service.store.status_counts if service else None),
+        )
+        return app
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=False)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=True)
+
+    async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        arrival_s = time.perf_counter()
+        self._runner.admission.check()
+        parsed = parse_request(await json_body(request), chat)
+        if parsed.tools is not None:
+            template_format = (await self._runner.backends.tokenizer_info()).tool_call_format
+            resolve_parser(parsed.tools, self._runner.settings.tool_call_parser, template_format)
+            keep_tool_call_tags(parsed.tools, parsed.params)
+        # A request the client names is idempotent: sent again, it attaches to the first (request_attach.py).
+        named = request.headers.get(ID_HEADER)
+        kind = "chatcmpl" if chat else "cmpl"
+        request_id = require_named_id(named, ID_HEADER) if named is not None else f"{kind}-{secrets.token_hex(16)}"
+        default_max_tokens = self._runner.settings.default_max_tokens if chat else OPENAI_COMPLETIONS_DEFAULT_MAX_TOKENS
+        owner = self._keys.owner(request.headers.get("Authorization"))
+        specs = choice_specs(parsed, request_id, default_max_tokens, arrival_s, owner, idempotent=named is not None)
+        span_attributes = {"http.request.method": request.method, "url.path": request.path}
+        if parsed.tools is not None:
+            span_attributes[attr.TOOL_CHOICE] = parsed.tools.choice
+        with start_http_server_span(self._tracer, "gateway.request", request.headers, span_attributes) as span:
+            choices = await start_choices(self._runner, specs, parsed.n, span)
+            if len(choices) > 1:  # the id the client gets back finds the whole trace; its choices have rows
+                span.set_attributes(
+                    {attr.REQUEST_ID: request_id, attr.CHOICES: [choice.live.request_id for choice in choices]}
+                )
+            created = int(time.time())
+            try:
+                echoes = (
+                    await echoed_prompts(self._runner, [c.live for c in choices], parsed.echo_only)
+                    if parsed.echo
+                    else None
+                )
+                formatters = [
+                    ResponseFormatter(
+                        request_id,
+                        choice.live.model,
+                        chat,
+                        parsed.include_usage,
+                        choice.index,
+                        created,
+                        echoes[i] if echoes else None,
+                        parsed.prompt_logprobs,
+                        parsed.tools,
+                    )
+                    for i, choice in enumerate(choices)
+                ]
+                if parsed.stream:
+                    return await self._stream(request, request_id, choices, formatters, parsed)
+                completions = await asyncio.gather(*(choice.live.collect() for choice in choices))
+            finally:
+                # Also reached when the client disconnects (the handler is cancelled): cancels upstream.
+                close_choices(choices)
+        for completion in completions:
+            if (failure := completion.failure()) is not None:
+                raise failure
+        usage = total_usage(choices, [completion.usage for completion in completions], parsed.echo_only)
+        headers = {"X-Request-Id": request_id, **choices[-1].live.rate_limit_headers}
+        return web.json_response(ResponseFormatter.whole_of(formatters, completions, usage), headers=headers)
+
+    async def _stream(
+        self,
+        request: web.Request,
+        request_id: str,
+        choices: list[Choice],
+        formatters: list[ResponseFormatter],
+        parsed: OpenAIRequest,
+    ) -> web.StreamResponse:
+        response = web.StreamResponse(
+            headers={
+                "Content-Type": "text/event-stream",
+                "Cache-Control": "no-cache",
+                "X-Request-Id": request_id,
+                **choices[-1].live.rate_limit_headers,  # the latest admission's
+            }
+        )
+        await response.prepare(request)
+        usages: list[sampling_pb2.Usage | None] = [None] * len(choices)
+        with self._tracer.start_as_current_span("stream_out", attributes={attr.REQUEST_ID: request_id}):
+            async for index, chunk in merged_chunks(choices):
+                if (failure := chunk.failure()) is not None:
+                    # The same body a whole response's error has: the field at fault, OpenAI's code.
+                    events = [
+                        error_body(
+                            failure.http_status,
+                            str(failure),
+                            getattr(failure, "field", None),
+                            getattr(failure, "openai_code", None),
+                        )
+                    ]
+                else:
+                    events = formatters[index].choice_events(chunk)
+                if chunk.finish_reason:
+                    usages[index] = chunk.usage
+                if events:
+                    await response.write(b"".join(_sse(event) for event in events))
+            if parsed.include_usage:
+                usage = total_usage(choices, usages, parsed.echo_only)
+                await response.write(_sse(formatters[0].usage_event(usage)))
+            await response.write(_DONE)
+        await response.write_eof()
+        return response
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        return await self._tokenizer.tokenize(await json_body(request))
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        return await self._tokenizer.detokenize(await json_body(request))
+
+    async def models(self, request: web.Request) -> web.Response:
+        models = await self._runner.served_models()
+        return web.json_response({"object": "list", "data": [self._model_card(m) for m in models]})
+
+    async def model(self, request: web.Request) -> web.Response:
+        name = request.match_info["model"]
+        for m in await self._runner.served_models():
+            if m.name == name:
+                return web.json_response(self._model_card(m))
+        raise ModelNotFound(f"model {name!r} is not served here")
+
+    def _model_card(self, m: generation_pb2.ModelInfo) -> dict[str, Any]:
+        return {
+            "id": m.name,
+            "object": "model",
+            "created": self._started,
+            "owned_by": "shardline",
+            "max_model_len": m.max_context_length,
+        }
+
+    async def health(self, request: web.Request) -> web.Response:
+        """200 when a request could be served now: the tokenizer and scheduler answer, this gateway's
+        output subscription is open, and a live worker serves the model; else 503 (a readiness check)."""
+        dependencies = await self._runner.backends.health()
+        workers = 0
+        if all(dependencies.values()):
+            with contextlib.suppress(ShardlineError):
+                workers = sum(m.num_workers for m in await self._runner.served_models(HEALTH_TIMEOUT_S))
+        subscribed = self._runner.hub.connected
+        healthy = all(dependencies.values()) and subscribed and workers > 0
+        body = {
+            "status": "ok" if healthy else "unavailable",
+            **dependencies,
+            "subscribed": subscribed,
+            "workers": workers,
+        }
+        return web.json_response(body, status=200 if healthy else 503)
+
+
+# A JSON escape of a UTF-16 surrogate (valid in pairs, which json.loads joins into one character).
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+# A surrogate written out in UTF-8 (ED A0..BF), which is no valid UTF-8 and yet json.loads decodes
+# (it reads bytes with "surrogatepass"), as it decodes one in a UTF-16 or UTF-32 body.
+_ENCODED_SURROGATE = re.compile(rb"\xed[\xa0-\xbf]")
+
+
+async def json_body(request: web.Request) -> Any:
+    try:  # over client_max_size this raises HTTPRequestEntityTooLarge: a 413
+        raw = await asyncio.wait_for(request.read(), BODY_TIMEOUT_S)
+    except TimeoutError:
+        raise BodyTimeout(f"the request body did not arrive within {BODY_TIMEOUT_S:g} s") from None
+    except web.HTTPException:
+        raise  # a body over client_max_size: aiohttp's own 413
+    except (web.RequestPayloadError, HttpProcessingError) as exc:
+        # A Content-Encoding the body does not decode under (a gzip header on plain text), or a
+        # broken chunked transfer: the client's mistake, not a server fault. The body is over as far
+        # as this request goes: aiohttp would otherwise drain it after the answer, meet the same
+        # error, and log it as its own unhandled exception.
+        request.content.feed_eof()
+        raise BodyUnreadable("body", f"could not be read ({exc.__class__.__name__}: {exc})") from exc
+    try:
+        body = json.loads(raw)
+        if _may_hold_surrogates(raw):
+            _refuse_lone_surrogates(body, "")
+        return body
+    except ValueError as exc:
+        raise InvalidArgument("body", f"is not valid JSON ({exc})") from exc
+    except RecursionError as exc:  # nesting deeper than the parser's stack: refused, not a 500
+        raise InvalidArgument("body", "is nested too deeply") from exc
+
+
+def _may_hold_surrogates(raw: bytes) -> bool:
+    """Whether the parsed body may hold a lone surrogate: escaped, written out, or in a body that
+    is not UTF-8 at all (json.loads reads UTF-16 and UTF-32 too; such a body starts with a 0 byte
+    in its first four)."""
+    return bool(_SURROGATE_ESCAPE.search(raw) or _ENCODED_SURROGATE.search(raw) or b"\x00" in raw[:4])
+
+
+def _refuse_lone_surrogates(value: Any, path: str) -> None:
+    """JSON can spell a lone surrogate ("\\ud800"), which is no Unicode text: refuse it, naming the field."""
+    if isinstance(value, str):
+        try:
+            value.encode()
+        except UnicodeEncodeError:
+            raise InvalidArgument(path or "body", "contains a lone UTF-16 surrogate, which is not text") from None
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _refuse_lone_surrogates(key, path or "body")
+            _refuse_lone_surrogates(item, f"{path}.{key}" if path else key)
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            _refuse_lone_surrogates(item, f"{path}[{i}]")
+
+
+def _sse(event: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(event, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
