@@ -49,16 +49,6 @@ REQUESTS = Counter(
     "Requests ended, by finish reason (stop, length, abort, timeout, error).",
     [MODEL_LABEL, "finish_reason"],
 )
-# A tenant's requests refused for its limits (gateway/tenancy/tenant_limiter.py), by the limit: requests,
-# tokens (per minute) or concurrency; and those let through unchecked because Redis did not answer.
-THROTTLED = Counter(
-    "shardline_gateway_throttled", "Requests refused for their tenant's limits, by reason.", ["tenant", "reason"]
-)
-RATE_LIMITS_UNCHECKED = Counter(
-    "shardline_gateway_rate_limits_unchecked",
-    "Requests of limited tenants let through unchecked: Redis could not be reached (the limits fail open).",
-    ["tenant"],
-)
 
 # The same per tenant, the tenant a request counts against (gateway/tenancy/tenants.py): names from the tenants
 # file, or "default", so the label stays bounded. The TTFT histogram and the SLO outcomes (met,

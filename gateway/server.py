@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from aiohttp import web
 from opentelemetry import trace
 
+from gateway.batches.batch_front import BatchFront
 from gateway.grpc_api.batches_grpc import SERVICE_NAME as BATCHES_SERVICE_NAME
 from gateway.grpc_api.batches_grpc import BatchesServicer
 from gateway.grpc_api.generation_service import GenerationService
@@ -84,13 +85,13 @@ async def start_gateway(settings: GatewaySettings, tracer: trace.Tracer | None =
         if runner.limiter is not None:
             undo.push_async_callback(runner.limiter.close)
         keys = ApiKeys(settings.api_keys, runner.tenants)  # the tenants file's keys are accepted too
-        http_api = OpenAIHttpApi(runner, keys)  # holds the Batch API's service, which gRPC Batches serves too
+        batch_api = BatchFront(settings, keys)  # its service is gRPC Batches' too
         services = [
             GrpcService(
                 GenerationService(runner, keys), generation_pb2_grpc.add_GenerationServicer_to_server, SERVICE_NAME
             ),
             GrpcService(
-                BatchesServicer(http_api.batches.service, keys),
+                BatchesServicer(batch_api.service, keys),
                 batches_pb2_grpc.add_BatchesServicer_to_server,
                 BATCHES_SERVICE_NAME,
             ),
@@ -109,8 +110,10 @@ async def start_gateway(settings: GatewaySettings, tracer: trace.Tracer | None =
         health = HealthMirror(backends, hub, grpc_server, ["", SERVICE_NAME])
         health.start()
         undo.push_async_callback(health.stop)
+        app = OpenAIHttpApi(runner, keys, batch_api.status_counts).application()
+        batch_api.add_routes(app)
         # handler_cancellation: a client that disconnects cancels its handler, which cancels the request upstream.
-        http = web.AppRunner(http_api.application(), handler_cancellation=True, access_log=None)
+        http = web.AppRunner(app, handler_cancellation=True, access_log=None)
         await http.setup()
         undo.push_async_callback(http.cleanup)
         await web.TCPSite(http, settings.host, settings.http_port, backlog=HTTP_BACKLOG).start()

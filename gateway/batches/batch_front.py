@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
 
 from aiohttp import web
 
@@ -30,9 +29,7 @@ _PATHS = ("/v1/files", "/v1/files/{tail:.*}", "/v1/batches", "/v1/batches/{tail:
 class BatchFront:
     """The Batch API's service and routes, and what they hold open."""
 
-    def __init__(
-        self, settings: GatewaySettings, keys: ApiKeys, read_json: Callable[[web.Request], Awaitable[Any]]
-    ) -> None:
+    def __init__(self, settings: GatewaySettings, keys: ApiKeys) -> None:
         self.service: BatchService | None = None  # None: the Batch API is off (no Redis)
         self._files: FilesApi | None = None
         self._batches: BatchesApi | None = None
@@ -46,9 +43,15 @@ class BatchFront:
             settings.batch_window_s,
         )
         self._files = FilesApi(self.service, keys)
-        self._batches = BatchesApi(self.service, self._files, read_json)
+        self._batches = BatchesApi(self.service, self._files)
+
+    @property
+    def status_counts(self) -> Callable[[], Awaitable[dict[str, int]]] | None:
+        """The batches by status, for /metrics; None while the Batch API is off."""
+        return self.service.store.status_counts if self.service is not None else None
 
     def add_routes(self, app: web.Application) -> None:
+        app.on_cleanup.append(lambda _: self.close())
         if self._files is None or self._batches is None:
             for path in _PATHS:
                 app.router.add_route("*", path, _off)

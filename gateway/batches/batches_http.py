@@ -6,23 +6,18 @@ BatchService's, shared with the gRPC Batches service.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
-from typing import Any
-
 from aiohttp import web
 
 from gateway.batches.batch_service import LIST_LIMIT, BatchService
 from gateway.batches.files_http import FilesApi
+from gateway.http_api.openai_http import json_body
 from shardline.core.errors import InvalidArgument
 
 
 class BatchesApi:
     """Routes of /v1/batches."""
 
-    def __init__(
-        self, service: BatchService, files_api: FilesApi, read_json: Callable[[web.Request], Awaitable[Any]]
-    ) -> None:
-        self._read_json = read_json  # the online endpoints' body reader: same limits, same errors
+    def __init__(self, service: BatchService, files_api: FilesApi) -> None:
         self._service = service
         self._files_api = files_api
 
@@ -33,7 +28,7 @@ class BatchesApi:
         app.router.add_post("/v1/batches/{batch_id}/cancel", self.cancel)
 
     async def create(self, request: web.Request) -> web.Response:
-        body = await self._read_json(request)
+        body = await json_body(request)  # the online endpoints' body reader: same limits, same errors
         record = await self._service.create_batch(self._files_api.owner(request), body)
         return web.json_response(record.to_openai())
 

@@ -9,10 +9,11 @@ import grpc
 from google.protobuf import duration_pb2
 from opentelemetry import trace
 
-from gateway.output.request_stream import StreamChunk, drain
+from gateway.output.request_stream import StreamChunk, drain, record_stream
 from gateway.runner.chat_request import chat_request
-from gateway.runner.request_attach import stream_for_record
-from gateway.runner.request_runner import GenerationSpec, Prompt, RequestRunner, SubmittedRequest
+from gateway.runner.generation_spec import GenerationSpec, Prompt
+from gateway.runner.request_runner import RequestRunner
+from gateway.runner.submitted_request import SubmittedRequest
 from gateway.tenancy.auth import ApiKeys
 from gateway.tenancy.slo_params import Slo, checked_target
 from gateway.tenancy.tenant_limiter import RateLimited
@@ -146,7 +147,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             raise Unavailable("the scheduler is unreachable: no output subscription")
         eos = (await self._runner.backends.tokenizer_info()).eos_token_ids
         # Deltas wait in `buffered` until the record is in, so none is lost or doubled around Attach.
-        hub.register(stream_for_record(info, list(eos)))
+        hub.register(record_stream(info, eos))
         try:
             if running:
                 attach = scheduler_pb2.AttachRequest(request_id=info.request_id, gateway_id=self._gateway_id)

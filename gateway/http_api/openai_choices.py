@@ -17,7 +17,9 @@ from opentelemetry import trace
 
 from gateway.http_api.openai_request import OpenAIRequest
 from gateway.output.request_stream import StreamChunk, usage_of
-from gateway.runner.request_runner import GenerationSpec, RequestRunner, SubmittedRequest
+from gateway.runner.generation_spec import GenerationSpec
+from gateway.runner.request_runner import RequestRunner
+from gateway.runner.submitted_request import SubmittedRequest
 from shardline.proto import sampling_pb2
 from tracing import attributes as attr
 

@@ -12,7 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.runner.request_runner import RequestRunner, SubmittedRequest
+from gateway.runner.request_runner import RequestRunner
+from gateway.runner.submitted_request import SubmittedRequest
 from gateway.upstream.backends import RPC_TIMEOUT_S, upstream
 from shardline.proto import sampling_pb2, tokenizer_pb2
 

@@ -16,7 +16,6 @@ from typing import Any
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
-from gateway.batches.batch_front import BatchFront
 from gateway.http_api.openai_choices import (
     Choice,
     choice_specs,
@@ -115,10 +114,15 @@ async def openai_errors(
 class OpenAIHttpApi:
     """Routes and handlers of the OpenAI-compatible API."""
 
-    def __init__(self, runner: RequestRunner, keys: ApiKeys) -> None:
+    def __init__(
+        self,
+        runner: RequestRunner,
+        keys: ApiKeys,
+        batch_counts: Callable[[], Awaitable[dict[str, int]]] | None = None,
+    ) -> None:
         self._runner = runner
         self._keys = keys
-        self.batches = BatchFront(runner.settings, keys, json_body)
+        self._batch_counts = batch_counts  # the Batch API's batches by status, for /metrics; None: it is off
         self._tracer = runner.tracer
         self._started = int(time.time())
         self._tokenizer = TokenizeApi(runner)
@@ -134,14 +138,8 @@ class OpenAIHttpApi:
         app.router.add_get("/v1/models/{model:.+}", self.model)
         app.router.add_post("/tokenize", self.tokenize)
         app.router.add_post("/detokenize", self.detokenize)
-        self.batches.add_routes(app)
-        app.on_cleanup.append(lambda _: self.batches.close())
         app.router.add_get("/health", self.health)
-        service = self.batches.service
-        app.router.add_get(
-            "/metrics",
-            metrics_handler(self._runner.backends.scheduler, service.store.status_counts if service else None),
-        )
+        app.router.add_get("/metrics", metrics_handler(self._runner.backends.scheduler, self._batch_counts))
         return app
 
     async def completions(self, request: web.Request) -> web.StreamResponse:

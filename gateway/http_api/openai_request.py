@@ -9,9 +9,9 @@ from typing import Any
 from gateway.http_api.openai_fields import refuse_unknown_fields
 from gateway.http_api.structured_fields import structured_output_from_openai
 from gateway.runner.chat_request import chat_request
+from gateway.runner.generation_spec import Prompt
 from gateway.runner.params import MAX_CHOICES, json_field, sampling_from_openai
-from gateway.runner.request_runner import Prompt
-from gateway.tenancy.slo_params import Slo, slo_from_openai
+from gateway.tenancy.slo_params import Slo, checked_target
 from gateway.tools.tool_params import ToolRequest, constrain, tool_calls_from_message, tools_from_openai
 from shardline.core.errors import InvalidArgument
 from shardline.proto import sampling_pb2
@@ -97,6 +97,13 @@ def parse_request(body: Any, chat: bool) -> OpenAIRequest:
         tools,
         slo_from_openai(body),
     )
+
+
+def slo_from_openai(body: dict[str, Any]) -> Slo:
+    """The SLO fields of an OpenAI body; InvalidArgument names a bad one."""
+    target_ms = json_field(body, "ttft_target_ms", float)
+    target_s = None if target_ms is None else checked_target(target_ms / 1000.0, "ttft_target_ms")
+    return Slo(target_s, json_field(body, "refuse_late", bool))
 
 
 def _prompts(body: dict[str, Any]) -> list[Prompt]:

@@ -6,8 +6,8 @@ import time
 from typing import Any
 
 from gateway.http_api.openai_echo import EchoedPrompt, vllm_prompt_logprobs
+from gateway.output.collected_output import CollectedOutput
 from gateway.output.request_stream import StreamChunk
-from gateway.runner.request_runner import CollectedOutput
 from gateway.tools.tool_calls import ToolCallOutput
 from gateway.tools.tool_params import ToolRequest
 from shardline.proto import sampling_pb2

@@ -12,8 +12,9 @@ from typing import Any
 from aiohttp import web
 
 from gateway.http_api.openai_request import chat_messages
+from gateway.runner.generation_spec import prompt_texts
 from gateway.runner.params import ContextLengthExceeded, json_field
-from gateway.runner.request_runner import ModelNotFound, RequestRunner, prompt_texts
+from gateway.runner.request_runner import ModelNotFound, RequestRunner
 from gateway.tools.tool_params import tools_from_openai
 from gateway.upstream.backends import RPC_TIMEOUT_S, upstream
 from shardline.core.errors import InvalidArgument

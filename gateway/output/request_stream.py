@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
 
 from gateway.output.stop_matcher import StopMatcher
@@ -108,6 +108,32 @@ class RequestStream:
     def usage(self) -> sampling_pb2.Usage:
         """Its usage so far, for a request the gateway ends itself (a stop string, a lost consumer)."""
         return usage_of(self.prompt_tokens, self.next_offset, self.cached_tokens)
+
+
+def stream_for(
+    request_id: str,
+    prompt_tokens: int,
+    params: sampling_pb2.SamplingParameters,
+    eos_token_ids: Iterable[int],
+    buffered: list[common_pb2.RequestDelta] | None = None,
+) -> RequestStream:
+    """The stream of a request with resolved `params`; `buffered` holds its deltas back meanwhile."""
+    return RequestStream(
+        request_id,
+        prompt_tokens,
+        params.skip_special_tokens,
+        StopMatcher(list(params.stop)),
+        buffered=buffered,
+        min_tokens=params.min_tokens,
+        wants_prompt_logprobs=params.HasField("prompt_logprobs"),
+        stop_token_ids=frozenset(eos_token_ids) | frozenset(params.stop_token_ids),
+    )
+
+
+def record_stream(info: common_pb2.RequestInfo, eos_token_ids: Iterable[int]) -> RequestStream:
+    """The stream of a request submitted before (by this gateway or another), holding its deltas back
+    until its record is applied."""
+    return stream_for(info.request_id, info.usage.prompt_tokens, info.params, eos_token_ids, buffered=[])
 
 
 async def drain(stream: RequestStream) -> AsyncIterator[StreamChunk]:

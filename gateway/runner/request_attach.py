@@ -9,58 +9,38 @@ answer is the one the first send would have had. A batch worker that crashed mid
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from gateway.output.request_stream import RequestStream
-from gateway.output.stop_matcher import StopMatcher
-from gateway.upstream.backends import RPC_TIMEOUT_S, upstream
+from gateway.output.request_stream import RequestStream, record_stream
+from gateway.output.stream_hub import StreamHub
+from gateway.runner.generation_spec import PreparedRequest
+from gateway.upstream.backends import RPC_TIMEOUT_S, Backends, upstream
 from shardline.core.errors import RequestIdTaken
 from shardline.proto import common_pb2, sampling_pb2, scheduler_pb2
-
-if TYPE_CHECKING:
-    from gateway.runner.request_runner import PreparedRequest, RequestRunner, SubmittedRequest
 
 ID_HEADER = "X-Request-Id"
 
 
-def stream_for_record(info: common_pb2.RequestInfo, eos_token_ids: list[int]) -> RequestStream:
-    """A stream for a request submitted before (by this gateway or another), holding its deltas back
-    until its record is applied."""
-    params = info.params
-    return RequestStream(
-        info.request_id,
-        info.usage.prompt_tokens,
-        params.skip_special_tokens,
-        StopMatcher(list(params.stop)),
-        buffered=[],
-        min_tokens=params.min_tokens,
-        wants_prompt_logprobs=params.HasField("prompt_logprobs"),
-        stop_token_ids=frozenset(eos_token_ids) | frozenset(params.stop_token_ids),
-    )
-
-
-async def attach_existing(runner: RequestRunner, prepared: PreparedRequest, deadline_s: float) -> SubmittedRequest:
-    """The already submitted request `prepared` names, followed from its start; RequestIdTaken when
-    the id names another request."""
-    from gateway.runner.request_runner import SubmittedRequest  # the runner imports this module
-
-    spec, scheduler, hub = prepared.spec, runner.backends.scheduler, runner.hub
+async def attach_existing(
+    backends: Backends, hub: StreamHub, gateway_id: str, prepared: PreparedRequest
+) -> tuple[str, RequestStream]:
+    """The model and the stream of the already submitted request `prepared` names, followed from its
+    start; RequestIdTaken when the id names another request."""
+    spec, scheduler = prepared.spec, backends.scheduler
     with upstream("scheduler"):
         read = common_pb2.GetRequestRequest(request_id=spec.request_id)
         info = await scheduler.GetRequest(read, timeout=RPC_TIMEOUT_S)
     if info.owner != spec.owner or not _same_request(info, prepared):
         raise RequestIdTaken(ID_HEADER, f"{spec.request_id!r} names another request; pick an id of its own")
-    hub.register(stream_for_record(info, list(prepared.info.eos_token_ids)))
+    hub.register(record_stream(info, prepared.info.eos_token_ids))
     try:
         if info.status < sampling_pb2.REQUEST_STATUS_FINISHED:
-            attach = scheduler_pb2.AttachRequest(request_id=spec.request_id, gateway_id=runner.settings.gateway_id)
+            attach = scheduler_pb2.AttachRequest(request_id=spec.request_id, gateway_id=gateway_id)
             with upstream("scheduler"):
                 info = await scheduler.Attach(attach, timeout=RPC_TIMEOUT_S)
         stream = await hub.apply_record(spec.request_id, info, 0)
     except BaseException:
         hub.release(spec.request_id, cancel=False)  # the request is the first send's: leave it running
         raise
-    return SubmittedRequest(runner, spec, info.model, stream, prepared.span, deadline_s, prepared)
+    return info.model, stream
 
 
 def _same_request(info: common_pb2.RequestInfo, prepared: PreparedRequest) -> bool:

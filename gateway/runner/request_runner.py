@@ -1,38 +1,30 @@
-"""One request's way through the gateway, shared by the gRPC and HTTP front ends.
+"""One request's way in, shared by the gRPC and HTTP front ends.
 
 Resolve the model and parameters, tokenize (chat template included), register with the stream hub,
-Submit; then hand the consumer its chunks, and at the end cancel upstream if the consumer left early
-and record the request's metrics and detokenize span.
+Submit (a resend of a named request attaches to the first: request_attach.py); the consumer then
+follows it as a SubmittedRequest (submitted_request.py).
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
-import time
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 
-from google.protobuf.timestamp_pb2 import Timestamp
 from opentelemetry import trace
 
-from gateway.output.collected_output import CollectedOutput
-from gateway.output.request_stream import RequestStream, StreamChunk
-from gateway.output.stop_matcher import StopMatcher
+from gateway.output.request_stream import RequestStream, stream_for
 from gateway.output.stream_hub import StreamHub
 from gateway.runner.admission import Admission
+from gateway.runner.generation_spec import GenerationSpec, PreparedRequest, Prompt, prompt_texts, timestamp_in
 from gateway.runner.params import ContextLengthExceeded, ModelLimits, resolve_max_tokens, validate_sampling
 from gateway.runner.prompt_bound import PromptBound
 from gateway.runner.request_attach import attach_existing
-from gateway.runner.request_metrics import RequestEnd, record_end
+from gateway.runner.submitted_request import SubmittedRequest
 from gateway.settings import GatewaySettings
-from gateway.tenancy.slo_params import Slo
 from gateway.tenancy.tenant_limiter import Hold, RateLimited, limiter_for
 from gateway.tenancy.tenants import Tenant, TenantDirectory, tenant_of
 from gateway.tenancy.tenants_redis import RedisTenantDirectory
 from gateway.upstream.backends import RPC_TIMEOUT_S, Backends, upstream
 from shardline.core.errors import (
-    DeadlineExceeded,
     InvalidArgument,
     NotFound,
     RequestIdTaken,
@@ -42,152 +34,15 @@ from shardline.core.errors import (
 from shardline.proto import generation_pb2, sampling_pb2, scheduler_pb2, tokenizer_pb2
 from tracing import attributes as attr
 
-logger = logging.getLogger(__name__)
-
 # How long a request waits for the scheduler subscription to (re)open before answering 503: one
 # reconnect at the hub's longest backoff.
 SUBSCRIPTION_WAIT_S = 2.0
-# The scheduler aborts a request at its deadline; the gateway gives it this long to say so.
-DEADLINE_GRACE_S = 5.0
-# An abort that arrives this close to the deadline (or later) is the scheduler's deadline cancel;
-# the scheduler's clock is another machine's, so allow some skew.
-DEADLINE_SKEW_S = 1.0
 
 
 class ModelNotFound(NotFound):
     """The request names a model this gateway does not serve."""
 
     field = "model"
-
-
-@dataclass(slots=True)
-class Prompt:
-    """What to continue: exactly one of text, chat and token_ids is set."""
-
-    text: str | None = None  # raw prompt text, tokenized with the tokenizer's special tokens
-    # A conversation and how to render it (tools, template variables), for the chat template.
-    chat: tokenizer_pb2.ApplyChatTemplateRequest | None = None
-    token_ids: list[int] | None = None  # an already tokenized prompt
-    field: str = "prompt"  # the request field it came from, named in errors
-
-
-@dataclass(slots=True)
-class GenerationSpec:
-    """A parsed request, ready to validate, tokenize and submit."""
-
-    request_id: str  # cmpl-..., chatcmpl-... or the client's own
-    model: str  # requested model; empty picks the served one
-    prompt: Prompt
-    params: sampling_pb2.SamplingParameters  # as the client sent them, not yet validated
-    default_max_tokens: int | None  # max_tokens when the client gave none; None: the rest of the context
-    priority: int = 0  # lower is served first
-    timeout_s: float | None = None  # the client's own budget, within the gateway's
-    field_prefix: str = ""  # put before parameter names in errors ("params." over gRPC)
-    max_tokens_field: str = "max_tokens"  # the name the client gave max_tokens, for errors
-    # Where the client gave its constraint, for errors, prefix included ("tools" when its tool_choice set it).
-    structured_output_field: str = "structured_output"
-    arrival_s: float = field(default_factory=time.perf_counter)  # for TTFT and duration
-    arrival_time: Timestamp = field(default_factory=lambda: _now_timestamp(0.0))  # sent to the scheduler
-    owner: str = ""  # digest of the caller's API key: only that key may read, resume or cancel it
-    # Named by the client over HTTP: a resend attaches to it (request_attach.py), and its client
-    # leaving does not cancel it, so that the resend finds it running or finished.
-    idempotent: bool = False
-    slo: Slo = Slo()  # its TTFT target and refuse_late, as the client gave them (its tenant's fill in)
-
-
-@dataclass(slots=True)
-class PreparedRequest:
-    """A request validated and tokenized, not yet submitted."""
-
-    spec: GenerationSpec
-    span: trace.Span  # the request's span: its attributes, and the Submit rpc's trace context
-    info: tokenizer_pb2.TokenizerInfo  # the served model's tokenizer facts
-    params: sampling_pb2.SamplingParameters  # resolved, max_tokens included
-    prompt_ids: list[int]
-    tenant: Tenant  # the tenant it counts against
-    slo: Slo  # its effective SLO: its own, else its tenant's
-
-
-class SubmittedRequest:
-    """A submitted request: its chunks, and the bookkeeping when its consumer is done."""
-
-    def __init__(
-        self,
-        runner: RequestRunner,
-        spec: GenerationSpec,
-        model: str,
-        stream: RequestStream,
-        span: trace.Span,
-        deadline_s: float,
-        prepared: PreparedRequest,
-        hold: Hold | None = None,
-    ) -> None:
-        self.request_id = spec.request_id
-        self.model = model
-        self.prompt_tokens = stream.prompt_tokens
-        self.prompt = spec.prompt  # as the client sent it
-        self.prompt_ids = prepared.prompt_ids  # as the model reads it
-        self._tenant, self._ttft_target_s = prepared.tenant.name, prepared.slo.ttft_target_s
-        self._runner = runner
-        self._spec = spec
-        self._stream = stream
-        self._span = span
-        self._deadline_s = deadline_s
-        self._last: StreamChunk | None = None
-        self._hold = hold  # its charge to its tenant's limits, ended when the request ends
-        self.rate_limit_headers = hold.headers if hold is not None else {}  # OpenAI's x-ratelimit-*
-
-    async def chunks(self) -> AsyncIterator[StreamChunk]:
-        """The output as it is produced; the last chunk has finish_reason and usage."""
-        while self._last is None or self._last.finish_reason is None:
-            try:
-                async with asyncio.timeout(max(0.0, self._deadline_s - time.perf_counter()) + DEADLINE_GRACE_S):
-                    chunk = await self._stream.queue.get()
-                if chunk.finish_reason == "abort" and time.perf_counter() > self._deadline_s - DEADLINE_SKEW_S:
-                    chunk.error = self._timed_out()  # the scheduler ends a request at its deadline by cancelling it
-            except TimeoutError:
-                logger.warning("%s: no end from the scheduler past the deadline; aborting", self.request_id)
-                self._runner.hub.release(self.request_id)
-                completed = self._stream.next_offset
-                chunk = StreamChunk(
-                    "", [], completed, finish_reason="abort", error=self._timed_out(), usage=self._stream.usage()
-                )
-            self._last = chunk
-            if chunk.finish_reason is not None and self._hold is not None and self._runner.limiter is not None:
-                await self._runner.limiter.settle(self._hold, chunk)  # before the client has it: its slot is free
-            yield chunk
-
-    def _timed_out(self) -> str:
-        return f"request timed out after {self._deadline_s - self._spec.arrival_s:g} s"
-
-    async def collect(self) -> CollectedOutput:
-        """The whole output, once the request finishes."""
-        completion = CollectedOutput()
-        async for chunk in self.chunks():
-            completion.add(chunk)
-        return completion
-
-    def close(self, grace_s: float = 0.0) -> None:
-        """The consumer is done or gone: cancel upstream if unfinished (after `grace_s`, unless the
-        request is resumed meanwhile), record metrics and spans."""
-        self._runner.hub.release(self.request_id, cancel=not self._spec.idempotent, grace_s=grace_s)
-        finished = self._last is not None and self._last.finish_reason is not None
-        if not finished and self._hold is not None and self._runner.limiter is not None:
-            self._runner.limiter.detach(self._hold)  # it still holds its slot until it ends
-        end = RequestEnd(
-            request_id=self.request_id,
-            model=self.model,
-            tenant=self._tenant,
-            ttft_target_s=self._ttft_target_s,
-            arrival_s=self._spec.arrival_s,
-            timing=self._stream.timing,
-            end_s=time.perf_counter(),
-            usage=self._last.usage if finished else self._stream.usage(),
-            finish_reason=self._last.finish_reason if finished else "abort",
-            timed_out=isinstance(self._last.failure() if finished else None, DeadlineExceeded),
-            error=self._last.error if finished else "",
-        )
-        record_end(end, self._span, self._runner.tracer)
 
 
 class RequestRunner:
@@ -260,16 +115,7 @@ class RequestRunner:
         if not await self.hub.wait_connected(SUBSCRIPTION_WAIT_S):
             raise Unavailable("the scheduler is unreachable: no output subscription")
         timeout_s = min(spec.timeout_s or self.settings.request_timeout_s, self.settings.request_timeout_s)
-        stop = StopMatcher(list(params.stop))
-        stream = RequestStream(
-            spec.request_id,
-            len(prompt_ids),
-            params.skip_special_tokens,
-            stop,
-            min_tokens=params.min_tokens,
-            wants_prompt_logprobs=params.HasField("prompt_logprobs"),
-            stop_token_ids=frozenset(info.eos_token_ids) | frozenset(params.stop_token_ids),
-        )
+        stream = stream_for(spec.request_id, len(prompt_ids), params, info.eos_token_ids)
         self.hub.register(stream)
         tenant, slo, hold = prepared.tenant, prepared.slo, None
         prepared.span.set_attribute(attr.TENANT, tenant.name)
@@ -282,7 +128,7 @@ class RequestRunner:
             eos_token_ids=info.eos_token_ids,
             priority=tenant.priority_for(spec.priority),
             arrival_time=spec.arrival_time,
-            deadline=_now_timestamp(timeout_s),
+            deadline=timestamp_in(timeout_s),
             owner=spec.owner,
             tenant=tenant.name,
             tenant_weight=tenant.weight,
@@ -301,7 +147,8 @@ class RequestRunner:
                 self.limiter.release_unsubmitted(hold, free_slot=False)
             if not spec.idempotent:
                 raise
-            return await attach_existing(self, prepared, spec.arrival_s + timeout_s)
+            model, stream = await attach_existing(self.backends, self.hub, self.settings.gateway_id, prepared)
+            return self._follow(prepared, model, stream, spec.arrival_s + timeout_s)
         except BaseException as exc:
             if isinstance(exc, ResourceExhausted) and not isinstance(exc, RateLimited):
                 self.admission.queue_full()
@@ -310,8 +157,12 @@ class RequestRunner:
             if self.limiter is not None:
                 self.limiter.release_unsubmitted(hold)
             raise
-        deadline_s = spec.arrival_s + timeout_s
-        return SubmittedRequest(self, spec, info.model, stream, prepared.span, deadline_s, prepared, hold)
+        return self._follow(prepared, info.model, stream, spec.arrival_s + timeout_s, hold)
+
+    def _follow(
+        self, prepared: PreparedRequest, model: str, stream: RequestStream, deadline_s: float, hold: Hold | None = None
+    ) -> SubmittedRequest:
+        return SubmittedRequest(prepared, model, stream, deadline_s, self.hub, self.limiter, self.tracer, hold)
 
     async def _admit(self, tenant: Tenant, prepared: PreparedRequest) -> Hold | None:
         """Charge the request to its tenant's limits, if it has any: others cost no Redis round trip."""
@@ -376,19 +227,3 @@ class RequestRunner:
         except InvalidArgument as exc:  # the tokenizer's own refusal by size names its texts[0]
             raise ContextLengthExceeded(prompt.field, str(exc).partition(": ")[2]) from exc
         return list(tokens.token_ids[0].ids)
-
-
-def prompt_texts(prompt: Prompt) -> list[str]:
-    """The texts a prompt surely puts in the model's input, for its refusal by size: a chat's turns but
-    the assistant's, which some templates shorten (Qwen 3 drops the reasoning of past turns)."""
-    if prompt.text is not None:
-        return [prompt.text]
-    if prompt.chat is not None:
-        return [turn.content for turn in prompt.chat.messages if turn.role != "assistant"]
-    return []
-
-
-def _now_timestamp(after_s: float) -> Timestamp:
-    stamp = Timestamp()
-    stamp.FromNanoseconds(time.time_ns() + int(after_s * 1e9))
-    return stamp

@@ -9,9 +9,7 @@ deadline passes while they wait (HTTP 503, UNAVAILABLE).
 
 import math
 from dataclasses import dataclass
-from typing import Any
 
-from gateway.runner.params import json_field
 from shardline.core.errors import InvalidArgument
 
 # Longer targets are no targets: they would order nothing against the gateway's own timeouts.
@@ -34,13 +32,7 @@ class Slo:
 
 
 def checked_target(seconds: float, field: str) -> float:
+    """A TTFT target in seconds, checked; InvalidArgument names `field`."""
     if not (math.isfinite(seconds) and 0 < seconds <= MAX_TTFT_TARGET_S):
         raise InvalidArgument(field, f"must be a time in (0, {MAX_TTFT_TARGET_S * 1000:.0f}] ms")
     return seconds
-
-
-def slo_from_openai(body: dict[str, Any]) -> Slo:
-    """The SLO fields of an OpenAI body; InvalidArgument names a bad one."""
-    target_ms = json_field(body, "ttft_target_ms", float)
-    target_s = None if target_ms is None else checked_target(target_ms / 1000.0, "ttft_target_ms")
-    return Slo(target_s, json_field(body, "refuse_late", bool))

@@ -23,9 +23,9 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import grpc
+from prometheus_client import Counter
 from redis.exceptions import RedisError
 
-from gateway.metrics import RATE_LIMITS_UNCHECKED, THROTTLED
 from gateway.output.request_stream import TOKENIZER_DOWN, StreamChunk
 from gateway.settings import GatewaySettings
 from gateway.tenancy.rate_limits import Ask, Bucket, RateLimitStore, Verdict
@@ -46,6 +46,17 @@ TICK_S = 1.0
 _RUNS_ON = (TOKENIZER_DOWN, STREAM_INTERRUPTED)
 
 Lookup = Callable[[str], Awaitable[common_pb2.RequestInfo | None]]
+
+# A tenant's requests refused for its limits, by the limit: requests, tokens (per minute) or
+# concurrency; and those let through unchecked because Redis did not answer.
+THROTTLED = Counter(
+    "shardline_gateway_throttled", "Requests refused for their tenant's limits, by reason.", ["tenant", "reason"]
+)
+RATE_LIMITS_UNCHECKED = Counter(
+    "shardline_gateway_rate_limits_unchecked",
+    "Requests of limited tenants let through unchecked: Redis could not be reached (the limits fail open).",
+    ["tenant"],
+)
 
 
 @dataclass(slots=True, eq=False)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from gateway.http_api.openai_echo import EchoedPrompt
 from gateway.http_api.openai_response import ResponseFormatter
+from gateway.output.collected_output import CollectedOutput
 from gateway.output.request_stream import StreamChunk
-from gateway.runner.request_runner import CollectedOutput
 from shardline.proto import sampling_pb2
 
 TEXTS = {10: "Hel", 11: "lo", 12: " world", 20: "X"}
