@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import tempfile
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from typing import IO, Any, BinaryIO
 
 from celery import Celery
@@ -32,6 +32,34 @@ LIST_LIMIT = (1, 100, 20)  # least, most and default `limit`
 CANCELLABLE = ("validating", "in_progress")
 # An upload is spooled in memory up to this size, then on disk.
 _SPOOL_BYTES = 8 << 20
+
+
+@dataclass(slots=True)
+class BatchCreate:
+    """A request to create a batch, its fields checked (its file is looked up at creation)."""
+
+    input_file_id: str  # a file uploaded with purpose "batch"
+    endpoint: str  # the endpoint each line is sent to
+    completion_window: str  # how long the batch may take
+    metadata: dict[str, str] | None = None  # the client's own tags
+
+
+def parse_batch_create(body: Any) -> BatchCreate:
+    """A create request's fields (OpenAI's JSON body); InvalidArgument names a bad one."""
+    if not isinstance(body, dict):
+        raise InvalidArgument("body", "must be a JSON object")
+    if unknown := sorted(set(body) - CREATE_FIELDS):
+        raise InvalidArgument(unknown[0], "unknown field")
+    endpoint, window = body.get("endpoint"), body.get("completion_window")
+    if endpoint not in ENDPOINTS:
+        raise InvalidArgument("endpoint", f"must be one of {list(ENDPOINTS)}, got {endpoint!r}")
+    if window not in COMPLETION_WINDOWS:
+        raise InvalidArgument("completion_window", f"must be one of {list(COMPLETION_WINDOWS)}, got {window!r}")
+    metadata = _metadata(body.get("metadata"))
+    file_id = body.get("input_file_id")
+    if not isinstance(file_id, str):
+        raise InvalidArgument("input_file_id", "is required: the id of a file uploaded with purpose 'batch'")
+    return BatchCreate(file_id, endpoint, window, metadata)
 
 
 class UploadSpool:
@@ -99,21 +127,9 @@ class BatchService:
         return meta, await asyncio.to_thread(self._files.open, meta.id)
 
     # -- batches --------------------------------------------------------------
-    async def create_batch(self, owner: str, body: Any) -> BatchRecord:
-        """A new batch from a create request's fields (OpenAI's JSON body), checked in full."""
-        if not isinstance(body, dict):
-            raise InvalidArgument("body", "must be a JSON object")
-        if unknown := sorted(set(body) - CREATE_FIELDS):
-            raise InvalidArgument(unknown[0], "unknown field")
-        endpoint, window = body.get("endpoint"), body.get("completion_window")
-        if endpoint not in ENDPOINTS:
-            raise InvalidArgument("endpoint", f"must be one of {list(ENDPOINTS)}, got {endpoint!r}")
-        if window not in COMPLETION_WINDOWS:
-            raise InvalidArgument("completion_window", f"must be one of {list(COMPLETION_WINDOWS)}, got {window!r}")
-        metadata = _metadata(body.get("metadata"))
-        file_id = body.get("input_file_id")
-        if not isinstance(file_id, str):
-            raise InvalidArgument("input_file_id", "is required: the id of a file uploaded with purpose 'batch'")
+    async def create_batch(self, owner: str, request: BatchCreate) -> BatchRecord:
+        """A new batch, its whole input checked first: a line the endpoint would refuse fails it."""
+        file_id, endpoint, window = request.input_file_id, request.endpoint, request.completion_window
         try:
             meta = await self.owned_file(file_id, owner)
         except NotFound:
@@ -129,7 +145,7 @@ class BatchService:
             completion_window=window,
             status="failed" if checked.errors else "validating",
             owner=owner,
-            metadata=metadata,
+            metadata=request.metadata,
             errors=[e.to_openai() for e in checked.errors],
             total=0 if checked.errors else checked.lines,
             chunks=[] if checked.errors else [asdict(c) for c in checked.chunks],

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from gateway.batches.batch_service import LIST_LIMIT, BatchService
+from gateway.batches.batch_service import LIST_LIMIT, BatchService, parse_batch_create
 from gateway.batches.files_http import FilesApi
 from gateway.http_api.openai_http import json_body
 from shardline.core.errors import InvalidArgument
@@ -29,7 +29,7 @@ class BatchesApi:
 
     async def create(self, request: web.Request) -> web.Response:
         body = await json_body(request)  # the online endpoints' body reader: same limits, same errors
-        record = await self._service.create_batch(self._files_api.owner(request), body)
+        record = await self._service.create_batch(self._files_api.owner(request), parse_batch_create(body))
         return web.json_response(record.to_openai())
 
     async def retrieve(self, request: web.Request) -> web.Response:

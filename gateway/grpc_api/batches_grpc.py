@@ -11,7 +11,7 @@ import asyncio
 from collections.abc import AsyncIterator
 
 from gateway.batches.batch_front import OFF_MESSAGE
-from gateway.batches.batch_service import LIST_LIMIT, BatchService, UploadSpool
+from gateway.batches.batch_service import LIST_LIMIT, BatchService, UploadSpool, parse_batch_create
 from gateway.batches.files_http import READ_BYTES
 from gateway.tenancy.auth import ApiKeys
 from shardline.core.batch.batch_record import STATUSES, TIMESTAMPS, BatchRecord
@@ -93,7 +93,8 @@ class BatchesServicer(batches_pb2_grpc.BatchesServicer):
             body["endpoint"] = request.endpoint
         if request.metadata:
             body["metadata"] = dict(request.metadata)
-        return batch_message(await self._on().create_batch(self._keys.grpc_owner(context), body))
+        service = self._on()
+        return batch_message(await service.create_batch(self._keys.grpc_owner(context), parse_batch_create(body)))
 
     async def GetBatch(self, request: batches_pb2.GetBatchRequest, context) -> batches_pb2.Batch:
         return batch_message(await self._on().owned_batch(request.batch_id, self._keys.grpc_owner(context)))

@@ -18,7 +18,13 @@ from gateway.tenancy.auth import ApiKeys
 from gateway.tenancy.slo_params import Slo, checked_target
 from gateway.tenancy.tenant_limiter import RateLimited
 from gateway.tools.tool_calls import ToolCallOutput
-from gateway.tools.tool_params import ToolRequest, constrain, keep_tool_call_tags, resolve_parser, tools_from_grpc
+from gateway.tools.tool_params import (
+    ToolRequest,
+    keeps_special_tokens,
+    resolve_parser,
+    tool_constraint,
+    tools_from_grpc,
+)
 from gateway.upstream.backends import RPC_TIMEOUT_S, upstream
 from shardline.core.errors import InvalidArgument, NotFound, Unavailable
 from shardline.core.ids import require_id, require_named_id
@@ -192,29 +198,13 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         self, request: generation_pb2.GenerateRequest, owner: str
     ) -> tuple[GenerationSpec, ToolRequest | None]:
         """The request as a GenerationSpec, and its tools (their constraint, if any, in its params)."""
-        kind = request.WhichOneof("input")
-        if kind is None:
-            raise InvalidArgument("input", "set one of prompt, messages or prompt_token_ids")
-        prompt = {
-            "prompt": lambda: Prompt(text=request.prompt),
-            "messages": lambda: Prompt(chat=_chat(request.messages), field="messages"),
-            "prompt_token_ids": lambda: Prompt(token_ids=list(request.prompt_token_ids.ids), field="prompt_token_ids"),
-        }[kind]()
+        prompt = _prompt(request)
         if request.HasField("request_id"):
             request_id = require_named_id(request.request_id, "request_id")
         else:
-            request_id = f"{'chatcmpl' if kind == 'messages' else 'cmpl'}-{secrets.token_hex(16)}"
+            request_id = f"{'chatcmpl' if prompt.chat is not None else 'cmpl'}-{secrets.token_hex(16)}"
         timeout_s = _positive_seconds(request.timeout, "timeout") if request.HasField("timeout") else None
-        tools = tools_from_grpc(request.tools) if request.HasField("tools") else None
-        structured_output_field = "params.structured_output"
-        if tools is not None:
-            if kind != "messages":
-                raise InvalidArgument("tools", "tool calling needs messages (a chat)")
-            prompt.chat.tools_json = tools.tools_json
-            if constrain(tools, request.params, structured_output_field):
-                structured_output_field = "tools"
-            await self._resolve_parser(tools)
-            keep_tool_call_tags(tools, request.params)
+        tools, structured_output_field = await self._tools(request, prompt)
         return GenerationSpec(
             request_id=request_id,
             model=request.model,
@@ -233,6 +223,39 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                 request.refuse_late if request.HasField("refuse_late") else None,
             ),
         ), tools
+
+    async def _tools(self, request: generation_pb2.GenerateRequest, prompt: Prompt) -> tuple[ToolRequest | None, str]:
+        """The request's tools, with their constraint put on its params and their definitions on its
+        chat; and the field its constraint came from, for errors."""
+        structured_output_field = "params.structured_output"
+        tools = tools_from_grpc(request.tools) if request.HasField("tools") else None
+        if tools is None:
+            return None, structured_output_field
+        if prompt.chat is None:
+            raise InvalidArgument("tools", "tool calling needs messages (a chat)")
+        prompt.chat.tools_json = tools.tools_json
+        params = request.params
+        given = params.structured_output if params.HasField("structured_output") else None
+        constraint = tool_constraint(tools, given, structured_output_field)
+        if constraint is not None:
+            params.structured_output.CopyFrom(constraint)
+            structured_output_field = "tools"
+        await self._resolve_parser(tools)
+        if keeps_special_tokens(tools) and not params.HasField("skip_special_tokens"):
+            params.skip_special_tokens = False
+        return tools, structured_output_field
+
+
+def _prompt(request: generation_pb2.GenerateRequest) -> Prompt:
+    """The request's input: its text, its conversation or its token ids."""
+    kind = request.WhichOneof("input")
+    if kind == "prompt":
+        return Prompt(text=request.prompt)
+    if kind == "messages":
+        return Prompt(chat=_chat(request.messages), field="messages")
+    if kind == "prompt_token_ids":
+        return Prompt(token_ids=list(request.prompt_token_ids.ids), field="prompt_token_ids")
+    raise InvalidArgument("input", "set one of prompt, messages or prompt_token_ids")
 
 
 def _positive_seconds(duration: duration_pb2.Duration, field: str) -> float:

@@ -47,11 +47,12 @@ def choice_specs(
 ) -> list[GenerationSpec]:
     """One GenerationSpec per choice, in index order; `idempotent` when the client named the request."""
     specs = []
+    request_params = parsed.sampling.parameters()
     for p, prompt in enumerate(parsed.prompts):
         for sample in range(parsed.n):
             index = p * parsed.n + sample
             params = sampling_pb2.SamplingParameters()
-            params.CopyFrom(parsed.params)
+            params.CopyFrom(request_params)
             if params.HasField("seed"):
                 params.seed = (params.seed + sample) % _UINT64
             specs.append(
@@ -62,7 +63,7 @@ def choice_specs(
                     params=params,
                     default_max_tokens=default_max_tokens,
                     priority=parsed.priority,
-                    max_tokens_field=parsed.max_tokens_field,
+                    max_tokens_field=parsed.sampling.max_tokens_field,
                     arrival_s=arrival_s,
                     structured_output_field=parsed.structured_output_field or "structured_output",
                     owner=owner,

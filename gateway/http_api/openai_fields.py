@@ -1,9 +1,10 @@
-"""The top-level fields each OpenAI endpoint takes; any other is refused, naming it, never ignored.
+"""The fields of OpenAI bodies: which each endpoint takes, and how one is read and type-checked.
 
-As vLLM decides per field: what the gateway cannot honour is a 400 (OpenAI's legacy `functions`,
-`tools` on /v1/completions, `best_of` on chat...), and only fields that change nothing in the
-answer are taken without being used (`user`, `metadata`), their types still checked. A field
-given as null counts as absent, as OpenAI clients send it.
+An unknown field is refused, naming it, never ignored. As vLLM decides per field: what the gateway
+cannot honour is a 400 (OpenAI's legacy `functions`, `tools` on /v1/completions, `best_of` on
+chat...), and only fields that change nothing in the answer are taken without being used (`user`,
+`metadata`), their types still checked. A field given as null counts as absent, as OpenAI clients
+send it.
 """
 
 from __future__ import annotations
@@ -118,3 +119,42 @@ def _check_harmless(body: dict[str, Any]) -> None:
                 f"keys may have {_METADATA_KEY_CHARS} characters and "
                 f"values must be strings of {_METADATA_VALUE_CHARS} at most",
             )
+
+
+_JSON_TYPES = {
+    float: "a number",
+    int: "an integer",
+    bool: "a boolean",
+    str: "a string",
+    list: "an array",
+    dict: "an object",
+}
+
+
+def json_field(body: dict[str, Any], name: str, kind: type, path: str | None = None) -> Any:
+    """body[name] when present and not null, checked to be of JSON type `kind`; errors name `path`
+    (where `body` is itself a field: "stream_options.include_usage"), or `name`."""
+    value = body.get(name)
+    if value is None:
+        return None
+    numeric = kind in (int, float)
+    ok = isinstance(value, (int, float) if kind is float else kind) and not (numeric and isinstance(value, bool))
+    if not ok:
+        raise InvalidArgument(path or name, f"must be {_JSON_TYPES[kind]}")
+    return as_float(value, path or name) if kind is float else value
+
+
+def integer_field(body: dict[str, Any], name: str, low: int, high: int) -> int | None:
+    """body[name] as an integer in [low, high), or None when absent."""
+    value = json_field(body, name, int)
+    if value is not None and not low <= value < high:
+        raise InvalidArgument(name, f"must be an integer in [{low}, {high - 1}]")
+    return value
+
+
+def as_float(value: int | float, field: str) -> float:
+    """A JSON number as a float: an integer literal of hundreds of digits is out of any range."""
+    try:
+        return float(value)
+    except OverflowError:
+        raise InvalidArgument(field, "is out of range") from None

@@ -25,16 +25,16 @@ from gateway.http_api.openai_choices import (
     total_usage,
 )
 from gateway.http_api.openai_echo import echoed_prompts
-from gateway.http_api.openai_request import OpenAIRequest, parse_request
+from gateway.http_api.openai_request import OPENAI_COMPLETIONS_DEFAULT_MAX_TOKENS, OpenAIRequest, parse_request
 from gateway.http_api.openai_response import ResponseFormatter, error_body
 from gateway.http_api.tokenize_http import TokenizeApi
+from gateway.http_api.tokenize_request import parse_detokenize, parse_tokenize
 from gateway.metrics import metrics_handler
-from gateway.runner.params import OPENAI_COMPLETIONS_DEFAULT_MAX_TOKENS
 from gateway.runner.request_attach import ID_HEADER
 from gateway.runner.request_runner import ModelNotFound, RequestRunner
 from gateway.tenancy.auth import ApiKeys, http_auth_middleware
 from gateway.tenancy.tenant_limiter import RateLimited
-from gateway.tools.tool_params import keep_tool_call_tags, resolve_parser
+from gateway.tools.tool_params import keeps_special_tokens, resolve_parser
 from gateway.upstream.backends import HEALTH_TIMEOUT_S
 from shardline.core.errors import InvalidArgument, ShardlineError
 from shardline.core.ids import require_named_id
@@ -155,7 +155,8 @@ class OpenAIHttpApi:
         if parsed.tools is not None:
             template_format = (await self._runner.backends.tokenizer_info()).tool_call_format
             resolve_parser(parsed.tools, self._runner.settings.tool_call_parser, template_format)
-            keep_tool_call_tags(parsed.tools, parsed.params)
+            if keeps_special_tokens(parsed.tools) and parsed.sampling.skip_special_tokens is None:
+                parsed.sampling.skip_special_tokens = False
         # A request the client names is idempotent: sent again, it attaches to the first (request_attach.py).
         named = request.headers.get(ID_HEADER)
         kind = "chatcmpl" if chat else "cmpl"
@@ -250,10 +251,10 @@ class OpenAIHttpApi:
         return response
 
     async def tokenize(self, request: web.Request) -> web.Response:
-        return await self._tokenizer.tokenize(await json_body(request))
+        return await self._tokenizer.tokenize(parse_tokenize(await json_body(request)))
 
     async def detokenize(self, request: web.Request) -> web.Response:
-        return await self._tokenizer.detokenize(await json_body(request))
+        return await self._tokenizer.detokenize(parse_detokenize(await json_body(request)))
 
     async def models(self, request: web.Request) -> web.Response:
         models = await self._runner.served_models()

@@ -1,23 +1,92 @@
-"""OpenAI /v1/completions and /v1/chat/completions request bodies, parsed into a GenerationSpec's parts."""
+"""OpenAI /v1/completions and /v1/chat/completions bodies, parsed once into typed requests.
+
+Every field is read and type-checked here, in one pass, and an error is an InvalidArgument naming
+the field (`param` in the OpenAI error body); the rest of the gateway reads the typed request,
+never the body. Ranges that depend on the served model are checked once it is known
+(gateway/runner/params.py: validate_sampling).
+"""
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from gateway.http_api.openai_fields import refuse_unknown_fields
+from gateway.http_api.chat_messages import chat_messages, chat_tools
+from gateway.http_api.openai_fields import as_float, integer_field, json_field, refuse_unknown_fields
 from gateway.http_api.structured_fields import structured_output_from_openai
-from gateway.runner.chat_request import chat_request
 from gateway.runner.generation_spec import Prompt
-from gateway.runner.params import MAX_CHOICES, json_field, sampling_from_openai
+from gateway.runner.params import MAX_TOP_LOGPROBS
 from gateway.tenancy.slo_params import Slo, checked_target
-from gateway.tools.tool_params import ToolRequest, constrain, tool_calls_from_message, tools_from_openai
+from gateway.tools.tool_params import ToolRequest, tool_constraint
 from shardline.core.errors import InvalidArgument
 from shardline.proto import sampling_pb2
 
-# OpenAI's newer "developer" role is the system prompt under another name; templates know only "system".
-_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
+# Most completions one OpenAI request may ask for (prompts x n): each is a request in the queue.
+MAX_CHOICES = 64
+# OpenAI's legacy /v1/completions generates 16 tokens when max_tokens is absent.
+OPENAI_COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+_UINT32 = 1 << 32
+_INT32 = 1 << 31
+_UINT64 = 1 << 64
+# The sampling fields that only go on the wire when given: SamplingParameters tells them from unset.
+_WHEN_GIVEN = (
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "seed",
+    "skip_special_tokens",
+    "prompt_logprobs",
+)
+
+
+@dataclass(slots=True)
+class SamplingFields:
+    """A body's sampling fields, type-checked; None where the client gave none."""
+
+    max_tokens: int | None = None
+    max_tokens_field: str = "max_tokens"  # max_completion_tokens when a chat request used OpenAI's newer name
+    temperature: float | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    top_k: int = 0  # 0: no top-k (vLLM spells it -1)
+    min_tokens: int = 0
+    seed: int | None = None  # OpenAI's signed 64 bits, as the wire carries them: unsigned
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    logit_bias: dict[int, float] = field(default_factory=dict)  # by token id
+    ignore_eos: bool = False
+    skip_special_tokens: bool | None = None
+    logprobs: bool = False  # the sampled tokens' logprobs
+    top_logprobs: int = 0  # alternatives per token
+    prompt_logprobs: int | None = None  # alternatives per prompt token, when the prompt's logprobs are asked for
+    structured_output: sampling_pb2.StructuredOutput | None = None  # the constraint on the output, if any
+
+    def parameters(self) -> sampling_pb2.SamplingParameters:
+        """The SamplingParameters these fields ask for, not yet resolved (validate_sampling does)."""
+        params = sampling_pb2.SamplingParameters(
+            top_k=self.top_k,
+            min_tokens=self.min_tokens,
+            stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
+            logit_bias=self.logit_bias,
+            ignore_eos=self.ignore_eos,
+            logprobs=self.logprobs,
+            top_logprobs=self.top_logprobs,
+        )
+        for name in _WHEN_GIVEN:
+            value = getattr(self, name)
+            if value is not None:
+                setattr(params, name, value)
+        if self.structured_output is not None:
+            params.structured_output.CopyFrom(self.structured_output)
+        return params
 
 
 @dataclass(slots=True)
@@ -27,16 +96,15 @@ class OpenAIRequest:
     chat: bool  # /v1/chat/completions rather than /v1/completions
     model: str  # requested model
     prompts: list[Prompt]  # prompt texts, token ids or chat messages: several for a batch of completions
-    params: sampling_pb2.SamplingParameters  # the sampling fields, unresolved
-    priority: int  # lower is served first (a vLLM extension)
-    stream: bool  # answer with server-sent events
-    include_usage: bool  # stream_options.include_usage: end the stream with a usage chunk
-    max_tokens_field: str = "max_tokens"  # max_completion_tokens when a chat request used that name
+    sampling: SamplingFields
+    priority: int = 0  # lower is served first (a vLLM extension)
     n: int = 1  # completions to generate per prompt
+    stream: bool = False  # answer with server-sent events
+    include_usage: bool = False  # stream_options.include_usage: end the stream with a usage chunk
     echo: bool = False  # completions: the prompt comes back before its completion (with its logprobs)
     echo_only: bool = False  # echo with max_tokens 0: each choice is its prompt alone (how text is scored)
     prompt_logprobs: bool = False  # vLLM's prompt_logprobs field was sent: answer it in vLLM's shape
-    structured_output_field: str = ""  # where params.structured_output came from (response_format...)
+    structured_output_field: str = ""  # where sampling.structured_output came from (response_format...)
     tools: ToolRequest | None = None  # chat: the functions the model may call, and how
     slo: Slo = Slo()  # ttft_target_ms and refuse_late, as sent
 
@@ -53,54 +121,125 @@ def parse_request(body: Any, chat: bool) -> OpenAIRequest:
     refuse_unknown_fields(body, chat)
     model = json_field(body, "model", str) or ""
     prompts = [chat_messages(body)] if chat else _prompts(body)
-    params, priority, max_tokens_field, n = sampling_from_openai(body, chat)
-    structured_output, structured_output_field = structured_output_from_openai(body)
-    if structured_output is not None:
-        params.structured_output.CopyFrom(structured_output)
-    tools = tools_from_openai(body) if chat else None
+    if chat and json_field(body, "echo", bool):
+        raise InvalidArgument("echo", "echo is only supported by /v1/completions")
+    stream = bool(json_field(body, "stream", bool))
+    if stream and body.get("prompt_logprobs") is not None:
+        raise InvalidArgument(
+            "prompt_logprobs",
+            "is not available when stream is true (as in vLLM); /v1/completions' echo with logprobs streams them",
+        )
+    if not chat and json_field(body, "suffix", str):
+        raise InvalidArgument("suffix", "suffix is not supported")
+    sampling = sampling_fields(body, chat)
+    priority = integer_field(body, "priority", -_INT32, _INT32) or 0
+    n = integer_field(body, "n", 1, MAX_CHOICES + 1) or 1
+    if not chat and integer_field(body, "best_of", 1, _UINT32) not in (None, n):
+        # best_of > n means ranking candidates by likelihood and returning the best n: not done here.
+        raise InvalidArgument("best_of", "only best_of equal to n is supported")
+    sampling.structured_output, structured_output_field = structured_output_from_openai(body)
+    tools = chat_tools(body) if chat else None
     if tools is not None:
         prompts[0].chat.tools_json = tools.tools_json
-        if constrain(tools, params, structured_output_field):
-            structured_output_field = "tools"
+        constraint = tool_constraint(tools, sampling.structured_output, structured_output_field)
+        if constraint is not None:
+            sampling.structured_output, structured_output_field = constraint, "tools"
     if len(prompts) * n > MAX_CHOICES:
         raise InvalidArgument(
             "n" if len(prompts) == 1 else "prompt",
             f"a request may ask for at most {MAX_CHOICES} completions (prompts x n), got {len(prompts)} x {n}",
         )
-    stream = bool(json_field(body, "stream", bool))
     options = json_field(body, "stream_options", dict)
     if options is not None and not stream:
         raise InvalidArgument("stream_options", "is only allowed when stream is true")
     include_usage = bool(json_field(options or {}, "include_usage", bool, "stream_options.include_usage"))
     echo = not chat and bool(json_field(body, "echo", bool))
-    echo_only = echo and params.HasField("max_tokens") and params.max_tokens == 0
+    if echo and sampling.logprobs and sampling.prompt_logprobs is None:
+        # An echoed prompt's tokens get logprobs like the completion's (how harnesses score text).
+        sampling.prompt_logprobs = sampling.top_logprobs
+    echo_only = echo and sampling.max_tokens == 0
     if echo_only:
         # OpenAI's way to score a text: its logprobs, no completion. As in vLLM, the engine still samples
         # one token (a prefill yields one), and the response leaves it out.
-        if params.min_tokens:
+        if sampling.min_tokens:
             raise InvalidArgument("min_tokens", "must not exceed max_tokens")
-        params.max_tokens = 1
+        sampling.max_tokens = 1
     return OpenAIRequest(
         chat,
         model,
         prompts,
-        params,
+        sampling,
         priority,
+        n,
         stream,
         include_usage,
-        max_tokens_field,
-        n,
         echo,
         echo_only,
         body.get("prompt_logprobs") is not None,
         structured_output_field,
         tools,
-        slo_from_openai(body),
+        _slo(body),
     )
 
 
-def slo_from_openai(body: dict[str, Any]) -> Slo:
-    """The SLO fields of an OpenAI body; InvalidArgument names a bad one."""
+def sampling_fields(body: dict[str, Any], chat: bool) -> SamplingFields:
+    """The sampling fields of a completions or chat body, type-checked; their ranges are checked later."""
+    fields = SamplingFields()
+    max_tokens = integer_field(body, "max_completion_tokens", 0, _UINT32) if chat else None
+    if max_tokens is not None:
+        fields.max_tokens_field = "max_completion_tokens"  # OpenAI's newer name; it wins over max_tokens
+    else:
+        max_tokens = integer_field(body, "max_tokens", 0, _UINT32)
+    fields.max_tokens = max_tokens
+    for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+        setattr(fields, name, json_field(body, name, float))
+    top_k = integer_field(body, "top_k", -1, _UINT32)
+    fields.top_k = 0 if top_k in (None, -1) else top_k
+    fields.min_tokens = integer_field(body, "min_tokens", 0, _UINT32) or 0
+    seed = integer_field(body, "seed", -(1 << 63), _UINT64)
+    fields.seed = None if seed is None else seed % _UINT64
+    fields.stop = _stop_strings(body.get("stop"))
+    fields.stop_token_ids = json_field(body, "stop_token_ids", list) or []
+    if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < _UINT32 for t in fields.stop_token_ids):
+        raise InvalidArgument("stop_token_ids", "must be a list of token ids")
+    fields.logit_bias = _logit_bias(json_field(body, "logit_bias", dict) or {})
+    fields.ignore_eos = bool(json_field(body, "ignore_eos", bool))
+    fields.skip_special_tokens = json_field(body, "skip_special_tokens", bool)
+    if chat:
+        fields.logprobs = bool(json_field(body, "logprobs", bool))
+        fields.top_logprobs = integer_field(body, "top_logprobs", 0, MAX_TOP_LOGPROBS + 1) or 0
+    else:
+        # Completions: logprobs is the number of alternatives per token (0 still returns the sampled one's).
+        count = integer_field(body, "logprobs", 0, MAX_TOP_LOGPROBS + 1)
+        fields.logprobs = count is not None
+        fields.top_logprobs = count or 0
+    fields.prompt_logprobs = integer_field(body, "prompt_logprobs", 0, MAX_TOP_LOGPROBS + 1)  # vLLM's extension
+    return fields
+
+
+def _stop_strings(value: Any) -> list[str]:
+    if value is None:
+        return []
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise InvalidArgument("stop", "must be a string or a list of strings")
+    return stops
+
+
+def _logit_bias(biases: dict[str, Any]) -> dict[int, float]:
+    checked = {}
+    for key, bias in biases.items():
+        # JSON object keys are strings: OpenAI's are token ids written in decimal.
+        if not (key.isascii() and key.isdigit() and len(key) <= 10 and int(key) < _UINT32):
+            raise InvalidArgument("logit_bias", f"keys must be token ids, got {key[:20]!r}")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)):
+            raise InvalidArgument("logit_bias", f"the bias of token {key} must be a number")
+        checked[int(key)] = as_float(bias, "logit_bias")
+    return checked
+
+
+def _slo(body: dict[str, Any]) -> Slo:
+    """The SLO fields: vLLM-style extensions, ttft_target_ms and refuse_late."""
     target_ms = json_field(body, "ttft_target_ms", float)
     target_s = None if target_ms is None else checked_target(target_ms / 1000.0, "ttft_target_ms")
     return Slo(target_s, json_field(body, "refuse_late", bool))
@@ -122,71 +261,3 @@ def _prompt(prompt: str | list[int], field: str) -> Prompt:
 
 def _is_token_ids(value: Any) -> bool:
     return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
-
-
-def chat_messages(body: dict[str, Any]) -> Prompt:
-    """The conversation, and vLLM's options for rendering it: add_generation_prompt,
-    continue_final_message, chat_template_kwargs and documents (a per-request chat_template is refused).
-    The tokenizer service refuses variables that would replace its own (messages, tools...)."""
-    if body.get("chat_template") is not None:
-        raise InvalidArgument(
-            "chat_template", "a request may not bring its own template (the server's SHARDLINE_CHAT_TEMPLATE sets one)"
-        )
-    chat = chat_request(
-        _turns(body),
-        json_field(body, "add_generation_prompt", bool),
-        bool(json_field(body, "continue_final_message", bool)),
-    )
-    variables = dict(json_field(body, "chat_template_kwargs", dict) or {})
-    documents = json_field(body, "documents", list)
-    if documents is not None:
-        if not all(isinstance(document, dict) for document in documents):
-            raise InvalidArgument("documents", "must be an array of objects")
-        variables["documents"] = documents
-    if variables:
-        chat.template_kwargs_json = json.dumps(variables)
-    return Prompt(chat=chat, field="messages")
-
-
-def _turns(body: dict[str, Any]) -> list[sampling_pb2.ChatMessage]:
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise InvalidArgument("messages", "must be a non-empty array of messages")
-    turns = []
-    for index, message in enumerate(messages):
-        field = f"messages[{index}]"
-        if not isinstance(message, dict):
-            raise InvalidArgument(field, "must be an object with role and content")
-        role = message.get("role")
-        if not isinstance(role, str) or role not in _ROLES:  # a list or object is unhashable: no dict lookup
-            raise InvalidArgument(f"{field}.role", f"must be one of {', '.join(_ROLES)}")
-        content = message.get("content")
-        if content is None and role == "assistant":
-            content = ""  # an assistant turn that only called tools, as replayed transcripts carry it
-        turn = sampling_pb2.ChatMessage(role=_ROLES[role], content=_content(content, field))
-        if role == "assistant":
-            turn.tool_calls.extend(tool_calls_from_message(message, field))
-        turn.tool_call_id = _optional_text(message, "tool_call_id", field)
-        turn.name = _optional_text(message, "name", field)
-        turns.append(turn)
-    return turns
-
-
-def _optional_text(message: dict[str, Any], key: str, field: str) -> str:
-    value = message.get(key)
-    if value is not None and not isinstance(value, str):
-        raise InvalidArgument(f"{field}.{key}", "must be a string")
-    return value or ""
-
-
-def _content(content: Any, field: str) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        texts = []
-        for part in content:
-            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
-                raise InvalidArgument(f"{field}.content", "only text parts are supported")
-            texts.append(part["text"])
-        return "\n".join(texts)  # as vLLM joins a message's text parts
-    raise InvalidArgument(f"{field}.content", "must be a string or an array of text parts")

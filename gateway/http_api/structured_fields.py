@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from gateway.runner.params import json_field
+from gateway.http_api.openai_fields import json_field
 from shardline.core.errors import InvalidArgument
 from shardline.proto import sampling_pb2
 

@@ -18,7 +18,6 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from gateway.runner.params import json_field
 from shardline.core.errors import InvalidArgument
 from shardline.proto import generation_pb2, sampling_pb2
 from shardline.structured_output import MAX_SPEC_CHARS
@@ -98,17 +97,18 @@ class ToolRequest:
         return array
 
 
-def constrain(request: ToolRequest, params: sampling_pb2.SamplingParameters, given_field: str) -> bool:
-    """Puts the output constraint of "required" or a named function on `params`; True when there is
-    one. A constraint the client gave itself (under `given_field`) cannot stand beside it."""
+def tool_constraint(
+    request: ToolRequest, given: sampling_pb2.StructuredOutput | None, given_field: str
+) -> sampling_pb2.StructuredOutput | None:
+    """The output constraint of "required" or a named function, None under "auto" and "none". A
+    constraint the client gave itself (`given`, under `given_field`) cannot stand beside it."""
     constraint = request.constraint()
     if constraint is None:
-        return False
-    if params.HasField("structured_output"):
+        return None
+    if given is not None:
         mode = "naming a function" if request.choice == "named" else f'"{request.choice}"'
         raise InvalidArgument(given_field, f"cannot be combined with tool_choice {mode}")
-    params.structured_output.CopyFrom(constraint)
-    return True
+    return constraint
 
 
 def tools_from_grpc(tools: generation_pb2.Tools) -> ToolRequest | None:
@@ -118,17 +118,14 @@ def tools_from_grpc(tools: generation_pb2.Tools) -> ToolRequest | None:
         json.dumps(definitions, ensure_ascii=False).encode()  # an escaped lone surrogate is no text
     except (ValueError, RecursionError):
         raise InvalidArgument("tools.tools_json", "must be a JSON array of tool definitions, in Unicode text") from None
-    body: dict[str, Any] = {"tools": definitions}
+    choice: Any = tools.choice or None
     if tools.function:
-        body["tool_choice"] = {"type": "function", "function": {"name": tools.function}}
+        choice = {"type": "function", "function": {"name": tools.function}}
         if definitions is None:
             raise InvalidArgument("tools.tools_json", "is needed to call a function")
-    elif tools.choice:
-        body["tool_choice"] = tools.choice
-    if tools.HasField("parallel_tool_calls"):
-        body["parallel_tool_calls"] = tools.parallel_tool_calls
+    parallel = tools.parallel_tool_calls if tools.HasField("parallel_tool_calls") else None
     try:
-        return tools_from_openai(body)
+        return tool_request(definitions, choice, parallel)
     except InvalidArgument as exc:
         field = exc.field
         if field.startswith("tools"):
@@ -154,13 +151,15 @@ def _rebased(node: Any, base: str) -> Any:
     return node
 
 
-def tools_from_openai(body: dict[str, Any]) -> ToolRequest | None:
-    """The body's tool request; None without tools (or with tool_choice "none" and no tools)."""
-    tools = json_field(body, "tools", list)
-    choice = body.get("tool_choice")
-    parallel = json_field(body, "parallel_tool_calls", bool)
+def tool_request(tools: Any = None, tool_choice: Any = None, parallel_tool_calls: Any = None) -> ToolRequest | None:
+    """The tool request of a chat's `tools`, `tool_choice` and `parallel_tool_calls`, as JSON gives
+    them (None: not given); None without tools (or with tool_choice "none" and no tools)."""
+    if tools is not None and not isinstance(tools, list):
+        raise InvalidArgument("tools", "must be an array")
+    if parallel_tool_calls is not None and not isinstance(parallel_tool_calls, bool):
+        raise InvalidArgument("parallel_tool_calls", "must be a boolean")
     if not tools:
-        if choice not in (None, "none"):
+        if tool_choice not in (None, "none"):
             raise InvalidArgument("tool_choice", "needs tools")
         return None
     schemas = {}
@@ -169,7 +168,9 @@ def tools_from_openai(body: dict[str, Any]) -> ToolRequest | None:
         if name in schemas:
             raise InvalidArgument(f"tools[{index}].function.name", f"{name!r} is defined twice")
         schemas[name] = schema
-    request = ToolRequest(tools, "auto", parallel=True if parallel is None else parallel, schemas=schemas)
+    parallel = True if parallel_tool_calls is None else parallel_tool_calls
+    request = ToolRequest(tools, "auto", parallel=parallel, schemas=schemas)
+    choice = tool_choice
     if choice is None or choice in ("none", "auto", "required"):
         request.choice = choice or "auto"
     elif isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict):
@@ -223,45 +224,8 @@ def resolve_parser(request: ToolRequest, configured: str, template_format: str, 
     request.parser = parser
 
 
-def keep_tool_call_tags(request: ToolRequest, params: sampling_pb2.SamplingParameters) -> None:
-    """Hermes' <tool_call> tags are special tokens in some vocabularies (Hermes 2 Pro's): their text must
-    reach the parser, so "auto" keeps special tokens unless the client said otherwise, as vLLM's
-    hermes parser does. The token the request stops on stays out of the text either way."""
-    if request.parser == "hermes" and not params.HasField("skip_special_tokens"):
-        params.skip_special_tokens = False
-
-
-def tool_calls_from_message(message: dict[str, Any], field: str) -> list[sampling_pb2.ToolCall]:
-    """An assistant turn's earlier calls, replayed in the conversation."""
-    calls = message.get("tool_calls")
-    if calls is None:
-        return []
-    if not isinstance(calls, list):
-        raise InvalidArgument(f"{field}.tool_calls", "must be an array of tool calls")
-    result = []
-    for index, call in enumerate(calls):
-        where = f"{field}.tool_calls[{index}]"
-        function = call.get("function") if isinstance(call, dict) else None
-        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-            raise InvalidArgument(where, 'must be {"id", "type": "function", "function": {"name", "arguments"}}')
-        arguments = function.get("arguments", "{}")
-        if isinstance(arguments, dict):  # some clients send the object itself
-            arguments = json.dumps(arguments)
-        if not isinstance(arguments, str) or not is_json_object(arguments):
-            raise InvalidArgument(f"{where}.function.arguments", "must be a JSON object, as text")
-        call_id = call.get("id") or ""
-        if not isinstance(call_id, str):
-            raise InvalidArgument(f"{where}.id", "must be a string")
-        result.append(sampling_pb2.ToolCall(id=call_id, name=function["name"], arguments=arguments))
-    return result
-
-
-def is_json_object(text: str) -> bool:
-    """Whether `text` is a JSON object that is Unicode text throughout: an escaped lone surrogate
-    ("\\ud800") is valid JSON but no text, and would fail the tokenizer once the template wrote it."""
-    try:
-        value = json.loads(text)
-        json.dumps(value, ensure_ascii=False).encode()
-    except (ValueError, RecursionError):  # UnicodeEncodeError is a ValueError
-        return False
-    return isinstance(value, dict)
+def keeps_special_tokens(request: ToolRequest) -> bool:
+    """Whether the request's special tokens stay in its text unless the client said otherwise. Hermes'
+    <tool_call> tags are special tokens in some vocabularies (Hermes 2 Pro's): their text must reach
+    the parser, as vLLM's hermes parser has it. The token the request stops on stays out either way."""
+    return request.parser == "hermes"

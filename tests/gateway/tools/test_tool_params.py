@@ -1,4 +1,4 @@
-"""The request's tools, without services: parsed and checked naming the field, as constraints, and replayed."""
+"""The request's tools, without services: parsed and checked naming the field, and as constraints."""
 
 from __future__ import annotations
 
@@ -7,13 +7,7 @@ import json
 import pytest
 
 from gateway.tools.tool_calls import _AUTO_READERS
-from gateway.tools.tool_params import (
-    TOOL_CALL_PARSERS,
-    ToolRequest,
-    resolve_parser,
-    tool_calls_from_message,
-    tools_from_openai,
-)
+from gateway.tools.tool_params import TOOL_CALL_PARSERS, ToolRequest, resolve_parser, tool_request
 from shardline.core.errors import InvalidArgument
 
 WEATHER = {
@@ -31,7 +25,7 @@ def request(choice=None, tools=(WEATHER, TIME), **extra) -> ToolRequest:
     body = {"tools": list(tools), **extra}
     if choice is not None:
         body["tool_choice"] = choice
-    parsed = tools_from_openai(body)
+    parsed = tool_request(**body)
     assert parsed is not None
     return parsed
 
@@ -166,7 +160,7 @@ def test_required_keeps_each_tools_references_its_own() -> None:
 )
 def test_bad_tool_requests_name_the_field(body, field) -> None:
     with pytest.raises(InvalidArgument) as caught:
-        tools_from_openai(body)
+        tool_request(**body)
     assert caught.value.field == field
 
 
@@ -181,41 +175,7 @@ def test_auto_needs_a_parser() -> None:
     assert parsed.parser == "hermes"
     required = request("required")
     resolve_parser(required, "", "")  # no parser needed: the output is constrained
-    assert tools_from_openai({"tools": [], "tool_choice": "none"}) is None
-
-
-def test_replayed_calls() -> None:
-    calls = tool_calls_from_message(
-        {
-            "tool_calls": [
-                {
-                    "id": "call_1",
-                    "type": "function",
-                    "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'},
-                },
-                {"id": "call_2", "type": "function", "function": {"name": "get_time", "arguments": {}}},
-            ]
-        },
-        "messages[1]",
-    )
-    assert [(c.id, c.name, json.loads(c.arguments)) for c in calls] == [
-        ("call_1", "get_weather", {"city": "Oslo"}),
-        ("call_2", "get_time", {}),
-    ]
-    deep = "[" * 100_000 + "]" * 100_000
-    for bad, field in (
-        (["x"], "messages[1].tool_calls[0]"),
-        ([{"function": {"name": "f", "arguments": deep}}], "messages[1].tool_calls[0].function.arguments"),
-        (
-            [{"function": {"name": "f", "arguments": '{"c": "\\ud800"}'}}],
-            "messages[1].tool_calls[0].function.arguments",
-        ),
-        ([{"function": {"name": "f", "arguments": "[1]"}}], "messages[1].tool_calls[0].function.arguments"),
-        ("x", "messages[1].tool_calls"),
-    ):
-        with pytest.raises(InvalidArgument) as caught:
-            tool_calls_from_message({"tool_calls": bad}, "messages[1]")
-        assert caught.value.field == field
+    assert tool_request(tools=[], tool_choice="none") is None
 
 
 def test_too_many_tools_for_required_name_tools() -> None:
