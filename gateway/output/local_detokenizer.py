@@ -8,7 +8,8 @@ definition once (Tokenizer.GetDefinition) and runs the code the service runs
 tokenizer restart no longer pauses the streams either.
 
 Until then (the tokenizer not up yet; a failure, retried every RETRY_S), and with
-SHARDLINE_LOCAL_DETOKENIZE=0, each step goes to the service's Detokenize (detokenize_retry.py).
+SHARDLINE_LOCAL_DETOKENIZE=0, each step goes to the service's Detokenize, retried while the
+tokenizer is unreachable (detokenize_retried).
 """
 
 from __future__ import annotations
@@ -19,9 +20,8 @@ import time
 
 import grpc
 
-from gateway.output.detokenize_retry import detokenize_retried
 from gateway.upstream.backends import RPC_TIMEOUT_S, Backends, upstream
-from shardline.core.errors import ShardlineError
+from shardline.core.errors import ShardlineError, Unavailable
 from shardline.core.text.detokenizer import checked_item, detokenize_batch
 from shardline.core.text.tokenizer import Tokenizer, TokenizerError
 from shardline.proto import tokenizer_pb2
@@ -29,6 +29,10 @@ from shardline.proto import tokenizer_pb2
 logger = logging.getLogger(__name__)
 
 RETRY_S = 5.0  # how long after a failed fetch of the definition the next is tried
+_FIRST_BACKOFF_S = 0.05
+_MAX_BACKOFF_S = 2.0
+# How long a Detokenize is retried while the tokenizer is unreachable before its streams fail.
+TOKENIZER_OUTAGE_S = 30.0
 
 
 class LocalDetokenizer:
@@ -89,3 +93,28 @@ class LocalDetokenizer:
         logger.info("detokenizing in-process with %s's tokenizer (%d tokens)", info.model, tokenizer.vocab_size)
         self._tokenizer = tokenizer
         return tokenizer
+
+
+async def detokenize_retried(
+    backends: Backends, request: tokenizer_pb2.DetokenizeRequest
+) -> tuple[tokenizer_pb2.TokenizerInfo, tokenizer_pb2.DetokenizeResponse]:
+    """Detokenize, retried while the tokenizer is unreachable: `shardline up` or compose restarts a
+    dead one in seconds, and failing every live stream for that would be worse than a pause (the
+    stateless call is safe to repeat). Raises Unavailable once TOKENIZER_OUTAGE_S has passed."""
+    deadline = time.monotonic() + TOKENIZER_OUTAGE_S
+    backoff = _FIRST_BACKOFF_S
+    while True:
+        try:
+            tokenizer = await backends.tokenizer_info()
+            with upstream("tokenizer"):
+                # wait_for_ready: a call made while the channel reconnects waits for it, not fails.
+                reply = await backends.tokenizer.Detokenize(
+                    request, timeout=max(0.1, deadline - time.monotonic()), wait_for_ready=True
+                )
+            return tokenizer, reply
+        except Unavailable as exc:
+            if time.monotonic() + backoff >= deadline:
+                raise
+            logger.warning("detokenize failed (%s); retrying in %.2f s", exc, backoff)
+        await asyncio.sleep(backoff)
+        backoff = min(backoff * 2, _MAX_BACKOFF_S)

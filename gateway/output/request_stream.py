@@ -6,7 +6,7 @@ import asyncio
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
 
-from gateway.output.stop_matcher import StopMatcher
+from gateway.output.stop_strings import StopMatcher
 from shardline.core.errors import (
     NO_WORKER,
     SLO_UNMET,
@@ -143,6 +143,11 @@ async def drain(stream: RequestStream) -> AsyncIterator[StreamChunk]:
         yield chunk
         if chunk.finish_reason is not None:
             return
+
+
+def tail(ids: list[int], size: int) -> list[int]:
+    """The last `size` ids: a detokenize context."""
+    return ids[max(0, len(ids) - size) :]
 
 
 def usage_of(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> sampling_pb2.Usage:

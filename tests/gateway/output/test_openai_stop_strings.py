@@ -5,7 +5,7 @@ from __future__ import annotations
 import aiohttp
 import pytest
 
-from gateway.output import stream_hub
+from gateway.output import output_processor
 from shardline.core.text.tokenizer import Tokenizer
 from tests.gateway.conftest import TEXT
 from tests.gateway.harness import Stack, run_on_stack
@@ -113,7 +113,7 @@ def test_the_token_completing_a_stop_string_is_found_over_several_rounds(
     tokenizer_address, text_ids, tokenizer: Tokenizer, probes, monkeypatch
 ) -> None:
     # With few probes per Detokenize call, a long delta takes several rounds to narrow down.
-    monkeypatch.setattr("gateway.output.stop_search._CUT_PROBES", probes)
+    monkeypatch.setattr("gateway.output.stop_strings._CUT_PROBES", probes)
     for stop in ("azy d", " quick", "Zü"):
         through = next(k for k in range(1, len(text_ids) + 1) if stop in tokenizer.decode(text_ids[:k]))
 
@@ -144,7 +144,7 @@ def test_a_failed_search_keeps_every_token_and_a_stop_at_the_end_costs_one_probe
     probes: list[int] = []  # items per Detokenize call of the search
     failure: list[BaseException] = []
     searching = []
-    search = stream_hub.find_stop_tokens
+    search = output_processor.find_stop_tokens
 
     async def find_stop_tokens(tokenizer, searches) -> None:
         searching.append(True)
@@ -153,7 +153,7 @@ def test_a_failed_search_keeps_every_token_and_a_stop_at_the_end_costs_one_probe
         finally:
             searching.clear()
 
-    monkeypatch.setattr(stream_hub, "find_stop_tokens", find_stop_tokens)
+    monkeypatch.setattr(output_processor, "find_stop_tokens", find_stop_tokens)
 
     async def body(stack: Stack) -> None:
         real = stack.gateway.backends.tokenizer.Detokenize

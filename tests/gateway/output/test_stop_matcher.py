@@ -1,6 +1,6 @@
 """Stop strings over text that arrives in pieces."""
 
-from gateway.output.stop_matcher import StopMatcher
+from gateway.output.stop_strings import StopMatcher
 
 
 def feed_all(matcher: StopMatcher, pieces: list[str]) -> tuple[list[str], bool]:

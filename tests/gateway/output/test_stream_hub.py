@@ -13,7 +13,7 @@ from opentelemetry import trace
 
 from gateway.output import local_detokenizer
 from gateway.output.request_stream import RequestStream
-from gateway.output.stop_matcher import StopMatcher
+from gateway.output.stop_strings import StopMatcher
 from shardline.proto import common_pb2, generation_pb2, sampling_pb2
 from tests.gateway.conftest import TEXT
 from tests.gateway.harness import Stack, run_on_stack
@@ -58,7 +58,7 @@ def test_one_detokenize_call_per_token_batch_for_all_requests(tokenizer_address,
         assert [r.choices[0].text for r in results] == [TEXT] * 3
         calls = items_per_call if local else rpc_calls
         assert (rpc_calls if local else items_per_call) == []
-        assert stack.gateway.hub.detokenizer.local_calls == len(items_per_call)
+        assert stack.gateway.hub.processor.detokenizer.local_calls == len(items_per_call)
         assert len(calls) == stack.scheduler.batches_sent
         assert max(calls) == 3
         assert sum(calls) == 3 * len(text_ids)  # one delta per token per request
@@ -193,7 +193,7 @@ def test_resume_does_not_repeat_held_deltas_that_the_record_already_holds(tokeni
         stream = RequestStream(rid, 3, True, StopMatcher([]), buffered=[])
         hub.register(stream)
         # Held (buffered) while the record is read: tokens 3..5, which the record will also hold.
-        await hub._handle([common_pb2.RequestDelta(request_id=rid, offset=3, token_ids=text_ids[3:6])])
+        await hub.processor.process([common_pb2.RequestDelta(request_id=rid, offset=3, token_ids=text_ids[3:6])])
         record = common_pb2.RequestInfo(
             request_id=rid, output_token_ids=text_ids[:5], status=sampling_pb2.REQUEST_STATUS_RUNNING
         )
@@ -219,7 +219,7 @@ def test_a_resume_at_any_offset_gives_exactly_the_text_not_yet_had(tokenizer_add
         hub.register(stream)
         for i in range(count):
             last = final and i == count - 1
-            await hub._handle(
+            await hub.processor.process(
                 [
                     common_pb2.RequestDelta(
                         request_id=rid,
@@ -309,7 +309,7 @@ def test_a_first_token_without_the_prompt_logprobs_asked_for_fails_the_request(t
         one = RequestStream("pl-one-token-prompt", 1, True, StopMatcher([]), wants_prompt_logprobs=True)
         for stream in (whole, lost, one):
             hub.register(stream)
-        await hub._handle(
+        await hub.processor.process(
             [
                 common_pb2.RequestDelta(
                     request_id="pl-whole",

@@ -8,7 +8,7 @@ import subprocess
 
 import grpc
 
-from gateway.output import detokenize_retry, local_detokenizer
+from gateway.output import local_detokenizer
 from shardline.core.errors import Unavailable
 from shardline.core.ports import free_port
 from shardline.proto import generation_pb2, sampling_pb2
@@ -71,7 +71,7 @@ def test_in_process_detokenizing_streams_on_through_a_dead_tokenizer(text_ids) -
         assert "".join(c.text for c in chunks) == TEXT
         assert [t for c in chunks for t in c.token_ids] == text_ids
         assert chunks[-1].finish_reason == sampling_pb2.FINISH_REASON_STOP
-        assert stack.gateway.hub.detokenizer.local_calls >= 2
+        assert stack.gateway.hub.processor.detokenizer.local_calls >= 2
 
     try:
         run_on_stack(f"127.0.0.1:{port}", Script(text_ids, hold_after=3), body)
@@ -99,7 +99,7 @@ def test_a_definition_that_does_not_load_leaves_the_streams_to_the_detokenize_rp
         call = stack.generation.GenerateStream(generation_pb2.GenerateRequest(prompt="hi"))
         chunks = [chunk async for chunk in call]
         assert "".join(c.text for c in chunks) == TEXT
-        assert stack.gateway.hub.detokenizer.local_calls == 0
+        assert stack.gateway.hub.processor.detokenizer.local_calls == 0
         assert len(fetches) >= 2  # tried again, past RETRY_S
 
     run_on_stack(tokenizer_address, Script(text_ids), body)
@@ -110,7 +110,7 @@ def test_a_tokenizer_that_stays_down_fails_streams_as_unavailable_and_the_reques
 ) -> None:
     """Past the outage window the client gets UNAVAILABLE with the offset to resume at, not INTERNAL,
     and the request is not cancelled: it finishes and is recorded, for a Resume once the tokenizer is back."""
-    monkeypatch.setattr(detokenize_retry, "TOKENIZER_OUTAGE_S", 1.0)
+    monkeypatch.setattr(local_detokenizer, "TOKENIZER_OUTAGE_S", 1.0)
     port, process = _start_own_tokenizer()
 
     async def body(stack: Stack) -> None:

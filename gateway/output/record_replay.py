@@ -1,23 +1,20 @@
-"""A resumed stream's detokenize state, rebuilt from its request's record before the replay.
+"""A request's record from the scheduler (Redis) replayed into its stream: how a resumed stream, or one
+a gateway catches up on after losing its subscription, is rebuilt before live deltas follow.
 
-A stream that had sent some tokens itself would hold back text: the bytes of a character its last
-tokens have not finished, and text that may begin a stop string. A client resuming at that offset
-has not had it, so the resumed stream must hold back the same.
+The record's tokens from an offset on come in as one delta. A stream resumed at that offset gets the
+detokenize state first that it would have had if it had sent the earlier tokens itself: it would
+hold back text (the bytes of a character its last tokens have not finished, text that may begin a
+stop string), which a client resuming there has not had, so the resumed stream holds back the same.
 """
 
 from __future__ import annotations
 
-from gateway.output.request_stream import RequestStream
+from gateway.output.request_stream import RequestStream, tail
 from gateway.upstream.backends import RPC_TIMEOUT_S, Backends, upstream
 from shardline.proto import common_pb2, sampling_pb2, tokenizer_pb2
 
 # Last tokens of a resumed stream's record checked for held-back text: more than a character's bytes.
 _RESUME_TAIL = 8
-
-
-def tail(ids: list[int], size: int) -> list[int]:
-    """The last `size` ids: a detokenize context."""
-    return ids[max(0, len(ids) - size) :]
 
 
 async def restore_held_back(
@@ -53,3 +50,25 @@ async def restore_held_back(
     if stream.stop.holds_text:
         earlier = reply.results[1].text if len(items) > 1 else ""
         stream.stop.feed(earlier + last.text, armed=False)  # sent before: only what it holds back matters
+
+
+def record_delta(info: common_pb2.RequestInfo, offset: int) -> common_pb2.RequestDelta:
+    """A delta holding a request record's tokens from `offset` on, with their logprobs (and, from
+    0, the prompt's) where it asked for them; final when the record is."""
+    delta = common_pb2.RequestDelta(
+        request_id=info.request_id,
+        token_ids=info.output_token_ids[offset:],
+        offset=offset,
+        logprobs=info.output_logprobs[offset:],
+        prompt_logprobs=info.prompt_logprobs if offset == 0 else [],
+    )
+    if info.status == sampling_pb2.REQUEST_STATUS_FINISHED:
+        delta.finish_reason = info.finish_reason or sampling_pb2.FINISH_REASON_STOP
+    elif info.status == sampling_pb2.REQUEST_STATUS_CANCELLED:
+        delta.finish_reason = sampling_pb2.FINISH_REASON_ABORT
+    elif info.status == sampling_pb2.REQUEST_STATUS_FAILED:
+        delta.finish_reason = sampling_pb2.FINISH_REASON_ERROR
+        delta.error = info.error
+    if delta.finish_reason:
+        delta.usage.CopyFrom(info.usage)
+    return delta
