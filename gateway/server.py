@@ -15,6 +15,7 @@ from gateway.grpc_api.batches_grpc import SERVICE_NAME as BATCHES_SERVICE_NAME
 from gateway.grpc_api.batches_grpc import BatchesServicer
 from gateway.grpc_api.generation_service import GenerationService
 from gateway.grpc_api.health_mirror import HealthMirror
+from gateway.http_api.errors import ServerLog
 from gateway.http_api.openai_http import OpenAIHttpApi
 from gateway.output.stream_hub import StreamHub
 from gateway.runner.request_runner import RequestRunner
@@ -113,7 +114,7 @@ async def start_gateway(settings: GatewaySettings, tracer: trace.Tracer | None =
         app = OpenAIHttpApi(runner, keys, batch_api.status_counts).application()
         batch_api.add_routes(app)
         # handler_cancellation: a client that disconnects cancels its handler, which cancels the request upstream.
-        http = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        http = web.AppRunner(app, handler_cancellation=True, access_log=None, logger=ServerLog())
         await http.setup()
         undo.push_async_callback(http.cleanup)
         await web.TCPSite(http, settings.host, settings.http_port, backlog=HTTP_BACKLOG).start()

@@ -10,7 +10,7 @@ from aiohttp import web
 
 from gateway.batches.batch_service import LIST_LIMIT, BatchService, parse_batch_create
 from gateway.batches.files_http import FilesApi
-from gateway.http_api.openai_http import json_body
+from gateway.http_api.request_body import json_body
 from shardline.core.errors import InvalidArgument
 
 

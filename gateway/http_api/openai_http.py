@@ -7,15 +7,14 @@ import asyncio
 import contextlib
 import json
 import logging
-import re
 import secrets
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
-from aiohttp.http_exceptions import HttpProcessingError
 
+from gateway.http_api.errors import error_body, openai_errors
 from gateway.http_api.openai_choices import (
     Choice,
     choice_specs,
@@ -26,14 +25,14 @@ from gateway.http_api.openai_choices import (
 )
 from gateway.http_api.openai_echo import echoed_prompts
 from gateway.http_api.openai_request import OPENAI_COMPLETIONS_DEFAULT_MAX_TOKENS, OpenAIRequest, parse_request
-from gateway.http_api.openai_response import ResponseFormatter, error_body
+from gateway.http_api.openai_response import ResponseFormatter
+from gateway.http_api.request_body import json_body
 from gateway.http_api.tokenize_http import TokenizeApi
 from gateway.http_api.tokenize_request import parse_detokenize, parse_tokenize
 from gateway.metrics import metrics_handler
 from gateway.runner.request_attach import ID_HEADER
 from gateway.runner.request_runner import ModelNotFound, RequestRunner
 from gateway.tenancy.auth import ApiKeys, http_auth_middleware
-from gateway.tenancy.tenant_limiter import RateLimited
 from gateway.tools.tool_params import keeps_special_tokens, resolve_parser
 from gateway.upstream.backends import HEALTH_TIMEOUT_S
 from shardline.core.errors import InvalidArgument, ShardlineError
@@ -63,52 +62,6 @@ class BodyTimeout(ShardlineError):
 class BodyUnreadable(InvalidArgument):
     """The body does not decode under its Content-Encoding, or its chunked framing is broken: 400, and
     the connection is closed, since where the next request would start in it is unknown."""
-
-
-def error_response(
-    status: int,
-    message: str,
-    param: str | None = None,
-    code: str | None = None,
-    headers: dict[str, str] | None = None,
-    kind: str | None = None,
-) -> web.Response:
-    headers = dict(headers or {})
-    if status in (429, 503):
-        headers.setdefault("Retry-After", str(RETRY_AFTER_S))  # a tenant's limit gives its own
-    return web.json_response(error_body(status, message, param, code, kind), status=status, headers=headers)
-
-
-@web.middleware
-async def openai_errors(
-    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
-) -> web.StreamResponse:
-    """Every failure as an OpenAI-style JSON error with the matching status."""
-    try:
-        return await handler(request)
-    except ShardlineError as exc:
-        response = error_response(
-            exc.http_status,
-            str(exc),
-            getattr(exc, "field", None),
-            getattr(exc, "openai_code", None),
-            exc.headers if isinstance(exc, RateLimited) else None,
-            exc.openai_type if isinstance(exc, RateLimited) else None,
-        )
-        if isinstance(exc, (BodyTimeout, BodyUnreadable)):
-            # The rest of the body may still come, or cannot be read: this connection can serve no other.
-            response.force_close()
-        return response
-    except web.HTTPException as exc:  # unknown route, wrong method, body over client_max_size (413)
-        if exc.status < 400:
-            raise
-        allow = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None  # a 405's methods
-        return error_response(exc.status, exc.text or exc.reason, headers=allow)
-    except ConnectionResetError:
-        raise  # the client left mid-stream; nothing can be sent
-    except Exception:
-        logger.exception("unhandled error in %s %s", request.method, request.path)
-        return error_response(500, "internal server error")
 
 
 class OpenAIHttpApi:
@@ -293,61 +246,6 @@ class OpenAIHttpApi:
             "workers": workers,
         }
         return web.json_response(body, status=200 if healthy else 503)
-
-
-# A JSON escape of a UTF-16 surrogate (valid in pairs, which json.loads joins into one character).
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
-# A surrogate written out in UTF-8 (ED A0..BF), which is no valid UTF-8 and yet json.loads decodes
-# (it reads bytes with "surrogatepass"), as it decodes one in a UTF-16 or UTF-32 body.
-_ENCODED_SURROGATE = re.compile(rb"\xed[\xa0-\xbf]")
-
-
-async def json_body(request: web.Request) -> Any:
-    try:  # over client_max_size this raises HTTPRequestEntityTooLarge: a 413
-        raw = await asyncio.wait_for(request.read(), BODY_TIMEOUT_S)
-    except TimeoutError:
-        raise BodyTimeout(f"the request body did not arrive within {BODY_TIMEOUT_S:g} s") from None
-    except web.HTTPException:
-        raise  # a body over client_max_size: aiohttp's own 413
-    except (web.RequestPayloadError, HttpProcessingError) as exc:
-        # A Content-Encoding the body does not decode under (a gzip header on plain text), or a
-        # broken chunked transfer: the client's mistake, not a server fault. The body is over as far
-        # as this request goes: aiohttp would otherwise drain it after the answer, meet the same
-        # error, and log it as its own unhandled exception.
-        request.content.feed_eof()
-        raise BodyUnreadable("body", f"could not be read ({exc.__class__.__name__}: {exc})") from exc
-    try:
-        body = json.loads(raw)
-        if _may_hold_surrogates(raw):
-            _refuse_lone_surrogates(body, "")
-        return body
-    except ValueError as exc:
-        raise InvalidArgument("body", f"is not valid JSON ({exc})") from exc
-    except RecursionError as exc:  # nesting deeper than the parser's stack: refused, not a 500
-        raise InvalidArgument("body", "is nested too deeply") from exc
-
-
-def _may_hold_surrogates(raw: bytes) -> bool:
-    """Whether the parsed body may hold a lone surrogate: escaped, written out, or in a body that
-    is not UTF-8 at all (json.loads reads UTF-16 and UTF-32 too; such a body starts with a 0 byte
-    in its first four)."""
-    return bool(_SURROGATE_ESCAPE.search(raw) or _ENCODED_SURROGATE.search(raw) or b"\x00" in raw[:4])
-
-
-def _refuse_lone_surrogates(value: Any, path: str) -> None:
-    """JSON can spell a lone surrogate ("\\ud800"), which is no Unicode text: refuse it, naming the field."""
-    if isinstance(value, str):
-        try:
-            value.encode()
-        except UnicodeEncodeError:
-            raise InvalidArgument(path or "body", "contains a lone UTF-16 surrogate, which is not text") from None
-    elif isinstance(value, dict):
-        for key, item in value.items():
-            _refuse_lone_surrogates(key, path or "body")
-            _refuse_lone_surrogates(item, f"{path}.{key}" if path else key)
-    elif isinstance(value, list):
-        for i, item in enumerate(value):
-            _refuse_lone_surrogates(item, f"{path}[{i}]")
 
 
 def _sse(event: dict[str, Any]) -> bytes:

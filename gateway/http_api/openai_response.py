@@ -1,4 +1,4 @@
-"""OpenAI response bodies: whole completions, streamed chunks, logprobs, usage and errors."""
+"""OpenAI response bodies: whole completions, streamed chunks, logprobs and usage."""
 
 from __future__ import annotations
 
@@ -11,32 +11,6 @@ from gateway.output.request_stream import StreamChunk
 from gateway.tools.tool_calls import ToolCallOutput
 from gateway.tools.tool_params import ToolRequest
 from shardline.proto import sampling_pb2
-
-# HTTP status -> OpenAI error `type` and default `code`.
-_ERROR_KINDS = {
-    400: ("invalid_request_error", None),
-    401: ("authentication_error", "invalid_api_key"),
-    404: ("invalid_request_error", "not_found"),
-    405: ("invalid_request_error", "method_not_allowed"),
-    408: ("timeout_error", "request_timeout"),
-    409: ("invalid_request_error", "conflict"),
-    413: ("invalid_request_error", "request_too_large"),
-    429: ("rate_limit_error", "rate_limit_exceeded"),
-    503: ("service_unavailable_error", "service_unavailable"),
-    504: ("timeout_error", "timeout"),
-}
-
-
-def error_body(
-    status: int, message: str, param: str | None = None, code: str | None = None, kind: str | None = None
-) -> dict[str, Any]:
-    """`{"error": {...}}` as the OpenAI API sends it; `code` and `kind` (its type) override the status's own."""
-    default_kind, default_code = _ERROR_KINDS.get(status, ("server_error", "internal_error"))
-    kind = kind or default_kind
-    code = code or default_code
-    if status == 404 and param == "model":
-        code = "model_not_found"
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 def usage_body(usage: sampling_pb2.Usage | None) -> dict[str, int] | None:

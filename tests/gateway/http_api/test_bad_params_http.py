@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 
 import aiohttp
 import openai
@@ -213,7 +214,7 @@ def test_a_surrogate_pair_is_a_character(tokenizer_address, text_ids) -> None:
 
 def test_a_body_that_does_not_arrive_in_time_is_a_408(tokenizer_address, text_ids, monkeypatch) -> None:
     # A client that sends its headers and then trickles (or never sends) its body held a handler forever.
-    monkeypatch.setattr("gateway.http_api.openai_http.BODY_TIMEOUT_S", 0.3)
+    monkeypatch.setattr("gateway.http_api.request_body.BODY_TIMEOUT_S", 0.3)
 
     async def body(stack: Stack) -> None:
         host, port = stack.base_url.removeprefix("http://").split(":")
@@ -231,3 +232,34 @@ def test_a_body_that_does_not_arrive_in_time_is_a_408(tokenizer_address, text_id
         writer.close()
 
     run_on_stack(tokenizer_address, Script(text_ids), body)
+
+
+@pytest.mark.parametrize(
+    "request_bytes",
+    [
+        b"GET /health HTTP/1.1\r\nHost: x\r\nBad Header: 1\r\n\r\n",  # a header name with a space
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: two\r\n\r\n{}",
+        # br without a brotli decoder installed: aiohttp refuses it as it parses the headers
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Encoding: br\r\nContent-Length: 2\r\n\r\n{}",
+    ],
+    ids=["bad header", "bad length", "no decoder"],
+)
+def test_a_request_that_is_not_valid_http_is_a_400_logged_in_one_warning_line(
+    tokenizer_address, text_ids, caplog, request_bytes
+) -> None:
+    # aiohttp answers these itself, and logged each at ERROR with a traceback, as a server fault.
+    async def body(stack: Stack) -> None:
+        host, port = stack.base_url.removeprefix("http://").split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(request_bytes)
+        await writer.drain()
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout=10)
+        assert head.split(b" ")[1] == b"400", head
+        writer.close()
+
+    with caplog.at_level(logging.WARNING, logger="aiohttp.server"):
+        run_on_stack(tokenizer_address, Script(text_ids), body)
+    records = [r for r in caplog.records if r.name == "aiohttp.server"]
+    assert [r.levelno for r in records] == [logging.WARNING]
+    assert records[0].exc_info is None and "\n" not in records[0].getMessage()
+    assert "400" in records[0].getMessage()
