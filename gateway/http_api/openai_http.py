@@ -24,7 +24,12 @@ from gateway.http_api.openai_choices import (
     total_usage,
 )
 from gateway.http_api.openai_echo import echoed_prompts
-from gateway.http_api.openai_request import OPENAI_COMPLETIONS_DEFAULT_MAX_TOKENS, OpenAIRequest, parse_request
+from gateway.http_api.openai_request import (
+    OPENAI_COMPLETIONS_DEFAULT_MAX_TOKENS,
+    OpenAIRequest,
+    SamplingFields,
+    parse_request,
+)
 from gateway.http_api.openai_response import ResponseFormatter
 from gateway.http_api.request_body import json_body
 from gateway.http_api.tokenize_http import TokenizeApi
@@ -33,7 +38,7 @@ from gateway.metrics import metrics_handler
 from gateway.runner.request_attach import ID_HEADER
 from gateway.runner.request_runner import ModelNotFound, RequestRunner
 from gateway.tenancy.auth import ApiKeys, http_auth_middleware
-from gateway.tools.tool_params import keeps_special_tokens, resolve_parser
+from gateway.tools.tool_params import ToolRequest, keeps_special_tokens, resolve_parser
 from gateway.upstream.backends import HEALTH_TIMEOUT_S
 from shardline.core.errors import InvalidArgument, ShardlineError
 from shardline.core.ids import require_named_id
@@ -106,10 +111,7 @@ class OpenAIHttpApi:
         self._runner.admission.check()
         parsed = parse_request(await json_body(request), chat)
         if parsed.tools is not None:
-            template_format = (await self._runner.backends.tokenizer_info()).tool_call_format
-            resolve_parser(parsed.tools, self._runner.settings.tool_call_parser, template_format)
-            if keeps_special_tokens(parsed.tools) and parsed.sampling.skip_special_tokens is None:
-                parsed.sampling.skip_special_tokens = False
+            await self._resolve_tools(parsed.tools, parsed.sampling)
         # A request the client names is idempotent: sent again, it attaches to the first (request_attach.py).
         named = request.headers.get(ID_HEADER)
         kind = "chatcmpl" if chat else "cmpl"
@@ -126,27 +128,8 @@ class OpenAIHttpApi:
                 span.set_attributes(
                     {attr.REQUEST_ID: request_id, attr.CHOICES: [choice.live.request_id for choice in choices]}
                 )
-            created = int(time.time())
             try:
-                echoes = (
-                    await echoed_prompts(self._runner, [c.live for c in choices], parsed.echo_only)
-                    if parsed.echo
-                    else None
-                )
-                formatters = [
-                    ResponseFormatter(
-                        request_id,
-                        choice.live.model,
-                        chat,
-                        parsed.include_usage,
-                        choice.index,
-                        created,
-                        echoes[i] if echoes else None,
-                        parsed.prompt_logprobs,
-                        parsed.tools,
-                    )
-                    for i, choice in enumerate(choices)
-                ]
+                formatters = await self._formatters(request_id, parsed, choices)
                 if parsed.stream:
                     return await self._stream(request, request_id, choices, formatters, parsed)
                 completions = await asyncio.gather(*(choice.live.collect() for choice in choices))
@@ -159,6 +142,35 @@ class OpenAIHttpApi:
         usage = total_usage(choices, [completion.usage for completion in completions], parsed.echo_only)
         headers = {"X-Request-Id": request_id, **choices[-1].live.rate_limit_headers}
         return web.json_response(ResponseFormatter.whole_of(formatters, completions, usage), headers=headers)
+
+    async def _resolve_tools(self, tools: ToolRequest, sampling: SamplingFields) -> None:
+        """The parser of "auto" output, now that the model is known, and what it needs of the text."""
+        template_format = (await self._runner.backends.tokenizer_info()).tool_call_format
+        resolve_parser(tools, self._runner.settings.tool_call_parser, template_format)
+        if keeps_special_tokens(tools) and sampling.skip_special_tokens is None:
+            sampling.skip_special_tokens = False
+
+    async def _formatters(
+        self, request_id: str, parsed: OpenAIRequest, choices: list[Choice]
+    ) -> list[ResponseFormatter]:
+        """One formatter per choice, each with its echoed prompt when the request asked for echo."""
+        created = int(time.time())
+        lives = [choice.live for choice in choices]
+        echoes = await echoed_prompts(self._runner, lives, parsed.echo_only) if parsed.echo else None
+        return [
+            ResponseFormatter(
+                request_id,
+                choice.live.model,
+                parsed.chat,
+                parsed.include_usage,
+                choice.index,
+                created,
+                echoes[i] if echoes else None,
+                parsed.prompt_logprobs,
+                parsed.tools,
+            )
+            for i, choice in enumerate(choices)
+        ]
 
     async def _stream(
         self,

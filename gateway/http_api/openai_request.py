@@ -138,12 +138,9 @@ def parse_request(body: Any, chat: bool) -> OpenAIRequest:
         # best_of > n means ranking candidates by likelihood and returning the best n: not done here.
         raise InvalidArgument("best_of", "only best_of equal to n is supported")
     sampling.structured_output, structured_output_field = structured_output_from_openai(body)
-    tools = chat_tools(body) if chat else None
-    if tools is not None:
-        prompts[0].chat.tools_json = tools.tools_json
-        constraint = tool_constraint(tools, sampling.structured_output, structured_output_field)
-        if constraint is not None:
-            sampling.structured_output, structured_output_field = constraint, "tools"
+    tools = None
+    if chat:
+        tools, structured_output_field = _tools(body, prompts[0], sampling, structured_output_field)
     if len(prompts) * n > MAX_CHOICES:
         raise InvalidArgument(
             "n" if len(prompts) == 1 else "prompt",
@@ -153,17 +150,7 @@ def parse_request(body: Any, chat: bool) -> OpenAIRequest:
     if options is not None and not stream:
         raise InvalidArgument("stream_options", "is only allowed when stream is true")
     include_usage = bool(json_field(options or {}, "include_usage", bool, "stream_options.include_usage"))
-    echo = not chat and bool(json_field(body, "echo", bool))
-    if echo and sampling.logprobs and sampling.prompt_logprobs is None:
-        # An echoed prompt's tokens get logprobs like the completion's (how harnesses score text).
-        sampling.prompt_logprobs = sampling.top_logprobs
-    echo_only = echo and sampling.max_tokens == 0
-    if echo_only:
-        # OpenAI's way to score a text: its logprobs, no completion. As in vLLM, the engine still samples
-        # one token (a prefill yields one), and the response leaves it out.
-        if sampling.min_tokens:
-            raise InvalidArgument("min_tokens", "must not exceed max_tokens")
-        sampling.max_tokens = 1
+    echo, echo_only = (False, False) if chat else _echo(body, sampling)
     return OpenAIRequest(
         chat,
         model,
@@ -215,6 +202,40 @@ def sampling_fields(body: dict[str, Any], chat: bool) -> SamplingFields:
         fields.top_logprobs = count or 0
     fields.prompt_logprobs = integer_field(body, "prompt_logprobs", 0, MAX_TOP_LOGPROBS + 1)  # vLLM's extension
     return fields
+
+
+def _tools(
+    body: dict[str, Any], conversation: Prompt, sampling: SamplingFields, structured_output_field: str
+) -> tuple[ToolRequest | None, str]:
+    """A chat's tools, their definitions put in its conversation and their constraint, if any, on
+    its output; and the field its constraint came from."""
+    tools = chat_tools(body)
+    if tools is None:
+        return None, structured_output_field
+    assert conversation.chat is not None
+    conversation.chat.tools_json = tools.tools_json
+    constraint = tool_constraint(tools, sampling.structured_output, structured_output_field)
+    if constraint is None:
+        return tools, structured_output_field
+    sampling.structured_output = constraint
+    return tools, "tools"
+
+
+def _echo(body: dict[str, Any], sampling: SamplingFields) -> tuple[bool, bool]:
+    """/v1/completions' echo, and whether the echoed prompt is all the answer (max_tokens 0), with what
+    each asks of the sampler."""
+    echo = bool(json_field(body, "echo", bool))
+    if echo and sampling.logprobs and sampling.prompt_logprobs is None:
+        # An echoed prompt's tokens get logprobs like the completion's (how harnesses score text).
+        sampling.prompt_logprobs = sampling.top_logprobs
+    echo_only = echo and sampling.max_tokens == 0
+    if echo_only:
+        # OpenAI's way to score a text: its logprobs, no completion. As in vLLM, the engine still samples
+        # one token (a prefill yields one), and the response leaves it out.
+        if sampling.min_tokens:
+            raise InvalidArgument("min_tokens", "must not exceed max_tokens")
+        sampling.max_tokens = 1
+    return echo, echo_only
 
 
 def _stop_strings(value: Any) -> list[str]:
