@@ -2,7 +2,7 @@
 
 A Detokenize call costs far more in gRPC than in detokenizing: at concurrency 1, one call per
 token took the tokenizer service 9% of a core and the gateway's call another 2%, ~1.4 ms of CPU a
-token on the cores the worker decodes on, for ~10 us of work. So the hub fetches the tokenizer's
+token on the cores the worker decodes on, for ~10 us of work. So the gateway fetches the tokenizer's
 definition once (Tokenizer.GetDefinition) and runs the code the service runs
 (shardline/core/text/detokenizer.py) in-process, as vLLM's and TGI's front ends do. Once it has it, a
 tokenizer restart no longer pauses the streams either.
@@ -36,7 +36,7 @@ TOKENIZER_OUTAGE_S = 30.0
 
 
 class LocalDetokenizer:
-    """Detokenize for the hub: in-process once the definition is here, else the tokenizer's rpc."""
+    """Detokenize for the output processor: in-process once the definition is here, else the tokenizer's rpc."""
 
     def __init__(self, backends: Backends, enabled: bool = True) -> None:
         self._backends = backends

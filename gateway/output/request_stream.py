@@ -85,7 +85,7 @@ class StreamTiming:
 
 @dataclass(slots=True)
 class RequestStream:
-    """The hub's state for one request whose output it streams."""
+    """The output processor's state for one request whose output it streams."""
 
     request_id: str  # the request
     prompt_tokens: int  # prompt length, for the usage of a request finished by a stop string
