@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import logging
 import secrets
 import time
 from collections.abc import Awaitable, Callable
@@ -45,8 +44,6 @@ from shardline.core.ids import require_named_id
 from shardline.proto import generation_pb2, sampling_pb2
 from tracing import attributes as attr
 from tracing.grpc_context import start_http_server_span
-
-logger = logging.getLogger(__name__)
 
 _DONE = b"data: [DONE]\n\n"
 
