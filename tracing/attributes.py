@@ -35,7 +35,7 @@ DRAFT_TOKENS = "shardline.draft_tokens"  # n-gram speculation: draft tokens the 
 ACCEPTED_TOKENS = "shardline.accepted_tokens"  # of those, the ones kept as output
 TENANT = "shardline.tenant"  # the tenant a request counts against (gateway request span, scheduler queue span)
 # A request with a TTFT target (gateway request span): the target, and how it fared: met, missed or
-# refused (gateway/request_metrics.py says which is which).
+# refused (gateway/runner/request_metrics.py says which is which).
 TTFT_TARGET_MS = "shardline.ttft_target_ms"
 SLO_OUTCOME = "shardline.slo_outcome"
 # Batch jobs: the batch a batch.chunk or batch.line span works for, the chunk's index, the lines it kept.

@@ -61,7 +61,7 @@ class RequestSummary:
     error: str = ""
     # The tenant it counted against, "" when the gateway did not name one (refused before its Submit).
     tenant: str = ""
-    # Its TTFT target, and met, missed or refused against it (gateway/request_metrics.py); None without one.
+    # Its TTFT target, and met, missed or refused against it (gateway/runner/request_metrics.py); None without one.
     ttft_target_ms: float | None = None
     slo_outcome: str | None = None
 
