@@ -77,7 +77,8 @@ SCRAPE_TIMEOUT_S = 2.0
 # Gauges the scheduler and workers set in their own processes; here they come from the scheduler.
 _SCALE_GAUGES = (AUTOSCALER_DESIRED, AUTOSCALER_READY, AUTOSCALER_FORECAST)
 _ELSEWHERE = frozenset(
-    g.describe()[0].name for g in (QUEUE_DEPTH, RUNNING_REQUESTS, KV_CACHE_USAGE, TOKENS_PER_SECOND, *_SCALE_GAUGES)
+    next(iter(g.describe())).name
+    for g in (QUEUE_DEPTH, RUNNING_REQUESTS, KV_CACHE_USAGE, TOKENS_PER_SECOND, *_SCALE_GAUGES)
 )
 
 
@@ -133,7 +134,7 @@ def _tenant_queue_depth(stats: scheduler_pb2.SchedulerStats) -> GaugeMetricFamil
 
 def _gauge(like: Gauge, value: float | None = None, labels: list[str] | None = None) -> GaugeMetricFamily:
     """A family named and documented as `like`, one of the gauges the scheduler and workers set."""
-    described = like.describe()[0]
+    described = next(iter(like.describe()))
     return GaugeMetricFamily(described.name, described.documentation, value, labels)
 
 

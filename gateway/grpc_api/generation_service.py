@@ -17,7 +17,7 @@ from gateway.runner.submitted_request import SubmittedRequest
 from gateway.tenancy.auth import ApiKeys
 from gateway.tenancy.slo_params import Slo, checked_target
 from gateway.tenancy.tenant_limiter import RateLimited
-from gateway.tools.tool_calls import ToolCallOutput
+from gateway.tools.tool_calls import CallPiece, ToolCallOutput
 from gateway.tools.tool_params import (
     ToolRequest,
     keeps_special_tokens,
@@ -291,7 +291,8 @@ def _stream_response(
     """One chunk on the wire; with tools, its text split into what the model said and its calls."""
     if (failure := chunk.failure()) is not None:
         raise failure
-    text, pieces, finish_reason = chunk.text, [], chunk.finish_reason
+    text, finish_reason = chunk.text, chunk.finish_reason
+    pieces: list[CallPiece] = []
     if tools is not None:
         text, pieces = tools.feed(chunk.text, final=finish_reason is not None)
         finish_reason = tools.finish_reason(finish_reason)

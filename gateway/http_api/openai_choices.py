@@ -11,13 +11,13 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import TypeVar, cast
 
 from opentelemetry import trace
 
 from gateway.http_api.openai_request import OpenAIRequest
 from gateway.output.request_stream import StreamChunk, usage_of
-from gateway.runner.generation_spec import GenerationSpec
+from gateway.runner.generation_spec import GenerationSpec, PreparedRequest
 from gateway.runner.request_runner import RequestRunner
 from gateway.runner.submitted_request import SubmittedRequest
 from shardline.proto import sampling_pb2
@@ -85,8 +85,9 @@ async def start_choices(runner: RequestRunner, specs: list[GenerationSpec], n: i
             *(_in_span(sp, runner.prepare(spec, sp)) for spec, sp in zip(specs, spans)), return_exceptions=True
         )
         _raise_first(prepared, spans, [])
+        ready = cast(list[PreparedRequest], prepared)  # _raise_first raised if one was an exception
         lives = await asyncio.gather(
-            *(_in_span(sp, runner.submit(p)) for sp, p in zip(spans, prepared)), return_exceptions=True
+            *(_in_span(sp, runner.submit(p)) for sp, p in zip(spans, ready)), return_exceptions=True
         )
     started = [
         Choice(i, i % n, live, sp)
@@ -144,11 +145,11 @@ async def merged_chunks(choices: list[Choice]) -> AsyncIterator[tuple[int, Strea
     try:
         remaining = len(tasks)
         while remaining:
-            index, chunk = await queue.get()
-            if chunk is None:
+            index, piece = await queue.get()
+            if piece is None:
                 remaining -= 1
             else:
-                yield index, chunk
+                yield index, piece
     finally:
         for task in tasks:
             task.cancel()

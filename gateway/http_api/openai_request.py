@@ -269,7 +269,7 @@ def _slo(body: dict[str, Any]) -> Slo:
 def _prompts(body: dict[str, Any]) -> list[Prompt]:
     """A prompt (text or token ids), or a batch of them: a list of texts or of token-id lists."""
     prompt = body.get("prompt")
-    if isinstance(prompt, str) or _is_token_ids(prompt):
+    if isinstance(prompt, str) or (isinstance(prompt, list) and _is_token_ids(prompt)):
         return [_prompt(prompt, "prompt")]
     if isinstance(prompt, list) and prompt and all(isinstance(p, str) or _is_token_ids(p) for p in prompt):
         return [_prompt(p, f"prompt[{i}]") for i, p in enumerate(prompt)]

@@ -13,10 +13,10 @@ from gateway.tools.tool_params import ToolRequest
 from shardline.proto import sampling_pb2
 
 
-def usage_body(usage: sampling_pb2.Usage | None) -> dict[str, int] | None:
+def usage_body(usage: sampling_pb2.Usage | None) -> dict[str, Any] | None:
     if usage is None:
         return None
-    body = {
+    body: dict[str, Any] = {
         "prompt_tokens": usage.prompt_tokens,
         "completion_tokens": usage.completion_tokens,
         "total_tokens": usage.total_tokens,
@@ -172,7 +172,7 @@ class ResponseFormatter:
         if not logprobs:  # prompt_logprobs alone answers in vLLM's own field, not in `logprobs`
             return self.echo.text, None
         # The prompt's first token has no logprob (nothing comes before it): null, as OpenAI sends it.
-        first = {
+        first: dict[str, list[Any]] = {
             "tokens": [self.echo.first_token_text],
             "token_logprobs": [None],
             "top_logprobs": [None],

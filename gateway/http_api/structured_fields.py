@@ -134,4 +134,6 @@ def _constraint(kind: str, value: Any, field: str) -> sampling_pb2.StructuredOut
         return sampling_pb2.StructuredOutput(choice=sampling_pb2.Choices(choices=value))
     if not isinstance(value, str) or not value.strip():
         raise InvalidArgument(field, "must be a non-empty string")
-    return sampling_pb2.StructuredOutput(**{kind: value})
+    message = sampling_pb2.StructuredOutput()
+    setattr(message, kind, value)  # json_schema, regex or grammar: a string field each
+    return message

@@ -92,8 +92,8 @@ class SubmittedRequest:
         """The consumer is done or gone: cancel upstream if unfinished (after `grace_s`, unless the
         request is resumed meanwhile), record metrics and spans."""
         self._hub.release(self.request_id, cancel=not self._spec.idempotent, grace_s=grace_s)
-        finished = self._last is not None and self._last.finish_reason is not None
-        if not finished and self._hold is not None and self._limiter is not None:
+        last = self._last if self._last is not None and self._last.finish_reason is not None else None
+        if last is None and self._hold is not None and self._limiter is not None:
             self._limiter.detach(self._hold)  # it still holds its slot until it ends
         end = RequestEnd(
             request_id=self.request_id,
@@ -103,9 +103,9 @@ class SubmittedRequest:
             arrival_s=self._spec.arrival_s,
             timing=self._stream.timing,
             end_s=time.perf_counter(),
-            usage=self._last.usage if finished else self._stream.usage(),
-            finish_reason=self._last.finish_reason if finished else "abort",
-            timed_out=isinstance(self._last.failure() if finished else None, DeadlineExceeded),
-            error=self._last.error if finished else "",
+            usage=last.usage if last is not None and last.usage is not None else self._stream.usage(),
+            finish_reason=last.finish_reason if last is not None and last.finish_reason else "abort",
+            timed_out=last is not None and isinstance(last.failure(), DeadlineExceeded),
+            error=last.error if last is not None else "",
         )
         record_end(end, self._span, self._tracer)

@@ -180,14 +180,16 @@ class TenantLimiter:
     async def _verdict(self, ask: Ask) -> Verdict | None:
         """The store's answer, or None when Redis is unreachable (fail open)."""
         if time.monotonic() < self._down_until:
-            return self._pass_unchecked(ask.tenant)
+            self._pass_unchecked(ask.tenant)
+            return None
         try:
             async with asyncio.timeout(REDIS_TIMEOUT_S):
                 return await self._store.admit(ask, self._lease_s)
         except (RedisError, OSError, TimeoutError) as exc:
             self._down_until = time.monotonic() + REDIS_RETRY_S
             logger.warning("rate limits: Redis unreachable (%r); letting requests through unchecked", exc)
-            return self._pass_unchecked(ask.tenant)
+            self._pass_unchecked(ask.tenant)
+            return None
 
     def _pass_unchecked(self, tenant: str) -> None:
         RATE_LIMITS_UNCHECKED.labels(tenant=tenant).inc()

@@ -151,7 +151,8 @@ def parse_tenants(text: str, source: str = "tenants file") -> TenantTable:
         parsed = _TenantsFile.model_validate(yaml.safe_load(text) or {})
     except (yaml.YAMLError, ValidationError) as exc:
         raise TenantsFileError(f"{source}: {exc}") from exc
-    tenants, by_digest = {}, {}
+    tenants: dict[str, Tenant] = {}
+    by_digest: dict[str, Tenant] = {}
     for name, entry in parsed.tenants.items():
         if not name or len(name) > 64 or not all(c.isalnum() or c in "._-" for c in name):
             raise TenantsFileError(f"{source}: tenant {name!r}: names are 1-64 letters, digits, '.', '_' or '-'")

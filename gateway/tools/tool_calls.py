@@ -296,7 +296,10 @@ class _Llama3JsonReader:
 _DECODER = json.JSONDecoder()
 
 
-_AUTO_READERS = {"hermes": _HermesReader, "llama3_json": _Llama3JsonReader}
+_AUTO_READERS: dict[str, type[_HermesReader] | type[_Llama3JsonReader]] = {
+    "hermes": _HermesReader,
+    "llama3_json": _Llama3JsonReader,
+}
 _Reader = _NamedReader | _RequiredReader | _HermesReader | _Llama3JsonReader
 
 

@@ -18,7 +18,7 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import BinaryIO, Protocol
+from typing import IO, BinaryIO, Protocol
 
 from shardline.core.errors import InvalidArgument, Unavailable
 
@@ -155,7 +155,7 @@ class LocalFileStore:
         return found
 
 
-def read_chunks(source: BinaryIO, size: int = 1 << 20) -> Iterator[bytes]:
+def read_chunks(source: IO[bytes], size: int = 1 << 20) -> Iterator[bytes]:
     while chunk := source.read(size):
         yield chunk
 

@@ -64,7 +64,9 @@ class CheckedInput:
     errors: list[LineError]
 
 
-def check_input(source: BinaryIO, endpoint: str, check_body: Callable[[dict], None], chunk_lines: int) -> CheckedInput:
+def check_input(
+    source: BinaryIO, endpoint: str, check_body: Callable[[dict], object], chunk_lines: int
+) -> CheckedInput:
     """Every line of `source` checked; the chunks of `chunk_lines` lines it splits into."""
     errors: list[LineError] = []
     seen: set[str] = set()
