@@ -256,7 +256,7 @@ def test_main_fails_cleanly_on_a_missing_model(tmp_path: Path) -> None:
     assert main(["--port", "0", "--model", str(tmp_path / "missing.gguf")]) == 1
 
 
-HERMES_TEMPLATE = Path(__file__).parents[1] / "shardline" / "text" / "hermes_tool_template.jinja"
+HERMES_TEMPLATE = Path(__file__).parents[1] / "shardline" / "core" / "text" / "hermes_tool_template.jinja"
 TOOLS = [
     {
         "type": "function",

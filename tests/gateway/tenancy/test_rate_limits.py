@@ -37,7 +37,10 @@ def tenants_file(tmp_path: Path, limits: str) -> str:
 
 async def complete(stack: Stack, http: aiohttp.ClientSession, max_tokens: int = 8, **headers: str):
     body = {"prompt": PROMPT, "max_tokens": max_tokens}
-    async with http.post(f"{stack.base_url}/v1/completions", json=body, headers={**KEY, **headers}) as response:
+    url, headers = f"{stack.base_url}/v1/completions", {**KEY, **headers}
+    # Bounded: a request let through that the scripted scheduler holds would otherwise wait forever,
+    # and the test would end at pytest's timeout instead of at the answer it did not expect.
+    async with http.post(url, json=body, headers=headers, timeout=aiohttp.ClientTimeout(total=20)) as response:
         return response.status, dict(response.headers), await response.json()
 
 
@@ -154,7 +157,7 @@ def test_a_named_request_keeps_its_slot_after_its_client_leaves_until_it_ends(
             await asyncio.sleep(0.1)
             gone.cancel()  # the client leaves; its named request runs on (request_attach.py)
             await asyncio.gather(gone, return_exceptions=True)
-            await asyncio.sleep(1.0)  # longer than the lease: the gateway renews it meanwhile
+            await asyncio.sleep(2.5)  # longer than the lease: the gateway renews it meanwhile
             status, _, refusal = await complete(stack, http)
             assert status == 429 and refusal["error"]["type"] == "requests"
             stack.scheduler.release()  # it runs to its end with nobody reading it
@@ -166,7 +169,9 @@ def test_a_named_request_keeps_its_slot_after_its_client_leaves_until_it_ends(
 
     path = tenants_file(tmp_path, "{max_concurrent: 1}")
     script = Script(text_ids[:4], hold_after=1)
-    run_on_stack(tokenizer_address, script, body, tenants_file=path, redis_url=redis_url, rate_limit_lease_s=0.6)
+    # A lease of 2 s, renewed every 0.67 s: long enough that the in-process stack's event loop, busy
+    # on a loaded machine, does not let it lapse between renewals.
+    run_on_stack(tokenizer_address, script, body, tenants_file=path, redis_url=redis_url, rate_limit_lease_s=2.0)
 
 
 def test_redis_down_lets_requests_through_counted_and_logged(
