@@ -33,6 +33,7 @@ if ! docker info >/dev/null 2>&1; then
     docker info >/dev/null 2>&1 || { say "dockerd did not answer within 60 s: $(tail -3 .shardline/dockerd.log)"; exit 1; }
 fi
 
+# The package's own binary, not its console script: that wrapper exits 0 whatever compose answers.
 if ! docker compose version >/dev/null 2>&1; then
     compose=$(.venv/bin/python -c 'import compose, pathlib; print(pathlib.Path(compose.__file__).parent / "docker-compose")' 2>/dev/null)
     if [ -z "$compose" ] || [ ! -x "$compose" ]; then

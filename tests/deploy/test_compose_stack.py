@@ -139,6 +139,16 @@ def _served(folder: Path, host: str) -> Iterator[str]:
         server.server_close()
 
 
+def _bridge_address() -> str:
+    """This host's address on Docker's default bridge, where the build's containers reach it."""
+    inspect = "{{range .IPAM.Config}}{{.Gateway}}{{end}}"
+    address = _run("docker", "network", "inspect", "bridge", "-f", inspect).stdout.strip()
+    if not address:  # an engine that leaves the gateway out of IPAM: the docker0 interface has it
+        interface = _run("ip", "-4", "-o", "addr", "show", "dev", "docker0").stdout.split()
+        address = interface[interface.index("inet") + 1].split("/")[0]
+    return address
+
+
 def _build_settings() -> tuple[dict[str, str], Path | None]:
     settings = dict(BASE_IMAGES)
     ca = os.environ.get("PIP_CERT") or _pip_setting("global.cert") or "/etc/ssl/certs/ca-certificates.crt"
@@ -157,7 +167,7 @@ def stack(tmp_path_factory) -> Iterator[ComposeStack]:
     started = time.monotonic()
     _run(REPO / "docker" / "base-images.sh", timeout=900)
     times["base images"] = time.monotonic() - started
-    bridge = _run("docker", "network", "inspect", "bridge", "-f", "{{(index .IPAM.Config 0).Gateway}}").stdout.strip()
+    bridge = _bridge_address()
     settings, wheelhouse = _build_settings()
     ports = {name: free_port() for name in ("GATEWAY_HTTP_PORT", "GATEWAY_GRPC_PORT", "PROMETHEUS_PORT")}
     ports["TRACING_DASHBOARD_PORT"] = free_port()
@@ -177,9 +187,12 @@ def stack(tmp_path_factory) -> Iterator[ComposeStack]:
         started = time.monotonic()
         running.compose("build", timeout=1800)
         times["build"] = time.monotonic() - started
+        images = _run("docker", "images", "-q", "shardline/service").stdout.split()
+        assert images, "docker compose build left no shardline/service image"
         started = time.monotonic()
         try:
             running.compose("up", "-d", "--wait", timeout=600)
+            running.wait_healthy(timeout_s=60)  # every service there and healthy, whatever compose answered
             times["up"] = time.monotonic() - started
             print("compose: " + ", ".join(f"{what} {seconds:.0f} s" for what, seconds in times.items()))
             yield running
