@@ -60,72 +60,85 @@ async def run_tenants(
     workload: TenantWorkload, senders: dict[str, SendFn], vocab_size: int, label: str = ""
 ) -> TenantRun:
     """Every tenant's load at once, through `senders[tenant name]`; returns every request sent."""
-    run = TenantRun({t.name: [] for t in workload.tenants})
-    bar = tqdm(desc=label, unit="req", leave=False)
-    t0 = time.perf_counter()
+    loads = _TenantLoads(workload, senders, vocab_size, tqdm(desc=label, unit="req", leave=False))
+    try:
+        await loads.run()
+    finally:
+        loads.bar.close()
+    loads.result.wall_s = time.perf_counter() - loads.t0
+    return loads.result
 
-    async def one(tenant: TenantSpec, rng: random.Random) -> None:
+
+class _TenantLoads:
+    """One run of a workload: each tenant's open or closed loop, and what each request did."""
+
+    def __init__(self, workload: TenantWorkload, senders: dict[str, SendFn], vocab_size: int, bar: tqdm) -> None:
+        self.workload = workload
+        self.senders = senders
+        self.vocab_size = vocab_size
+        self.bar = bar
+        self.result = TenantRun({t.name: [] for t in workload.tenants})
+        self.t0 = time.perf_counter()
+
+    async def run(self) -> None:
+        workload = self.workload
+        loads = [
+            asyncio.create_task(self._open_loop(t, i) if t.request_rate is not None else self._closed_loop(t, i))
+            for i, t in enumerate(workload.tenants)
+        ]
+        if workload.drain:
+            await asyncio.gather(*loads)
+            return
+        done, _ = await asyncio.wait(loads, timeout=max(0.0, self.t0 + workload.duration_s - time.perf_counter()))
+        for task in loads:  # cancels the requests in flight too: each load passes it on
+            task.cancel()
+        await asyncio.gather(*loads, return_exceptions=True)
+        for task in done:
+            task.result()  # a load that crashed (not one that was cancelled) says so
+
+    async def _one(self, tenant: TenantSpec, rng: random.Random) -> None:
         # Random ids above the lowest, where special tokens live; each request its own, so that no
         # prefix cache serves one request's prompt from another's.
-        prompt = [rng.randrange(100, vocab_size) for _ in range(tenant.input_len)]
-        sent = SentRequest(time.perf_counter() - t0, RequestTiming(input_len=tenant.input_len))
-        run.requests[tenant.name].append(sent)
+        prompt = [rng.randrange(100, self.vocab_size) for _ in range(tenant.input_len)]
+        sent = SentRequest(time.perf_counter() - self.t0, RequestTiming(input_len=tenant.input_len))
+        self.result.requests[tenant.name].append(sent)
         try:
-            await senders[tenant.name](prompt, tenant.output_len, sent.timing)
+            await self.senders[tenant.name](prompt, tenant.output_len, sent.timing)
         except asyncio.CancelledError:
             sent.cancelled = True
             raise
         except Exception as exc:  # a failed request is a result of the benchmark, not a crash of it
             sent.timing.ok, sent.timing.error = False, f"{type(exc).__name__}: {exc}"
         finally:
-            sent.ended_at = time.perf_counter() - t0
-        bar.update(1)
+            sent.ended_at = time.perf_counter() - self.t0
+        self.bar.update(1)
 
-    async def open_loop(tenant: TenantSpec, index: int) -> None:
-        seed = tenant_seed(workload, index)
+    async def _open_loop(self, tenant: TenantSpec, index: int) -> None:
+        seed = tenant_seed(self.workload, index)
         rng = random.Random(seed + 1)
         tasks: list[asyncio.Task] = []
         try:
-            for offset in arrival_offsets(tenant, workload.duration_s, seed):
-                await asyncio.sleep(max(0.0, t0 + offset - time.perf_counter()))
-                tasks.append(asyncio.create_task(one(tenant, rng)))
+            for offset in arrival_offsets(tenant, self.workload.duration_s, seed):
+                await asyncio.sleep(max(0.0, self.t0 + offset - time.perf_counter()))
+                tasks.append(asyncio.create_task(self._one(tenant, rng)))
             await asyncio.gather(*tasks)
         finally:
             await _cancel(tasks)
 
-    async def closed_loop(tenant: TenantSpec, index: int) -> None:
-        rng = random.Random(tenant_seed(workload, index) + 1)
+    async def _closed_loop(self, tenant: TenantSpec, index: int) -> None:
+        rng = random.Random(tenant_seed(self.workload, index) + 1)
         budget = [tenant.max_requests or float("inf")]
 
         async def client() -> None:
-            while time.perf_counter() - t0 < workload.duration_s and budget[0] > 0:
+            while time.perf_counter() - self.t0 < self.workload.duration_s and budget[0] > 0:
                 budget[0] -= 1
-                await one(tenant, rng)
+                await self._one(tenant, rng)
 
         clients = [asyncio.create_task(client()) for _ in range(tenant.concurrency or 1)]
         try:
             await asyncio.gather(*clients)
         finally:
             await _cancel(clients)
-
-    loads = [
-        asyncio.create_task(open_loop(t, i) if t.request_rate is not None else closed_loop(t, i))
-        for i, t in enumerate(workload.tenants)
-    ]
-    try:
-        if workload.drain:
-            await asyncio.gather(*loads)
-        else:
-            done, _ = await asyncio.wait(loads, timeout=max(0.0, t0 + workload.duration_s - time.perf_counter()))
-            for task in loads:  # cancels the requests in flight too: each load passes it on
-                task.cancel()
-            await asyncio.gather(*loads, return_exceptions=True)
-            for task in done:
-                task.result()  # a load that crashed (not one that was cancelled) says so
-    finally:
-        bar.close()
-    run.wall_s = time.perf_counter() - t0
-    return run
 
 
 async def _cancel(tasks: list[asyncio.Task]) -> None:

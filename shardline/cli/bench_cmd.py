@@ -200,12 +200,8 @@ def _run(args: argparse.Namespace) -> int:
         except TenantFlagsError as exc:
             print(exc)
             return 2
-    if not args.request_rate > 0:
-        print("--request-rate must be above 0 (inf: all at once)")
-        return 2
-    gap_scale = args.request_rate * args.burstiness  # the gamma scale is its inverse
-    if not 0 < args.burstiness < math.inf or (args.request_rate < math.inf and not math.isfinite(gap_scale)):
-        print("--burstiness must be a finite number above 0")
+    if (problem := _arrival_problem(args)) is not None:
+        print(problem)
         return 2
     # A served model's vocabulary may be smaller: _measure asks the servers that say.
     spec = LoadSpec(
@@ -230,11 +226,26 @@ def _run(args: argparse.Namespace) -> int:
     finally:
         if stack is not None:
             stack.stop()
+    _report(args, spec, rounds, targets)
+    return 0
+
+
+def _arrival_problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with the arrival flags, or None."""
+    if not args.request_rate > 0:
+        return "--request-rate must be above 0 (inf: all at once)"
+    gap_scale = args.request_rate * args.burstiness  # the gamma scale is its inverse
+    if not 0 < args.burstiness < math.inf or (args.request_rate < math.inf and not math.isfinite(gap_scale)):
+        return "--burstiness must be a finite number above 0"
+    return None
+
+
+def _report(args: argparse.Namespace, spec: LoadSpec, rounds: dict[str, list[dict]], targets: dict[str, str]) -> None:
+    """The table on stdout, and every round's figures in --out."""
     results = {name: median_of_rounds(r) for name, r in rounds.items()}
     _print(results, spec, args.rounds)
     for name, target in targets.items():
         print(f"{name}: {target}")
-    comparison = _compare(rounds)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(
         json.dumps(
@@ -242,7 +253,7 @@ def _run(args: argparse.Namespace) -> int:
                 "load": vars(args) | {"out": str(args.out)},
                 "results": results,
                 "rounds": rounds,
-                "comparison": comparison,
+                "comparison": _compare(rounds),
                 "targets": targets,
             },
             indent=2,
@@ -250,7 +261,6 @@ def _run(args: argparse.Namespace) -> int:
         )
     )
     print(f"\nwrote {args.out}")
-    return 0
 
 
 class _FlagsError(Exception):
