@@ -242,8 +242,8 @@ class Dispatcher:
                 attributes={
                     attr.REQUEST_ID: request.request_id,
                     attr.TENANT: request.tenant,
-                    "shardline.worker_id": worker.worker_id,
-                    "shardline.attempt": request.attempt,
+                    attr.WORKER_ID: worker.worker_id,
+                    attr.ATTEMPT: request.attempt,
                     attr.QUEUE_DEPTH: len(self.queue),
                 },
             )

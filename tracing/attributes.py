@@ -30,6 +30,16 @@ STEP = "shardline.step"
 NUM_TOKENS = "shardline.num_tokens"
 STRUCTURED_OUTPUT = "shardline.structured_output"  # the constraint's kind: json_schema, regex...
 TOOL_CHOICE = "shardline.tool_choice"  # a request with tools: none, auto, required or named
+# On the scheduler's dispatch span: the worker it went to, and its attempt (above 1: a failover).
+WORKER_ID = "shardline.worker_id"
+ATTEMPT = "shardline.attempt"
+# On a gateway request span: the HTTP status of a request refused before it ran (429 over a limit or a full
+# queue, 400 for bad input), the gRPC code's equivalent for a gRPC request.
+HTTP_STATUS = "shardline.http_status"
+# On a gateway request span at its end: its time to first token and mean time per output token after the
+# first, as the gateway measured them for gen_ai.server.time_to_first_token and time_per_output_token.
+TTFT_MS = "shardline.ttft_ms"
+TPOT_MS = "shardline.tpot_ms"
 PREFIX_CACHE_HITS = "shardline.prefix_cache_hits"
 DRAFT_TOKENS = "shardline.draft_tokens"  # n-gram speculation: draft tokens the step computed
 ACCEPTED_TOKENS = "shardline.accepted_tokens"  # of those, the ones kept as output

@@ -75,9 +75,12 @@ def record_end(end: RequestEnd, span: trace.Span, tracer: trace.Tracer) -> None:
         ttft = timing.first_token_s - end.arrival_s
         TIME_TO_FIRST_TOKEN.labels(**model).observe(ttft)
         TENANT_TIME_TO_FIRST_TOKEN.labels(tenant=end.tenant).observe(ttft)
+        span.set_attribute(attr.TTFT_MS, ttft * 1000)
         tokens = end.usage.completion_tokens
         if tokens > 1 and timing.last_token_s is not None:
-            TIME_PER_OUTPUT_TOKEN.labels(**model).observe((timing.last_token_s - timing.first_token_s) / (tokens - 1))
+            tpot = (timing.last_token_s - timing.first_token_s) / (tokens - 1)
+            TIME_PER_OUTPUT_TOKEN.labels(**model).observe(tpot)
+            span.set_attribute(attr.TPOT_MS, tpot * 1000)
     REQUEST_DURATION.labels(**model).observe(end.end_s - end.arrival_s)
     PROMPT_TOKENS.labels(**model).inc(end.usage.prompt_tokens)
     GENERATION_TOKENS.labels(**model).inc(end.usage.completion_tokens)

@@ -29,6 +29,7 @@ from shardline.core.errors import (
     NotFound,
     RequestIdTaken,
     ResourceExhausted,
+    ShardlineError,
     Unavailable,
 )
 from shardline.proto import generation_pb2, sampling_pb2, scheduler_pb2, tokenizer_pb2
@@ -64,8 +65,13 @@ class RequestRunner:
 
     async def start(self, spec: GenerationSpec, span: trace.Span) -> SubmittedRequest:
         """Submit `spec`; call inside `span` (current), so the Submit rpc carries the request's trace."""
-        with self.admission.admit():
-            return await self.submit(await self.prepare(spec, span))
+        try:
+            with self.admission.admit():
+                return await self.submit(await self.prepare(spec, span))
+        except ShardlineError as exc:
+            # The tracing collector's series tell refusals (429) from failures by this.
+            span.set_attribute(attr.HTTP_STATUS, exc.http_status)
+            raise
 
     async def prepare(self, spec: GenerationSpec, span: trace.Span) -> PreparedRequest:
         """Validate and tokenize `spec`, submitting nothing: a request of several choices checks them all first."""

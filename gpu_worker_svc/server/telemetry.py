@@ -74,11 +74,13 @@ class StepTelemetry:
                 metrics.SPEC_DRAFT_TOKENS.inc(stats.num_draft_tokens)
                 metrics.SPEC_ACCEPTED_TOKENS.inc(stats.num_accepted_tokens)
             if self._enabled:
-                self._step_span(step, stats, tokens_per_s, start_ns, end_ns)
+                self._step_span(step, stats, generated, tokens_per_s, start_ns, end_ns)
         if self._enabled:
             self._request_events(out, start_ns, end_ns)
 
-    def _step_span(self, step: int, stats: StepStats, tokens_per_s: float, start_ns: int, end_ns: int) -> None:
+    def _step_span(
+        self, step: int, stats: StepStats, generated: int, tokens_per_s: float, start_ns: int, end_ns: int
+    ) -> None:
         mfu, mbu = self._cost.utilization(
             stats.num_tokens, stats.batch_size, stats.attention_pairs, stats.kv_tokens_read, stats.step_time_s
         )
@@ -92,6 +94,7 @@ class StepTelemetry:
                 attr.PREFIX_CACHE_HITS: stats.prefix_cache_hit_tokens,
                 attr.KV_BLOCKS_USED: stats.kv_blocks_used,
                 attr.TOKENS_PER_S: tokens_per_s,
+                attr.GEN_AI_USAGE_OUTPUT_TOKENS: generated,  # the tokens the step generated
                 attr.MFU: mfu,
                 attr.MBU: mbu,
                 attr.DRAFT_TOKENS: stats.num_draft_tokens,
