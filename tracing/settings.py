@@ -31,3 +31,9 @@ class TracingSettings(BaseSettings):
     trace_max_spans: int = 200_000
     # ...and none older than this many seconds.
     trace_max_age_s: float = 3600.0
+    # Retention of the collector's time series (tracing/collector/series_store.py): 1-second buckets...
+    series_1s_retention_s: int = Field(600, ge=60)
+    # ...10-second buckets...
+    series_10s_retention_s: int = Field(7200, ge=600)
+    # ...and 60-second buckets, the longest window the series API answers.
+    series_60s_retention_s: int = Field(86400, ge=3600)

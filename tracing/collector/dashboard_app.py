@@ -4,6 +4,8 @@ Routes:
 
 - ``/``                          the page (tracing/collector/dashboard/), which reads the JSON API;
 - ``/api/requests?limit=N``      the N most recent requests, with TTFT, TPOT, E2E and stages;
+- ``/api/requests?from=&to=``    the requests with a span in a window, paged (``offset``, ``limit``);
+- ``/api/series?names=&from=&to=&step=``  the time series (series_api.py; docs/dashboard.md);
 - ``/api/tenants?limit=N``       those requests summed by tenant: tokens, TTFT p50/p99, SLO outcomes;
 - ``/api/trace?request=ID``      a request's .pftrace (repeat ``request`` for several);
 - ``/api/trace?last=N``          the N most recent requests' .pftrace;
@@ -19,7 +21,7 @@ from pathlib import Path
 from aiohttp import web
 from redis.exceptions import RedisError
 
-from tracing.collector import perfetto_ui, trace_export
+from tracing.collector import perfetto_ui, series_api, trace_export
 from tracing.collector.dashboard_stats import RequestSummary, summarize
 from tracing.collector.perfetto_writer import encode_pftrace
 from tracing.collector.span_store import SpanStore
@@ -75,6 +77,8 @@ async def _recent_summaries(store: SpanStore, limit: int) -> list[RequestSummary
 
 
 async def requests_api(request: web.Request) -> web.Response:
+    if "from" in request.query or "to" in request.query:
+        return await series_api.window_requests_api(request, request.app[STORE])
     rows = await _recent_summaries(request.app[STORE], _positive_int(request, "limit", DEFAULT_LIMIT))
     return web.json_response({"requests": [row.to_json() for row in rows]})
 
@@ -82,6 +86,13 @@ async def requests_api(request: web.Request) -> web.Response:
 async def tenants_api(request: web.Request) -> web.Response:
     rows = await _recent_summaries(request.app[STORE], _positive_int(request, "limit", DEFAULT_TENANTS_LIMIT))
     return web.json_response({"requests": len(rows), "tenants": [t.to_json() for t in by_tenant(rows)]})
+
+
+async def series(request: web.Request) -> web.Response:
+    store = request.app[STORE].series
+    if store is None:
+        raise web.HTTPNotFound(text="this collector keeps no time series")
+    return await series_api.series_api(request, store)
 
 
 async def trace_api(request: web.Request) -> web.Response:
@@ -135,6 +146,7 @@ def build_app(store: SpanStore) -> web.Application:
     app.router.add_get("/health", health)
     app.router.add_get("/api/requests", requests_api)
     app.router.add_get("/api/tenants", tenants_api)
+    app.router.add_get("/api/series", series)
     app.router.add_get("/api/trace", trace_api)
     app.router.add_static("/static/", STATIC_DIR)
     perfetto_ui.add_routes(app)

@@ -10,10 +10,20 @@ from redis.exceptions import RedisError
 
 from shardline.core.grpc_server import ErrorMappingInterceptor
 from shardline.core.service_main import redacted
+from tracing.collector.series_store import Resolution
 from tracing.collector.span_store import SpanStore
 from tracing.settings import TracingSettings
 
 logger = logging.getLogger(__name__)
+
+
+def series_resolutions(settings: TracingSettings) -> tuple[Resolution, ...]:
+    """The time series' resolutions and how long each is kept, from the settings."""
+    return (
+        Resolution(1, settings.series_1s_retention_s),
+        Resolution(10, settings.series_10s_retention_s),
+        Resolution(60, settings.series_60s_retention_s),
+    )
 
 
 class OtlpTraceReceiver(trace_service_pb2_grpc.TraceServiceServicer):
@@ -58,7 +68,12 @@ async def serve_receiver(
     ``running.server.wait_for_termination()`` to serve until stopped.
     """
     settings = settings or TracingSettings()
-    store = SpanStore.from_url(redis_url, max_spans=settings.trace_max_spans, max_age_s=settings.trace_max_age_s)
+    store = SpanStore.from_url(
+        redis_url,
+        max_spans=settings.trace_max_spans,
+        max_age_s=settings.trace_max_age_s,
+        series=series_resolutions(settings),
+    )
     try:  # a receiver that could store nothing must not answer SERVING
         await store.ping()
     except BaseException:

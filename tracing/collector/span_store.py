@@ -26,6 +26,8 @@ from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
 
 from tracing import attributes as attr
+from tracing.collector.series_samples import SERIES_SPANS, Sample, samples_of
+from tracing.collector.series_store import Resolution, SeriesStore
 from tracing.collector.stored_span import StoredSpan, any_value
 
 logger = logging.getLogger(__name__)
@@ -82,20 +84,36 @@ class SpanStore:
     """Stores finished spans in Redis and answers the dashboard's queries.
 
     Every write trims the store back to ``max_spans`` spans and ``max_age_s``
-    seconds of history.
+    seconds of history. With ``series``, each write also adds the spans'
+    samples to the time series (series_store.py), in the same pipeline.
     """
 
-    def __init__(self, redis: Redis, *, max_spans: int, max_age_s: float, prefix: str = PREFIX) -> None:
+    def __init__(
+        self,
+        redis: Redis,
+        *,
+        max_spans: int,
+        max_age_s: float,
+        prefix: str = PREFIX,
+        series: SeriesStore | None = None,
+    ) -> None:
         self._redis = redis
         self._max_spans = max_spans
         self._max_age_s = max_age_s
         self._prefix = prefix
         self._trim = redis.register_script(_TRIM_LUA)
+        self.series = series
 
     @classmethod
-    def from_url(cls, redis_url: str, *, max_spans: int, max_age_s: float) -> "SpanStore":
-        """A store on its own connection pool to ``redis_url``."""
-        return cls(Redis.from_url(redis_url), max_spans=max_spans, max_age_s=max_age_s)
+    def from_url(
+        cls, redis_url: str, *, max_spans: int, max_age_s: float, series: tuple[Resolution, ...] = ()
+    ) -> "SpanStore":
+        """A store on its own connection pool to ``redis_url``, keeping time series at ``series``'
+        resolutions (none: no series)."""
+        redis = Redis.from_url(redis_url)
+        return cls(
+            redis, max_spans=max_spans, max_age_s=max_age_s, series=SeriesStore(redis, series) if series else None
+        )
 
     async def ping(self) -> None:
         """Raises a RedisError unless Redis answers (and takes the URL's password and database)."""
@@ -109,6 +127,7 @@ class SpanStore:
         """Stores the spans of an OTLP export, then trims; returns how many were stored."""
         pipe = self._redis.pipeline(transaction=False)
         stored = 0
+        samples: list[Sample] = []
         for batch in resource_spans:
             single = ResourceSpans(resource=batch.resource, schema_url=batch.schema_url)
             holder = single.scope_spans.add()
@@ -124,6 +143,10 @@ class SpanStore:
                     holder.spans.append(span)
                     self._queue_span(pipe, span, single.SerializeToString())
                     stored += 1
+                    if self.series is not None and span.name in SERIES_SPANS:
+                        samples += samples_of(StoredSpan.from_otlp(span, batch.resource))
+        if samples and self.series is not None:
+            await self.series.queue(pipe, samples)
         if stored:
             await pipe.execute()
             await self.trim()
@@ -203,3 +226,16 @@ class SpanStore:
         blobs = [blob for found in await pipe.execute() for blob in found]
         # A blob is None when a concurrent trim removed the span after we read its ref.
         return _in_start_order(_decode(blob) for blob in blobs if blob is not None)
+
+    async def requests_in_window(self, start_ns: int, end_ns: int, limit: int) -> tuple[list[str], bool]:
+        """The requests with a span that starts or ends in ``[start_ns, end_ns]``, by their first span's
+        start; and whether more than ``limit`` spans matched a bound, so that some may be missing."""
+        pipe = self._redis.pipeline(transaction=False)
+        for index in ("by_time", "by_end"):
+            pipe.zrangebyscore(f"{self._prefix}{index}", start_ns / 1e9, end_ns / 1e9, start=0, num=limit)
+        started, ended = await pipe.execute()
+        ids = sorted({rid for ref in (*started, *ended) if (rid := ref.decode().split(":", 2)[2])})
+        scores = await self._redis.zmscore(f"{self._prefix}requests", ids) if ids else []
+        # A score is None when a trim removed the request between the two reads.
+        found = sorted((score, rid) for rid, score in zip(ids, scores, strict=True) if score is not None)
+        return [rid for _score, rid in found], limit in (len(started), len(ended))
