@@ -62,6 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
         generate_cmd,
         run_batch_cmd,
         status_cmd,
+        top_cmd,
         trace_cmd,
         up_cmd,
     )
@@ -72,6 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("serve", help="start one service: " + ", ".join(SERVICES))
     up_cmd.add_parser(sub)
     status_cmd.add_parser(sub)
+    top_cmd.add_parser(sub)
     generate_cmd.add_parsers(sub)
     bench_cmd.add_parser(sub)
     trace_cmd.add_parser(sub)
