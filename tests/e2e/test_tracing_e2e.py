@@ -142,6 +142,43 @@ def test_dashboard_api_lists_the_requests_with_latencies(served: Served) -> None
         assert any(instance.startswith("tokenizer") for instance in row["instances"])
 
 
+def _series(dashboard: str, query: str) -> dict:
+    status, body = get(f"{dashboard}/api/series?{query}")
+    assert status == 200, body
+    return json.loads(body)
+
+
+def _total(read: dict, name: str, stat: str = "rate") -> float:
+    """A counter's events over the window: its rates summed over labels and steps, times the step."""
+    rows = [s for s in read["series"] if s["name"] == name and s["stat"] == stat]
+    return sum(v for row in rows for v in row["values"] if v is not None) * read["step_s"]
+
+
+def test_series_api_counts_the_served_requests_and_the_workers_steps(served: Served) -> None:
+    start = min(row["start_unix_s"] for row in served.rows.values() if row["request_id"] in served.request_ids)
+    names = "requests,output_tokens,ttft_ms,batch_size,kv_blocks_used,step_time_ms,worker_tokens,running"
+    deadline = time.monotonic() + 30
+    while True:  # the series are written with the spans the rows came from; allow the last exports in
+        read = _series(served.dashboard, f"names={names}&from={start - 1}&to={time.time() + 1}&step=1")
+        if _total(read, "requests") >= len(served.request_ids):
+            break
+        assert time.monotonic() < deadline, read
+        time.sleep(0.5)
+    output_tokens = sum(served.rows[rid]["output_tokens"] for rid in served.request_ids)
+    assert _total(read, "output_tokens") >= output_tokens
+    assert _total(read, "worker_tokens") >= output_tokens - len(served.request_ids)  # each first token is prefill's
+    labels = {(s["name"], tuple(sorted(s["labels"].items()))) for s in read["series"]}
+    assert ("requests", (("model", "SmolLM2-135M-Instruct"), ("tenant", "default"))) in labels, labels
+    assert {("batch_size", (("worker", "worker-0"),)), ("kv_blocks_used", (("worker", "worker-0"),))} <= labels
+    p99 = [v for s in read["series"] if s["name"] == "ttft_ms" and s["stat"] == "p99" for v in s["values"] if v]
+    slowest = max(served.rows[rid]["ttft_ms"] for rid in served.request_ids)
+    assert p99 and max(p99) >= slowest * 0.5, (p99, slowest)
+    # The window's requests, as the time view lists them for Perfetto.
+    status, body = get(f"{served.dashboard}/api/requests?from={start - 1}&to={time.time() + 1}&limit=1000")
+    assert status == 200, body
+    assert set(served.request_ids) <= {row["request_id"] for row in json.loads(body)["requests"]}
+
+
 def _perfetto_rows(trace: Path, trace_id: str) -> list[dict]:
     # One query (each call boots the WebAssembly trace processor): kind, a, b, n rows.
     sql = f"""
