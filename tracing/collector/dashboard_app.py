@@ -2,7 +2,8 @@
 
 Routes:
 
-- ``/``                          the page (tracing/collector/dashboard/), which reads the JSON API;
+- ``/``                          the page (tracing/collector/dashboard/): the time view's charts, the
+                                 recent requests and the tenants, all read from the JSON API;
 - ``/api/requests?limit=N``      the N most recent requests, with TTFT, TPOT, E2E and stages;
 - ``/api/requests?from=&to=``    the requests with a span in a window, paged (``offset``, ``limit``);
 - ``/api/series?names=&from=&to=&step=``  the time series (series_api.py; docs/dashboard.md);
