@@ -131,6 +131,12 @@ def test_the_client_commands_run_and_the_serving_ones_say_what_to_install(sdk_ve
         [str(cli), "status", "--data-dir", str(tmp_path / "none")], cwd=tmp_path, capture_output=True, text=True
     )
     assert status.returncode == 1 and "shardline status:" in status.stderr and "Traceback" not in status.stderr
+    # top is a client command too: it reads a trace dashboard over HTTP; none listens on port 9.
+    top = subprocess.run(
+        [str(cli), "top", "--once", "--url", "http://127.0.0.1:9"], cwd=tmp_path, capture_output=True, text=True
+    )
+    assert top.returncode == 1 and top.stderr.startswith("shardline top: the trace dashboard at"), top.stderr
+    assert "Traceback" not in top.stderr
     for command in (["up"], ["serve", "worker"], ["generate", "hi"]):
         done = subprocess.run([str(cli), *command], cwd=tmp_path, capture_output=True, text=True, timeout=60)
         assert done.returncode == 2, (command, done.stdout, done.stderr)
