@@ -100,7 +100,9 @@ class SeriesWindow:
 
 
 def _field(sample: Sample, stat: str) -> str:
-    return f"{sample.name}{SEP}{LABEL_SEP.join(sample.labels)}{SEP}{stat}"
+    # A label value holding a separator would split wrong when read back: it loses those characters.
+    labels = LABEL_SEP.join(value.replace(SEP, "").replace(LABEL_SEP, "") for value in sample.labels)
+    return f"{sample.name}{SEP}{labels}{SEP}{stat}"
 
 
 def _updates(sample: Sample) -> list[tuple[str, str, float]]:

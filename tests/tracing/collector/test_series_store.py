@@ -217,3 +217,17 @@ async def test_a_read_picks_the_finest_resolution_that_still_holds_its_start(red
         assert (read.step_s, read.resolution_s) == (30, 10)  # the step rounded up to whole buckets
     finally:
         await store._redis.aclose()
+
+
+@run_async
+async def test_a_label_value_holding_a_separator_reads_back_without_it(redis_url: str) -> None:
+    clock = ManualClock(NOW + 5)
+    store = stores(redis_url, clock)
+    f = SpanFactory()
+    try:
+        await add(store, at(request(f, "r-1", "a\x1fb\x1ec", 40.0), NOW))
+        assert store.series is not None
+        read = (await store.series.read(["requests"], NOW, NOW, 1)).to_json()
+    finally:
+        await store.close()
+    assert by_key(read) == {("requests", (("model", MODEL), ("tenant", "abc")), "rate"): [1.0]}

@@ -4,7 +4,7 @@
 
 const SERIES_NAMES = [
   "requests", "output_tokens", "errors", "rejected", "failovers", "ttft_ms", "tpot_ms", "queue_depth", "running",
-  "batch_size", "step_time_ms", "kv_blocks_used", "mfu", "mbu",
+  "batch_size", "step_time_ms", "kv_blocks_used", "mfu", "mbu", "worker_tokens",
 ];
 const MAX_LISTED = 200;
 // Points per chart: a step of 2 s over 5 minutes, so that a request every other second reads as a rate.
@@ -47,13 +47,15 @@ const CHARTS = [
   ["tokens", "Output tokens / s, by model and tenant", (r) => perLabel(r, "output_tokens", "rate", byModelTenant)],
   ["ttft", "Time to first token (TTFT), ms", percentiles("ttft_ms")],
   ["tpot", "Time per output token (TPOT), ms", percentiles("tpot_ms")],
-  ["queue", "Queue depth and running requests", (r) => [
+  ["queue", "Queue depth and requests in flight", (r) => [
     ...summed(r, "queue_depth", "max", "queue depth (max)"), ...summed(r, "running", "mean", "running"),
   ]],
   ["failures", "429s, errors and failovers / s", (r) => [
     ...summed(r, "rejected", "rate", "429s"), ...summed(r, "errors", "rate", "errors"),
     ...summed(r, "failovers", "rate", "failovers"),
   ]],
+  ["throughput", "Generation throughput per worker, tokens / s", (r) =>
+    perLabel(r, "worker_tokens", "rate", byWorker(""))],
   ["batch", "Batch size per worker", (r) => perLabel(r, "batch_size", "mean", byWorker(""))],
   ["step", "Step time per worker, ms", (r) => perLabel(r, "step_time_ms", "mean", byWorker(""))],
   ["kv", "KV blocks in use per worker", (r) => perLabel(r, "kv_blocks_used", "max", byWorker(""))],
@@ -99,7 +101,7 @@ async function selectWindow(from, to) {
   box.dataset.from = from;
   box.dataset.to = to;
   document.getElementById("window-label").textContent =
-    `${new Date(from * 1000).toLocaleTimeString()} – ${new Date(to * 1000).toLocaleTimeString()}`;
+    `${clock(from, true)} – ${clock(to, true)}`;
   const whole = document.getElementById("window-perfetto");
   whole.href = perfettoUrl(traceUrl({ since: from, until: to }));
   const listed = await getJson(`/api/requests?${new URLSearchParams({ from, to, limit: MAX_LISTED })}`);
