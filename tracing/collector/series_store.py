@@ -178,19 +178,21 @@ class SeriesStore:
             logger.debug("left out %d samples outside the series' retention", skipped)
         return skipped
 
-    def resolution_for(self, start_s: float, step_s: int | None) -> Resolution:
-        """The finest resolution that still holds ``start_s`` and is no finer than needed for ``step_s``."""
+    def resolution_for(self, start_s: float) -> Resolution:
+        """The finest resolution that still holds ``start_s`` (else the coarsest).
+
+        The finest, even for a coarse step: a window that does not start on a coarse bucket's edge
+        is then still read exactly. What that costs is bounded: a read touches at most a resolution's
+        retention over its step in buckets (1440 with the default settings).
+        """
         now = self._clock()
-        holding = [r for r in self.resolutions if start_s >= now - r.retention_s] or [self.resolutions[-1]]
-        if step_s is not None:
-            fitting = [r for r in holding if r.step_s <= step_s]
-            return fitting[-1] if fitting else holding[0]
-        return holding[0]
+        holding = [r for r in self.resolutions if start_s >= now - r.retention_s]
+        return holding[0] if holding else self.resolutions[-1]
 
     async def read(self, names: list[str], start_s: float, end_s: float, step_s: int | None) -> SeriesWindow:
         """``names``' values per ``step_s`` bucket over ``[start_s, end_s]``; the step is rounded up to a
-        multiple of the resolution read (the finest holding ``start_s``, when ``step_s`` is None)."""
-        resolution = self.resolution_for(start_s, step_s)
+        multiple of the resolution read (resolution_for)."""
+        resolution = self.resolution_for(start_s)
         step = max(resolution.step_s, math.ceil((step_s or 1) / resolution.step_s) * resolution.step_s)
         # Steps count from the window's first bucket, not from the epoch: a window read as one step
         # (`shardline top`'s last minute) is then one point holding the whole window.

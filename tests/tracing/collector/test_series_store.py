@@ -136,7 +136,8 @@ async def test_a_downsampled_p99_is_the_p99_of_the_seconds_it_merges(redis_url: 
         spans = [s for i, ttft in enumerate(ttfts) for s in request(f, f"r-{i}", "acme", ttft, at_ms=i * 199)]
         await add(store, at(spans, NOW))
         assert store.series is not None
-        coarse = await store.series.read(["ttft_ms", "requests"], NOW, NOW + 59, 60)
+        minutes_only = SeriesStore(redis.asyncio.Redis.from_url(redis_url), (Resolution(60, 86400),), clock=clock)
+        coarse = await minutes_only.read(["ttft_ms", "requests"], NOW, NOW + 59, 60)
         seconds_only = SeriesStore(redis.asyncio.Redis.from_url(redis_url), (Resolution(1, 600),), clock=clock)
         fine = (await seconds_only.read(["ttft_ms", "requests"], NOW, NOW + 59, 60)).to_json()
     finally:
@@ -209,10 +210,13 @@ async def test_a_read_picks_the_finest_resolution_that_still_holds_its_start(red
     clock = ManualClock(NOW + 3600)
     store = SeriesStore(redis.asyncio.Redis.from_url(redis_url), RESOLUTIONS, clock=clock)
     try:
-        assert store.resolution_for(clock.now_s - 60, None).step_s == 1
-        assert store.resolution_for(clock.now_s - 60, 25).step_s == 10
-        assert store.resolution_for(clock.now_s - 3000, 1).step_s == 10
-        assert store.resolution_for(clock.now_s - 9000, 1).step_s == 60
+        assert store.resolution_for(clock.now_s - 60).step_s == 1
+        assert store.resolution_for(clock.now_s - 3000).step_s == 10
+        assert store.resolution_for(clock.now_s - 9000).step_s == 60
+        assert store.resolution_for(clock.now_s - 10 * 86400).step_s == 60
+        # A minute read as one step that does not start on the minute holds exactly that minute.
+        minute = await store.read(["requests"], clock.now_s - 89.5, clock.now_s - 30.5, 60)
+        assert (minute.resolution_s, minute.step_s, minute.times) == (1, 60, [int(clock.now_s - 90)])
         read = await store.read(["requests"], clock.now_s - 3000, clock.now_s, 25)
         assert (read.step_s, read.resolution_s) == (30, 10)  # the step rounded up to whole buckets
     finally:
