@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from gpu_worker_svc.model.attention_metadata import AttentionMetadata
-from gpu_worker_svc.model.llama import LlamaForCausalLM
+from gpu_worker_svc.model.families.llama import LlamaForCausalLM
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ import logging
 
 import torch
 
-from gpu_worker_svc.model.llama import LlamaForCausalLM
+from gpu_worker_svc.model.families.llama import LlamaForCausalLM
 
 log = logging.getLogger(__name__)
 

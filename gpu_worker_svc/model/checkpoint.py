@@ -50,6 +50,41 @@ class SafetensorsTensor:
             raise CheckpointError(f"{self.file}: cannot read tensor {self.name!r} ({exc})") from exc
 
 
+@dataclass(slots=True)
+class RowRange:
+    """Rows [offset, offset + shape[0]) of a fused checkpoint tensor, read as a tensor of its own:
+    a rank's slice of it is a slice of the fused tensor's rows, so no rank reads the rest."""
+
+    name: str
+    shape: tuple[int, ...]
+    source: CheckpointTensor
+    offset: int
+
+    def read(self, dim: int | None = None, start: int = 0, end: int | None = None) -> torch.Tensor:
+        rows = self.shape[0]
+        if dim is None:
+            return self.source.read(0, self.offset, self.offset + rows)
+        if dim == 0:
+            return self.source.read(0, self.offset + start, self.offset + (rows if end is None else end))
+        return self.source.read(dim, start, end)[self.offset : self.offset + rows]
+
+
+def split_rows(tensor: CheckpointTensor, fused: str, parts: list[tuple[str, int]]) -> list[RowRange]:
+    """A fused tensor (`...qkv_proj.weight`) as its parts (`...q_proj.weight`, ...), each `rows` rows in order;
+    CheckpointError naming it when its rows are not the parts' sum."""
+    want = sum(rows for _, rows in parts)
+    if not tensor.shape or tensor.shape[0] != want:
+        raise CheckpointError(
+            f"tensor {tensor.name!r} has shape {tuple(tensor.shape)}, but the config implies {want} rows "
+            f"({' + '.join(f'{name} {rows}' for name, rows in parts)})"
+        )
+    out, offset = [], 0
+    for name, rows in parts:
+        out.append(RowRange(tensor.name.replace(fused, name), (rows, *tensor.shape[1:]), tensor, offset))
+        offset += rows
+    return out
+
+
 class SafetensorsCheckpoint:
     """A Hugging Face folder: one model.safetensors, or shards listed in model.safetensors.index.json."""
 

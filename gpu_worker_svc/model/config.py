@@ -10,7 +10,17 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+# Every architecture a module in families/ builds; families/__init__.py checks its registry against this list
+# (kept here, not there, because a config is read, and refused, before any model module is imported).
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "Phi3ForCausalLM",
+)
+# Architectures whose sliding window applies only when the config sets use_sliding_window (default off).
+_OPT_IN_SLIDING_WINDOW = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
 _GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 
 
@@ -21,6 +31,40 @@ class ModelConfigError(ValueError):
 def _check_architecture(arch: str) -> None:
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ModelConfigError(f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+
+
+def _check_supported_features(
+    cfg: dict[str, Any], arch: str, rope: dict[str, Any], scaling: dict[str, Any] | None
+) -> None:
+    """ModelConfigError naming a setting the families here do not compute, rather than a silently wrong model."""
+    act = cfg.get("hidden_act", cfg.get("hidden_activation", "silu"))
+    if act != "silu":
+        raise ModelConfigError(f"hidden_act {act!r} is not supported for {arch} (supported: silu)")
+    partial = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        raise ModelConfigError(
+            f"partial_rotary_factor {partial} is not supported (the rotary embedding covers every dim)"
+        )
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type"))
+    if kind not in (None, "default", "linear", "llama3", "longrope"):
+        raise ModelConfigError(f"rope_scaling type {kind!r} is not supported (supported: linear, llama3, longrope)")
+
+
+def _longrope_scaling(cfg: dict[str, Any], scaling: dict[str, Any], head_dim: int) -> dict[str, Any]:
+    """Phi-3's LongRoPE settings with what HF derives filled in: the pretraining context (in the rope
+    settings or, in older configs, at the top level) and the factor the attention scale comes from."""
+    scaling = dict(scaling)
+    original = scaling.get("original_max_position_embeddings") or cfg.get("original_max_position_embeddings")
+    if not original:
+        raise ModelConfigError("longrope rope_scaling lacks original_max_position_embeddings")
+    scaling["original_max_position_embeddings"] = original
+    if scaling.get("factor") is None:
+        scaling["factor"] = cfg.get("max_position_embeddings", 4096) / original
+    for key in ("short_factor", "long_factor"):
+        factors = scaling.get(key)
+        if not isinstance(factors, list) or len(factors) != head_dim // 2:
+            raise ModelConfigError(f"longrope {key} must list {head_dim // 2} factors (head_dim / 2), got {factors!r}")
+    return scaling
 
 
 @dataclass(slots=True)
@@ -43,7 +87,9 @@ class ModelConfig:
     rope_freq_factors: list[float] | None = None
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
-    attention_bias: bool = False  # Qwen2 has q/k/v biases
+    attention_bias: bool = False  # biases on q/k/v (Qwen2; Llama and Qwen3 with attention_bias)
+    o_proj_bias: bool = False  # a bias on o_proj too (Llama and Qwen3 with attention_bias; never Qwen2's)
+    qk_norm: bool = False  # Qwen3: an RMSNorm over each q and k head, before the rotary embedding
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     name: str = ""
@@ -97,13 +143,19 @@ class ModelConfig:
         scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
         if scaling and scaling.get("rope_type", scaling.get("type", "default")) in ("default", None):
             scaling = None
+        _check_supported_features(cfg, arch, rope, scaling)
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+        if scaling and scaling.get("rope_type", scaling.get("type")) == "longrope":
+            scaling = _longrope_scaling(cfg, scaling, head_dim)
         eos = cfg.get("eos_token_id")
         max_positions = cfg.get("max_position_embeddings", 4096)
         # Attention here is full causal, which equals sliding-window attention (Mistral 7B v0.1, Qwen2 with
         # use_sliding_window) only while the sequence fits the window: past it the model would silently
         # attend to tokens it never saw in training, so the context stops at the window instead.
         # Qwen2 configs default use_sliding_window to False (transformers does too); Mistral has no such flag.
-        window = cfg.get("sliding_window") if cfg.get("use_sliding_window", arch != "Qwen2ForCausalLM") else None
+        window = (
+            cfg.get("sliding_window") if cfg.get("use_sliding_window", arch not in _OPT_IN_SLIDING_WINDOW) else None
+        )
         if window and window < max_positions:
             log.warning(
                 "%s: sliding-window attention is not implemented; context capped at the window, %d tokens (of %d)",
@@ -120,13 +172,15 @@ class ModelConfig:
             num_layers=cfg["num_hidden_layers"],
             num_heads=heads,
             num_kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            head_dim=head_dim,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=float(theta),
             rope_scaling=scaling,
             max_position_embeddings=max_positions,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
+            o_proj_bias=bool(cfg.get("attention_bias", False)) and arch in ("LlamaForCausalLM", "Qwen3ForCausalLM"),
+            qk_norm=arch == "Qwen3ForCausalLM",
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=list(eos) if isinstance(eos, list) else ([eos] if eos is not None else []),
             name=name,

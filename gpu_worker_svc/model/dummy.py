@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from gpu_worker_svc.model.config import ModelConfig
-from gpu_worker_svc.model.llama import LlamaForCausalLM
+from gpu_worker_svc.model.families.llama import LlamaForCausalLM
 
 DUMMY_PREFIX = "dummy:"
 

@@ -3,7 +3,7 @@
 On CPU the default model's batch-1 decode step spends about a third of its time in Python between
 its ~600 small ops. Where every layer runs the ops that kernels/decode_layers.cpp chains (GGUF
 weights, float32, one rank, no biases, the decode-attention kernel), a step of plain decodes
-(one query each) runs them in one call instead. The op spells out llama.py's layers, op for op,
+(one query each) runs them in one call instead. The op spells out families/llama.py's layers, op for op,
 so a token's result is the same bits either way: a prefill, which keeps the Python layers, writes
 the K/V a decode would have written, and the engine's determinism holds across the two (tested).
 """

@@ -11,7 +11,8 @@ import torch
 from gpu_worker_svc.model.checkpoint import CheckpointError, GGUFCheckpoint, SafetensorsCheckpoint, open_checkpoint
 from gpu_worker_svc.model.config import ModelConfig
 from gpu_worker_svc.model.dummy import dummy_config, init_dummy_weights, is_dummy
-from gpu_worker_svc.model.llama import LlamaForCausalLM
+from gpu_worker_svc.model.families import model_class
+from gpu_worker_svc.model.families.llama import LlamaForCausalLM
 from gpu_worker_svc.model.parallel import TPGroup
 from shardline.core.model_path import resolve_model_path
 
@@ -55,14 +56,16 @@ def load_model(
     if is_dummy(model):
         cfg = dummy_config(str(model))
         with torch.device(device):
-            shard = LlamaForCausalLM(cfg, tp, dtype, rotary_positions(cfg, max_model_len))
+            shard = model_class(cfg)(cfg, tp, dtype, rotary_positions(cfg, max_model_len))
         init_dummy_weights(shard)
         return shard.eval()
     path = resolve_model_path(model)
     ckpt = open_checkpoint(path)
     cfg = ckpt.config()
+    if tp.is_driver:
+        _warn_of_long_rope(cfg, rotary_positions(cfg, max_model_len))
     with torch.device(device):
-        model = LlamaForCausalLM(cfg, tp, dtype, rotary_positions(cfg, max_model_len))
+        model = model_class(cfg)(cfg, tp, dtype, rotary_positions(cfg, max_model_len))
     _load_tensors(model, ckpt, cfg, path)
     model.eval()
     log.info(
@@ -79,6 +82,23 @@ def load_model(
     return model
 
 
+def _warn_of_long_rope(cfg: ModelConfig, positions: int) -> None:
+    """LongRoPE's factors are chosen once, by the served context (layers/rotary.py): say where that parts from HF."""
+    scaling = cfg.rope_scaling or {}
+    original = scaling.get("original_max_position_embeddings", 0)
+    if scaling.get("rope_type", scaling.get("type")) == "longrope" and positions > original:
+        log.warning(
+            "%s: the served context (%d tokens) passes LongRoPE's original %d, so every sequence is rotated with "
+            "the long factors; HF rotates sequences of at most %d tokens with the short ones (serve with "
+            "max_model_len %d for those)",
+            cfg.name or cfg.architecture,
+            positions,
+            original,
+            original,
+            original,
+        )
+
+
 def _load_tensors(
     model: LlamaForCausalLM, ckpt: SafetensorsCheckpoint | GGUFCheckpoint, cfg: ModelConfig, path: Path
 ) -> None:
@@ -87,7 +107,7 @@ def _load_tensors(
     params = dict(model.named_parameters())
     expected = _expected_shards(params)
     loaded: set[tuple[str, object]] = set()
-    for tensor in ckpt.tensors(cfg):
+    for tensor in model.checkpoint_tensors(ckpt.tensors(cfg), cfg):
         name = tensor.name
         if "rotary_emb.inv_freq" in name or (cfg.tie_word_embeddings and name.startswith("lm_head.")):
             continue
@@ -142,6 +162,8 @@ def _checkpoint_shape(cfg: ModelConfig, name: str) -> tuple[int, ...] | None:
         "lm_head": (vocab, h),
     }
     module, kind = name.split(".")[-2:]
+    if module in ("q_norm", "k_norm"):  # Qwen3's, one weight per head size shared by every head
+        return (cfg.head_dim,) if cfg.qk_norm else None
     if module.endswith("norm"):
         return (h,)
     shape = weights.get(module)

@@ -1,4 +1,4 @@
-"""Rotary position embedding (HF's rotate-half layout), with Llama 3 frequency scaling."""
+"""Rotary position embedding (HF's rotate-half layout), with linear, Llama 3 and LongRoPE frequency scaling."""
 
 from __future__ import annotations
 
@@ -9,6 +9,24 @@ import torch
 from torch import nn
 
 
+def _longrope(head_dim: int, theta: float, scaling: dict[str, Any], max_positions: int) -> tuple[torch.Tensor, float]:
+    """Phi-3's LongRoPE: per-frequency divisors, the long ones past the pretraining context, and a scale of
+    cos and sin. HF picks short or long by the length of each forward pass, which a KV cache written at
+    earlier lengths cannot follow; here the served context picks once (config.py warns at load when the
+    long factors then also rotate sequences that HF would rotate with the short ones)."""
+    original = scaling["original_max_position_embeddings"]
+    factors = scaling["long_factor"] if max_positions > original else scaling["short_factor"]
+    if len(factors) != head_dim // 2:
+        raise ValueError(f"longrope has {len(factors)} factors; head_dim {head_dim} needs {head_dim // 2}")
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    inv = 1.0 / (torch.tensor(factors, dtype=torch.float32) * theta**exponents)
+    factor = scaling["factor"]
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return inv, float(attention)
+
+
 def _inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
     inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     if not scaling:
@@ -17,7 +35,7 @@ def _inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> to
     if kind == "linear":
         return inv / scaling["factor"]
     if kind != "llama3":
-        raise ValueError(f"rope_scaling type {kind!r} is not supported (supported: llama3, linear)")
+        raise ValueError(f"rope_scaling type {kind!r} is not supported (supported: linear, llama3, longrope)")
     factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
     old_ctx = scaling["original_max_position_embeddings"]
     low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
@@ -45,7 +63,10 @@ class RotaryEmbedding(nn.Module):
         freq_factors: list[float] | None = None,
     ) -> None:
         super().__init__()
-        if freq_factors is not None:  # llama.cpp's form of the same scaling: divisors, one per frequency
+        attention = 1.0  # LongRoPE scales cos and sin
+        if scaling and scaling.get("rope_type", scaling.get("type")) == "longrope":
+            inv_freq, attention = _longrope(head_dim, theta, scaling, max_positions)
+        elif freq_factors is not None:  # llama.cpp's form of the same scaling: divisors, one per frequency
             if len(freq_factors) != head_dim // 2:
                 raise ValueError(
                     f"rope_freqs has {len(freq_factors)} factors; head_dim {head_dim} needs {head_dim // 2}"
@@ -54,9 +75,12 @@ class RotaryEmbedding(nn.Module):
         else:
             inv_freq = _inv_freq(head_dim, theta, scaling)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
-        self.register_buffer("cos", torch.cat([freqs, freqs], dim=-1).cos().to(dtype), persistent=False)
+        cos, sin_signed = torch.cat([freqs, freqs], dim=-1).cos(), torch.cat([-freqs, freqs], dim=-1).sin()
+        if attention != 1.0:
+            cos, sin_signed = cos * attention, sin_signed * attention
+        self.register_buffer("cos", cos.to(dtype), persistent=False)
         # rotate_half(x) * sin == roll(x, D/2) * (sin with its first half negated): one op instead of four.
-        self.register_buffer("sin_signed", torch.cat([-freqs, freqs], dim=-1).sin().to(dtype), persistent=False)
+        self.register_buffer("sin_signed", sin_signed.to(dtype), persistent=False)
 
     def prepare(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The step's (cos, signed sin), each [T, 1, D]."""

@@ -12,7 +12,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, GGUFWriter
 from safetensors.torch import load_file, save_file
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, PreTrainedModel
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, Phi3Config, PreTrainedModel
 
 from gpu_worker_svc.engine.model_runner import ModelRunner, RunnerConfig
 from gpu_worker_svc.model.attention_metadata import StepBatch
@@ -84,21 +84,77 @@ def test_unsupported_architecture_lists_the_supported_ones(tmp_path):
             tmp_path / "config.json",
             "unsupported architecture",
             "GPT2LMHeadModel",
-            "LlamaForCausalLM, MistralForCausalLM",
+            "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Phi3ForCausalLM",
         ),
     ):
         load_config(tmp_path)
 
 
-def test_unsupported_gguf_architecture(tmp_path):
-    path = tmp_path / "tiny-gpt2.gguf"
-    writer = GGUFWriter(path, "gpt2")
+def _phi3_folder(tmp_path: Path, settings: dict) -> Path:
+    """A tiny Phi-3 folder whose config.json then gets `settings`: written over the file, as a checkpoint
+    from elsewhere may carry them, since transformers itself refuses some of them."""
+    model = random_hf_model(
+        Phi3Config(
+            vocab_size=64,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            pad_token_id=0,
+        )
+    )
+    model.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, **settings}))
+    return tmp_path
+
+
+@pytest.mark.parametrize(
+    ("settings", "problem"),
+    [
+        pytest.param(
+            {
+                "max_position_embeddings": 1024,
+                "rope_parameters": {
+                    "rope_type": "longrope",
+                    "rope_theta": 10000.0,
+                    "short_factor": [1.0] * 8,
+                    "long_factor": [2.0] * 7,
+                    "original_max_position_embeddings": 64,
+                },
+            },
+            ("longrope long_factor must list 8 factors",),
+            id="phi3-longrope-factors-short-of-head-dim",
+        ),
+        pytest.param(
+            {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}},
+            ("rope_scaling type", "yarn", "not supported"),
+            id="yarn",
+        ),
+        pytest.param(
+            {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75}},
+            ("partial_rotary_factor 0.75", "not supported"),
+            id="phi4-mini-partial-rotary",
+        ),
+        pytest.param({"hidden_act": "gelu"}, ("hidden_act", "gelu", "not supported"), id="activation"),
+    ],
+)
+def test_settings_no_family_computes_are_refused_at_load_naming_them(tmp_path, settings, problem):
+    folder = _phi3_folder(tmp_path, settings)
+    with pytest.raises(ModelConfigError, match=names(folder / "config.json", *problem)):
+        load_model(folder, TPGroup())
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "qwen3", "phi3"])  # Qwen3 and Phi-3 load from safetensors only
+def test_unsupported_gguf_architecture(tmp_path, arch):
+    path = tmp_path / f"tiny-{arch}.gguf"
+    writer = GGUFWriter(path, arch)
     writer.add_block_count(1)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(ModelConfigError, match=names(path, "unsupported GGUF architecture 'gpt2'", "llama")):
+    with pytest.raises(ModelConfigError, match=names(path, f"unsupported GGUF architecture '{arch}'", "llama")):
         load_config(path)
 
 

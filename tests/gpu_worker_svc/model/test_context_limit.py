@@ -45,6 +45,11 @@ def _hf_config(arch: str, **extra) -> dict:
         pytest.param(
             "Qwen2ForCausalLM", {"sliding_window": 4096, "use_sliding_window": True}, 4096, id="qwen2-window-on"
         ),
+        pytest.param("Qwen3ForCausalLM", {"sliding_window": 4096}, 32768, id="qwen3-window-off-by-default"),
+        pytest.param(
+            "Qwen3ForCausalLM", {"sliding_window": 4096, "use_sliding_window": True}, 4096, id="qwen3-window-on"
+        ),
+        pytest.param("Phi3ForCausalLM", {"sliding_window": 2047}, 2047, id="phi3-mini-4k-window-caps-the-context"),
     ],
 )
 def test_the_context_stops_at_a_sliding_window(arch, extra, context):

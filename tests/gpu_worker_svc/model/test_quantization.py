@@ -187,8 +187,8 @@ def test_int8_onednn_and_fbgemm_kernels_agree_bitwise(shape):
 @pytest.mark.parametrize("tied", [True, False])
 def test_packing_drops_every_original_weight_but_the_embedding(tied):
     from gpu_worker_svc.model.config import ModelConfig
+    from gpu_worker_svc.model.families.llama import LlamaForCausalLM
     from gpu_worker_svc.model.layers.quantize import pack_fp32_for_onednn
-    from gpu_worker_svc.model.llama import LlamaForCausalLM
     from gpu_worker_svc.model.parallel import TPGroup
 
     cfg = ModelConfig(

@@ -1,12 +1,19 @@
-"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2), built from tensor-parallel layers."""
+"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2), built from tensor-parallel layers.
+
+The other families whose maths differs from it in a few places (Qwen3's q/k norms, Phi-3's fused
+checkpoint tensors) subclass these modules and override only those places (families/*.py).
+"""
 
 from __future__ import annotations
+
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from gpu_worker_svc.model.attention_metadata import AttentionMetadata
+from gpu_worker_svc.model.checkpoint import CheckpointTensor
 from gpu_worker_svc.model.config import ModelConfig
 from gpu_worker_svc.model.fused_decode import FusedDecode
 from gpu_worker_svc.model.layers.attention import PagedAttention
@@ -29,16 +36,15 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = QKVParallelLinear(
             cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.attention_bias, tp, dtype
         )
-        # Llama's attention_bias covers o_proj too; Qwen2 biases only q/k/v.
-        o_bias = cfg.attention_bias and cfg.architecture == "LlamaForCausalLM"
-        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, o_bias, tp, dtype)
+        # Llama's and Qwen3's attention_bias cover o_proj too; Qwen2 biases only q/k/v (config.py).
+        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, cfg.o_proj_bias, tp, dtype)
         self.attn = PagedAttention(self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, cfg.head_dim)
         self.head_dim = cfg.head_dim
 
     def forward(
         self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
-        qkv = self.qkv_proj(x)
+        qkv = self.normalize_qk(self.qkv_proj(x))
         q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
         heads, kv_heads = self.attn.num_heads, self.attn.num_kv_heads
         rope_writer = self.attn.rope_writer(qkv, kv_cache)
@@ -50,6 +56,10 @@ class LlamaAttention(nn.Module):
         q, k = qk.split([heads, kv_heads], dim=1)
         v = qkv[:, q_size + kv_size :].view(-1, kv_heads, self.head_dim)
         return self.o_proj(self.attn(q, k, v, kv_cache, meta))
+
+    def normalize_qk(self, qkv: torch.Tensor) -> torch.Tensor:
+        """The projections as the rotary embedding takes them: Llama's as they are (Qwen3 normalizes q and k)."""
+        return qkv
 
 
 class LlamaMLP(nn.Module):
@@ -81,9 +91,11 @@ def _cpu_rows(x: torch.Tensor) -> bool:
 
 
 class LlamaDecoderLayer(nn.Module):
+    attention_class: type[LlamaAttention] = LlamaAttention
+
     def __init__(self, cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, tp, dtype)
+        self.self_attn = self.attention_class(cfg, tp, dtype)
         self.mlp = LlamaMLP(cfg, tp, dtype)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
@@ -106,21 +118,31 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype, max_positions: int) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        tp: TPGroup,
+        dtype: torch.dtype,
+        max_positions: int,
+        layer_class: type[LlamaDecoderLayer] = LlamaDecoderLayer,
+        fusable: bool = True,
+    ) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, dtype)
         # One rotary table for all layers (the largest buffer after the weights), gathered once per step.
         self.rotary = RotaryEmbedding(
             cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, dtype, cfg.rope_freq_factors
         )
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, tp, dtype) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(layer_class(cfg, tp, dtype) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.fused_decode: FusedDecode | None = None  # set by fuse_decode, once the weights are final
+        # Whether the layers compute exactly what the C++ op chains (a family with other maths says no).
+        self.fusable = fusable
 
     def fuse_decode(self) -> bool:
         """Run the layers of plain decode steps in one C++ call where they allow it (fused_decode.py).
         Call it again after any change to the weights; returns whether it applies."""
-        self.fused_decode = FusedDecode.of(self)
+        self.fused_decode = FusedDecode.of(self) if self.fusable else None
         return self.fused_decode is not None
 
     def forward(
@@ -138,6 +160,11 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    """The Llama family's causal LM, and the base of the families that differ from it in a few modules:
+    a subclass names its decoder layer and whether the fused C++ decode computes its maths."""
+
+    decoder_layer: type[LlamaDecoderLayer] = LlamaDecoderLayer
+    fused_decode_computes_it = True
     # Checkpoint names that load into a fused parameter: name -> (fused name, shard id).
     packed_modules_mapping = {
         "q_proj": ("qkv_proj", "q"),
@@ -152,10 +179,15 @@ class LlamaForCausalLM(nn.Module):
         cfg.check_tp(tp.world_size)
         self.config = cfg
         self.tp = tp
-        self.model = LlamaModel(cfg, tp, dtype, max_positions)
+        self.model = LlamaModel(cfg, tp, dtype, max_positions, self.decoder_layer, self.fused_decode_computes_it)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp, dtype)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    @staticmethod
+    def checkpoint_tensors(tensors: Iterator[CheckpointTensor], cfg: ModelConfig) -> Iterator[CheckpointTensor]:
+        """The checkpoint's tensors under the names packed_modules_mapping knows (Phi-3 splits its fused ones)."""
+        return tensors
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv_caches: list[torch.Tensor]
