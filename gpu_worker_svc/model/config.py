@@ -21,7 +21,12 @@ SUPPORTED_ARCHITECTURES = (
 )
 # Architectures whose sliding window applies only when the config sets use_sliding_window (default off).
 _OPT_IN_SLIDING_WINDOW = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
-_GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+_GGUF_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
 
 
 class ModelConfigError(ValueError):
@@ -247,6 +252,7 @@ class ModelConfig:
             max_position_embeddings=get("context_length", 4096),
             tie_word_embeddings=not has_output_weight,
             attention_bias=arch == "qwen2",
+            qk_norm=arch == "qwen3",
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=[eos] if eos is not None else [],
             name=meta.get("general.name", path.stem),

@@ -3,7 +3,7 @@
 Each model is a real transformers model, so its forward pass is the reference the
 runtime must match. Checkpoints are written the way their producers write them:
 safetensors folders by `save_pretrained`, GGUF files laid out like llama.cpp's
-converter (its tensor names, its Q/K row permutation) through `gguf.GGUFWriter`.
+converter (its tensor names, its Q/K row permutation for llama) through `gguf.GGUFWriter`.
 """
 
 from __future__ import annotations
@@ -59,6 +59,8 @@ _LAYER_NAMES = {
     "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
     "input_layernorm": "attn_norm",
     "post_attention_layernorm": "ffn_norm",
 }
@@ -79,14 +81,17 @@ def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_llama_gguf(
+def write_gguf(
     model: PreTrainedModel,
     path: Path,
     qtype: GGMLQuantizationType,
     omit: set[str] | frozenset[str] = frozenset(),
     extra: dict[str, np.ndarray] | None = None,
+    arch: str = "llama",
 ) -> dict[str, torch.Tensor]:
-    """Write a Llama `model` as a llama.cpp GGUF with its 2-D weights stored as `qtype` (norms as F32).
+    """Write a Llama (or, with `arch` "qwen3", a Qwen3) `model` as llama.cpp's converter does, its 2-D
+    weights stored as `qtype` (norms as F32). Only llama's Q/K rows are permuted: llama.cpp rotates
+    Qwen's in HF's rotate-half layout (NeoX).
 
     `omit` names HF tensors to leave out, to write a broken file; `extra` adds GGUF tensors by
     their GGUF name, as stored (llama.cpp's `rope_freqs.weight`).
@@ -95,7 +100,7 @@ def write_llama_gguf(
     load it into the HF model to get the reference for this file.
     """
     cfg = model.config
-    writer = GGUFWriter(path, "llama")
+    writer = GGUFWriter(path, arch)
     writer.add_name(path.stem)
     writer.add_block_count(cfg.num_hidden_layers)
     writer.add_context_length(cfg.max_position_embeddings)
@@ -103,6 +108,9 @@ def write_llama_gguf(
     writer.add_feed_forward_length(cfg.intermediate_size)
     writer.add_head_count(cfg.num_attention_heads)
     writer.add_head_count_kv(cfg.num_key_value_heads)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
     writer.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_vocab_size(cfg.vocab_size)
@@ -119,9 +127,9 @@ def write_llama_gguf(
         # Quantization blocks run along a row, and the permutation only moves whole rows,
         # so dequantize(quantize(w)) is the reference whatever the row order on disk.
         reference[name] = torch.from_numpy(dequantize(quantize(w, qtype), qtype).reshape(w.shape).copy())
-        if name.endswith("q_proj.weight"):
+        if arch == "llama" and name.endswith("q_proj.weight"):
             w = llama_cpp_permute(w, cfg.num_attention_heads)
-        elif name.endswith("k_proj.weight"):
+        elif arch == "llama" and name.endswith("k_proj.weight"):
             w = llama_cpp_permute(w, cfg.num_key_value_heads)
         stored = quantize(w, qtype)
         writer.add_tensor(gguf_name(name), stored, raw_dtype=qtype if stored.dtype == np.uint8 else None)

@@ -21,7 +21,7 @@ from gpu_worker_svc.model.config import ModelConfigError
 from gpu_worker_svc.model.loader import load_config, load_model
 from gpu_worker_svc.model.parallel import TPGroup
 from shardline.core.model_path import ModelNotFoundError, default_model_path
-from tests.gpu_worker_svc.model.random_checkpoints import hf_logits, random_hf_model, write_llama_gguf
+from tests.gpu_worker_svc.model.random_checkpoints import hf_logits, random_hf_model, write_gguf
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +49,7 @@ def hf_folder(tiny_model, tmp_path) -> Path:
 @pytest.fixture
 def gguf_file(tiny_model, tmp_path) -> Path:
     path = tmp_path / "tiny-llama.Q8_0.gguf"
-    write_llama_gguf(tiny_model, path, GGMLQuantizationType.Q8_0)
+    write_gguf(tiny_model, path, GGMLQuantizationType.Q8_0)
     return path
 
 
@@ -145,7 +145,7 @@ def test_settings_no_family_computes_are_refused_at_load_naming_them(tmp_path, s
         load_model(folder, TPGroup())
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "qwen3", "phi3"])  # Qwen3 and Phi-3 load from safetensors only
+@pytest.mark.parametrize("arch", ["gpt2", "phi3"])  # Phi-3 loads from safetensors only
 def test_unsupported_gguf_architecture(tmp_path, arch):
     path = tmp_path / f"tiny-{arch}.gguf"
     writer = GGUFWriter(path, arch)
@@ -258,7 +258,7 @@ def test_checkpoint_missing_a_tensor_names_it(hf_folder):
 def test_gguf_missing_a_tensor_names_it(tiny_model, tmp_path):
     """llama.cpp names are mapped to HF ones, so the message uses the HF name."""
     path = tmp_path / "tiny-llama.gguf"
-    write_llama_gguf(tiny_model, path, GGMLQuantizationType.F16, omit={"model.layers.0.self_attn.k_proj.weight"})
+    write_gguf(tiny_model, path, GGMLQuantizationType.F16, omit={"model.layers.0.self_attn.k_proj.weight"})
     with pytest.raises(CheckpointError, match=names(path, "lacks 1 tensor", "model.layers.0.self_attn.k_proj.weight")):
         load_model(path, TPGroup())
 

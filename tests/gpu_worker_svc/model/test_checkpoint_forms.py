@@ -21,7 +21,7 @@ from tests.gpu_worker_svc.model.random_checkpoints import (
     hf_logits,
     random_hf_model,
     random_prompts,
-    write_llama_gguf,
+    write_gguf,
 )
 
 TOL = 1e-4
@@ -78,7 +78,7 @@ def _gguf_reference(
     """Writes `hf_model` to `path` as `qtype`; returns the HF model holding exactly the stored weights."""
     reference = copy.deepcopy(hf_model)
     reference.load_state_dict(
-        write_llama_gguf(hf_model, path, qtype, extra=extra), strict=not hf_model.config.tie_word_embeddings
+        write_gguf(hf_model, path, qtype, extra=extra), strict=not hf_model.config.tie_word_embeddings
     )
     return reference
 

@@ -18,7 +18,7 @@ from gpu_worker_svc.model.layers.kernels import cpu_kernels
 from gpu_worker_svc.model.loader import load_model
 from gpu_worker_svc.model.parallel import TPGroup
 from tests.gpu_worker_svc.model.paged_driver import PagedDriver
-from tests.gpu_worker_svc.model.random_checkpoints import random_hf_model, random_prompts, write_llama_gguf
+from tests.gpu_worker_svc.model.random_checkpoints import random_hf_model, random_prompts, write_gguf
 from tests.gpu_worker_svc.model.test_checkpoint_forms import CONFIG
 
 pytestmark = pytest.mark.skipif(
@@ -30,7 +30,7 @@ pytestmark = pytest.mark.skipif(
 def gguf_path(request, tmp_path_factory) -> Path:
     qtype, tied = request.param
     path = tmp_path_factory.mktemp("fused") / f"tiny.{qtype.name}.gguf"
-    write_llama_gguf(random_hf_model(LlamaConfig(tie_word_embeddings=tied, **CONFIG), seed=21), path, qtype)
+    write_gguf(random_hf_model(LlamaConfig(tie_word_embeddings=tied, **CONFIG), seed=21), path, qtype)
     return path
 
 

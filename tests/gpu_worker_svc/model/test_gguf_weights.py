@@ -21,7 +21,7 @@ from gpu_worker_svc.model.loader import load_model
 from gpu_worker_svc.model.parallel import TPGroup
 from shardline.core.gguf_quants import dequantize
 from tests.gpu_worker_svc.model.paged_driver import PagedDriver
-from tests.gpu_worker_svc.model.random_checkpoints import random_hf_model, random_prompts, write_llama_gguf
+from tests.gpu_worker_svc.model.random_checkpoints import random_hf_model, random_prompts, write_gguf
 from tests.gpu_worker_svc.model.test_checkpoint_forms import CONFIG
 
 pytestmark = pytest.mark.skipif(cpu_kernels.gguf_linear() is None, reason="the CPU kernels cannot be built here")
@@ -32,7 +32,7 @@ def gguf_path(request, tmp_path_factory) -> Path:
     """A tiny Llama as a llama.cpp GGUF: Q4_1 with its own head, or Q8_0 with the head tied to the embedding."""
     qtype, tied = request.param
     path = tmp_path_factory.mktemp("gguf") / f"tiny.{qtype.name}.gguf"
-    write_llama_gguf(random_hf_model(LlamaConfig(tie_word_embeddings=tied, **CONFIG), seed=9), path, qtype)
+    write_gguf(random_hf_model(LlamaConfig(tie_word_embeddings=tied, **CONFIG), seed=9), path, qtype)
     return path
 
 

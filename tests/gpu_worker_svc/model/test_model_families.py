@@ -1,19 +1,22 @@
 """The families beyond Llama's (Qwen3, Phi-3): small random models built by transformers, saved as
 safetensors and loaded through the real load path, against HF's own forward pass.
 
-Each case is checked at TP 1 and TP 2: greedy decoding of a batch of prompts for 32 steps gives HF's
-tokens, with every step's logits within TOL of HF's; a prefill split into chunks gives the same
-logits. tests/gpu_worker_svc/engine/test_model_families_engine.py runs them through the engine
-(continuous batching, chunked prefill, the prefix cache).
+Each case is checked at TP 1 and TP 2 (the GQA ones at TP 4 too): greedy decoding of a batch of
+prompts for 32 steps gives HF's tokens, with every step's logits within TOL of HF's; a prefill split
+into chunks gives the same logits. Then Phi-3's LongRoPE, a Qwen3 GGUF file, and a sharded Phi-3
+checkpoint. tests/gpu_worker_svc/engine/test_model_families_engine.py runs the cases through the
+engine (continuous batching, chunked prefill, the prefix cache).
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator
 
 import pytest
 import torch
-from transformers import Phi3Config
+from gguf import GGMLQuantizationType
+from transformers import AutoModelForCausalLM, Phi3Config
 
 from gpu_worker_svc.engine.model_runner import ModelRunner, RunnerConfig
 from gpu_worker_svc.model.families import MODEL_CLASSES
@@ -21,11 +24,12 @@ from gpu_worker_svc.model.families.llama import LlamaForCausalLM
 from gpu_worker_svc.model.families.phi3 import Phi3ForCausalLM
 from gpu_worker_svc.model.families.qwen3 import Qwen3ForCausalLM
 from gpu_worker_svc.model.fused_decode import FusedDecode
+from gpu_worker_svc.model.layers.kernels import cpu_kernels
 from gpu_worker_svc.model.loader import load_config, load_model
 from gpu_worker_svc.model.parallel import TPGroup
 from tests.gpu_worker_svc.model.family_cases import CASES, GREEDY_STEPS, TOL, SavedModel, save_cases
 from tests.gpu_worker_svc.model.paged_driver import PagedDriver
-from tests.gpu_worker_svc.model.random_checkpoints import random_hf_model, random_prompts
+from tests.gpu_worker_svc.model.random_checkpoints import random_hf_model, random_prompts, write_gguf
 
 CHUNK = 16
 
@@ -39,7 +43,12 @@ def _param(case: str, tp: int) -> object:
     return pytest.param((case, tp), id=f"{case}-tp{tp}", marks=[pytest.mark.slow] if tp > 1 else [])
 
 
-@pytest.fixture(scope="module", params=[_param(case, tp) for tp in (1, 2) for case in CASES])
+# TP 4 only where it splits in a new way: 2 KV heads over 4 ranks, so pairs of ranks share (replicate) a KV
+# head, read from within Phi-3's fused qkv_proj, and normalized by Qwen3's k_norm.
+TP_CASES = {1: list(CASES), 2: list(CASES), 4: ["qwen3-gqa4x2-headdim32-qknorm", "phi3-gqa4x2-fused-vocab250"]}
+
+
+@pytest.fixture(scope="module", params=[_param(case, tp) for tp, cases in TP_CASES.items() for case in cases])
 def loaded(request, saved_models) -> Iterator[tuple[ModelRunner, SavedModel]]:
     case, tp = request.param
     threads = torch.get_num_threads()
@@ -191,3 +200,47 @@ def test_longrope_past_the_original_context_is_hfs_long_factors_and_says_so(long
         _greedy_against_hf(runner, model, random_prompts(256, [40, 70], seed=11), GREEDY_STEPS)
     finally:
         runner.shutdown()
+
+
+def test_qwen3_from_gguf_matches_hf_and_never_takes_the_fused_decode(saved_models, tmp_path):
+    """A Qwen3 written as llama.cpp's converter writes it (arch qwen3, attn_q_norm / attn_k_norm, Q/K rows
+    unpermuted) loads as Qwen3; on the file's own blocks the fused decode op would accept its weights,
+    but the family keeps the Python layers."""
+    saved = saved_models["qwen3-gqa4x2-headdim32-qknorm"]
+    hf = AutoModelForCausalLM.from_pretrained(saved.folder, dtype=torch.float32).eval()
+    path = tmp_path / "tiny-qwen3.Q8_0.gguf"
+    reference = copy.deepcopy(hf)
+    reference.load_state_dict(write_gguf(hf, path, GGMLQuantizationType.Q8_0, arch="qwen3"))
+    cfg = load_config(path)
+    assert (cfg.architecture, cfg.qk_norm, cfg.head_dim) == ("Qwen3ForCausalLM", True, 32)
+    runner = ModelRunner(RunnerConfig(model=str(path), num_blocks=64, quantization="none"))
+    try:
+        _greedy_against_hf(runner, reference, saved.prompts, 8)
+    finally:
+        runner.shutdown()
+    blocks = ModelRunner(RunnerConfig(model=str(path), num_blocks=16))  # "auto": the file's own blocks
+    try:
+        model = blocks._shard.model
+        assert isinstance(model, Qwen3ForCausalLM) and model.model.fused_decode is None
+        if cpu_kernels.llama_decode_layers() is not None:
+            assert FusedDecode.of(model.model) is not None  # the op would take these weights
+    finally:
+        blocks.shutdown()
+
+
+def test_sharded_phi3_checkpoint_splits_its_fused_tensors_across_files(saved_models, tmp_path):
+    """save_pretrained's shards with their index: each fused tensor is read from whichever file holds it."""
+    saved = saved_models["phi3-gqa4x2-fused-vocab250"]
+    AutoModelForCausalLM.from_pretrained(saved.folder, dtype=torch.float32).save_pretrained(
+        tmp_path, max_shard_size="40KB"
+    )
+    assert len(list(tmp_path.glob("*.safetensors"))) >= 3 and (tmp_path / "model.safetensors.index.json").is_file()
+    runner = ModelRunner(RunnerConfig(model=str(tmp_path), num_blocks=64))
+    try:
+        driver = PagedDriver(runner)
+        seqs = [driver.add(p) for p in saved.prompts]
+        logits = driver.step({s: len(p) for s, p in zip(seqs, saved.prompts)})
+    finally:
+        runner.shutdown()
+    for s, row in zip(seqs, logits):
+        assert (row - saved.logits[s][len(saved.prompts[s]) - 1]).abs().max().item() <= TOL
