@@ -63,6 +63,10 @@ class BlockPool:
     def block_hash(self, block_id: int) -> int | None:
         return self.blocks[block_id].block_hash
 
+    def cached_block(self, block_hash: int) -> int | None:
+        """The id of the block cached under `block_hash`, if any; takes no reference."""
+        return self._cached.get(block_hash)
+
     def allocate(self, num_blocks: int) -> list[int]:
         """Take `num_blocks` blocks with ref count 1, evicting LRU cached ones."""
         if num_blocks > self.num_free_blocks:

@@ -20,6 +20,7 @@ import torch
 from gpu_worker_svc.engine.batch_scheduler import BatchScheduler, SchedulerConfig, SchedulerOutput
 from gpu_worker_svc.engine.block_pool import BlockPool
 from gpu_worker_svc.engine.grammar import GrammarBackend
+from gpu_worker_svc.engine.kv_transfer import ImportResult, KvBlocks, KvLayout, KvTransfer, config_fingerprint
 from gpu_worker_svc.engine.lookahead import Lookahead
 from gpu_worker_svc.engine.model_runner import ModelRunner, PromptLogits, RunnerConfig
 from gpu_worker_svc.engine.ngram_proposer import NgramIndex, SpeculativeConfig
@@ -31,6 +32,7 @@ from gpu_worker_svc.engine.step_stats import step_stats
 from gpu_worker_svc.model.attention_metadata import StepBatch
 from gpu_worker_svc.model.dummy import is_dummy
 from gpu_worker_svc.model.loader import rotary_positions
+from shardline.core.model_path import model_name, resolve_model_path
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +70,7 @@ class LLMEngine:
         self._grammar: GrammarBackend | None = None  # built by the first structured output request
         self._grammar_error: str | None = None  # why it could not be built: said once, then repeated
         self._grammar_lock = threading.Lock()  # a worker's compile threads may ask for it all at once
+        self._transfer: KvTransfer | None = None  # built by the first export or import
 
     @property
     def grammar_error(self) -> str | None:
@@ -343,6 +346,44 @@ class LLMEngine:
                 output.prompt_logprobs, seq.prompt_logprobs = seq.prompt_logprobs, []
             outputs.append(output)
         return outputs
+
+    # -- KV transfer (kv_transfer.py): call between steps, on the engine's thread ------------
+    @property
+    def kv_layout(self) -> KvLayout:
+        """What another engine's blocks must match to be imported here."""
+        model = self.config.runner.model
+        kv_heads, head_dim = self.runner.kv_heads
+        return KvLayout(
+            model=model if model is not None and is_dummy(model) else model_name(resolve_model_path(model)),
+            config_fingerprint=config_fingerprint(self.model_config),
+            weight_format=self.runner.weight_format,
+            dtype=str(self.runner.kv_dtype).removeprefix("torch."),
+            block_size=self.block_pool.block_size,
+            num_layers=self.model_config.num_layers,
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
+            tp_size=self.config.runner.tp_size,
+        )
+
+    def _kv_transfer(self) -> KvTransfer:
+        if self._transfer is None:
+            self._transfer = KvTransfer(self.block_pool, self.runner.local_kv_caches(), self.kv_layout)
+        return self._transfer
+
+    def export_prefix(self, token_ids: list[int]) -> KvBlocks:
+        """The KV of the full blocks of `token_ids` that the prefix cache holds, from the first."""
+        return self._kv_transfer().export_prefix(token_ids)
+
+    def export_request(self, request_id: str) -> KvBlocks:
+        """The KV of a request's full, computed blocks; KeyError when it is not here."""
+        seq = self.scheduler.get(request_id)
+        if seq is None:
+            raise KeyError(request_id)
+        return self._kv_transfer().export_sequence(seq.all_token_ids, seq.block_ids, seq.num_computed_tokens)
+
+    def import_blocks(self, layout: KvLayout, blocks: KvBlocks) -> ImportResult:
+        """Puts another engine's blocks in the prefix cache (KvTransferError: refused, nothing imported)."""
+        return self._kv_transfer().import_blocks(layout, blocks)
 
     # -- offline use ----------------------------------------------------------
     def generate(

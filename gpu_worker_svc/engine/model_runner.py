@@ -130,6 +130,7 @@ class ShardWorker:
         self.block_size = config.block_size
         self.batch_invariant = config.batch_invariant
         quantization = resolve_weight_format(config.quantization, config.model, config.device, self.dtype)
+        self.weight_format = quantization or "none"  # the weights' form, which the KV it computes depends on
         if self.batch_invariant:
             _check_batch_invariance(config, quantization, self.dtype)
         self.model = load_model(config.model, self.tp, self.dtype, self.device, config.max_model_len)
@@ -298,6 +299,34 @@ class ModelRunner:
             raise
         self.num_blocks = self._shard.num_blocks
         self.block_size = config.block_size
+
+    def local_kv_caches(self) -> list[torch.Tensor]:
+        """Rank 0's KV cache, one [2, blocks, block_size, kv heads, head_dim] tensor per layer.
+
+        Only with TP 1: the other ranks' shards live in their own processes, and moving them
+        would need a collective that no step expects yet.
+        """
+        if self._children:
+            raise ValueError(
+                f"tp_size: KV transfer needs tp_size 1 (each rank holds a shard), got {self.config.tp_size}"
+            )
+        return self._shard.kv_caches
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """The KV cache's element type."""
+        return self._shard.dtype
+
+    @property
+    def weight_format(self) -> str:
+        """The weights as loaded: "gguf", "int8", "fp16", "int4" or "none" (the model's dtype)."""
+        return self._shard.weight_format
+
+    @property
+    def kv_heads(self) -> tuple[int, int]:
+        """(KV heads on this rank, head_dim)."""
+        attn = self._shard.model.attention()
+        return attn.num_kv_heads, attn.head_dim
 
     def _watch_children(self) -> None:
         sentinels = {p.sentinel: p for p in self._children}
