@@ -33,6 +33,7 @@ class KvTransferError(ValueError):
     def __init__(self, field: str, problem: str) -> None:
         super().__init__(f"{field}: {problem}")
         self.field = field
+        self.problem = problem
 
 
 class KvLayoutMismatch(KvTransferError):

@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, wait
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from gpu_worker_svc.engine.llm_engine import LLMEngine
 from gpu_worker_svc.engine.model_runner import EngineDeadError
@@ -85,6 +86,17 @@ class _Commands:
 
 class _Stop:
     pass
+
+
+@dataclass(slots=True)
+class _Call:
+    """Work on the engine itself between steps (a KV export or import), answered through `future`."""
+
+    fn: Callable[[LLMEngine], Any]
+    future: Future[Any]
+
+
+T = TypeVar("T")
 
 
 class _GrammarsCompiled:
@@ -183,6 +195,12 @@ class EngineLoop:
     def submit(self, session_id: int, command: worker_pb2.WorkerCommand) -> None:
         self._inbox.put(_Commands(session_id, command))
 
+    def call(self, fn: Callable[[LLMEngine], T]) -> Future[T]:
+        """Runs `fn(engine)` on the engine thread between two steps, so it never races a step."""
+        future: Future[T] = Future()
+        self._inbox.put(_Call(fn, future))
+        return future
+
     def stop(self, timeout_s: float = 30.0) -> None:
         """Abort every request, end the live session and wait for the thread to exit."""
         self._inbox.put(_Stop())
@@ -255,6 +273,11 @@ class EngineLoop:
                     if held is not None:
                         self._errors.append(abort_delta(held))
                     self._engine.abort_request(request_id)  # its final delta comes with the next step
+            case _Call(fn, future) if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(self._engine))
+                except Exception as exc:  # the caller's to report: the engine is as it was
+                    future.set_exception(exc)
             case _GrammarsCompiled():
                 for new, compiled in self._grammar_gate.release():
                     self._add(new, compiled)

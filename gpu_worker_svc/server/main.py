@@ -31,6 +31,8 @@ from gpu_worker_svc.model.dummy import is_dummy
 from gpu_worker_svc.model.layers.quantize import CPU_WEIGHT_FORMATS
 from gpu_worker_svc.model.loader import parse_dtype
 from gpu_worker_svc.server.engine_loop import EngineLoop
+from gpu_worker_svc.server.kv_transfer_servicer import SERVICE_NAME as KV_SERVICE_NAME
+from gpu_worker_svc.server.kv_transfer_servicer import KvTransferServicer
 from gpu_worker_svc.server.process_age import process_age_s
 from gpu_worker_svc.server.registration import SchedulerRegistration
 from gpu_worker_svc.server.servicer import WorkerServicer
@@ -250,8 +252,12 @@ async def _serve_engine(
         s, engine, tracing, info.model, lambda _exc: loop.call_soon_threadsafe(engine_died.set), torch_thread
     )
     engine_loop.start()
+    kv_transfer = KvTransferServicer(engine_loop, engine.kv_layout, engine.block_pool.num_blocks)
     server = await start_grpc_server(
-        [GrpcService(WorkerServicer(engine_loop, info), worker_pb2_grpc.add_WorkerServicer_to_server, SERVICE_NAME)],
+        [
+            GrpcService(WorkerServicer(engine_loop, info), worker_pb2_grpc.add_WorkerServicer_to_server, SERVICE_NAME),
+            GrpcService(kv_transfer, worker_pb2_grpc.add_KvTransferServicer_to_server, KV_SERVICE_NAME),
+        ],
         s.port,
         s.host,
         interceptors=[TracingServerInterceptor(tracing.tracer)],

@@ -64,6 +64,10 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
             return grpc.unary_stream_rpc_method_handler(
                 _wrap_stream(handler.unary_stream), _tolerant(handler.request_deserializer), handler.response_serializer
             )
+        if handler.stream_unary:
+            return grpc.stream_unary_rpc_method_handler(
+                _wrap_unary(handler.stream_unary), handler.request_deserializer, handler.response_serializer
+            )
         if handler.stream_stream:
             return grpc.stream_stream_rpc_method_handler(
                 _wrap_stream(handler.stream_stream), handler.request_deserializer, handler.response_serializer

@@ -1,0 +1,162 @@
+"""KV blocks pushed between two real worker processes over the KvTransfer service."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import grpc
+import pytest
+import torch
+
+from shardline.core.ports import free_port
+from shardline.proto import worker_pb2, worker_pb2_grpc
+from tests.gpu_worker_svc.server.conftest import KV_CACHE_BYTES
+from tests.gpu_worker_svc.server.harness import (
+    REPO,
+    SessionClient,
+    WorkerProcess,
+    final_deltas,
+    new_request,
+    tokens_by_request,
+)
+
+pytestmark = pytest.mark.slow
+
+MAX_TOKENS = 8
+
+
+def _prompt(seed: int) -> list[int]:
+    """70 tokens: four full blocks of 16, then a partial one."""
+    return torch.randint(100, 49152, (70,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _start(scheduler, tmp_path_factory, worker_id: str) -> tuple[WorkerProcess, worker_pb2.WorkerInfo]:
+    args = ["--port", str(free_port()), "--worker-id", worker_id, "--scheduler", scheduler.address]
+    args += ["--kv-cache-bytes", str(KV_CACHE_BYTES), "--max-num-batched-tokens", "256"]
+    proc = WorkerProcess(args, tmp_path_factory.mktemp(worker_id) / "worker.log")
+    try:
+        return proc, proc.wait_registered(scheduler)
+    except BaseException:
+        proc.stop()
+        raise
+
+
+@pytest.fixture(scope="module")
+def worker_procs(scheduler, tmp_path_factory) -> Iterator[tuple[WorkerProcess, WorkerProcess]]:
+    """Worker A, which computes prompts, and worker B, which receives their blocks."""
+    a, a_info = _start(scheduler, tmp_path_factory, "worker-a")
+    try:
+        b, b_info = _start(scheduler, tmp_path_factory, "worker-b")
+    except BaseException:
+        a.stop()
+        raise
+    a.info, b.info = a_info, b_info
+    try:
+        yield a, b
+    finally:
+        a.stop()
+        b.stop()
+
+
+@pytest.fixture(scope="module")
+def workers(worker_procs) -> tuple[worker_pb2.WorkerInfo, worker_pb2.WorkerInfo]:
+    return worker_procs[0].info, worker_procs[1].info
+
+
+def _serve(info: worker_pb2.WorkerInfo, rid: str, prompt: list[int]) -> tuple[list[int], int]:
+    """(greedy tokens, prompt tokens served from the prefix cache) of one request on one worker."""
+    session = SessionClient(info.address)
+    try:
+        session.send(add=[new_request(rid, prompt, MAX_TOKENS)])
+        steps = session.until_finished({rid})
+    finally:
+        session.close()
+    return tokens_by_request(steps)[rid], final_deltas(steps)[rid].usage.cached_tokens
+
+
+def _kv(info: worker_pb2.WorkerInfo) -> tuple[grpc.Channel, worker_pb2_grpc.KvTransferStub]:
+    channel = grpc.insecure_channel(info.address)
+    return channel, worker_pb2_grpc.KvTransferStub(channel)
+
+
+def test_pushed_blocks_are_prefix_hits_with_identical_greedy_output(workers):
+    a, b = workers
+    prompt = _prompt(1)
+    computed, cached = _serve(a, "on-a", prompt)
+    assert cached == 0
+    channel, stub = _kv(a)
+    with channel:
+        result = stub.SendBlocks(worker_pb2.SendBlocksRequest(target_address=b.address, prompt_token_ids=prompt))
+    assert (result.imported, result.already_cached, result.no_room) == (4, 0, 0)
+
+    served, cached = _serve(b, "on-b", prompt)
+
+    assert cached == 64, "B prefills only the partial last block"
+    assert served == computed
+
+
+def test_a_sender_killed_mid_stream_leaves_the_receiver_serving_by_computing(workers, worker_procs):
+    a, b = workers
+    prompt = _prompt(2)
+    computed, _ = _serve(a, "on-a-2", prompt)
+    # A relay that streams A's export into B and is SIGKILLed after the header and two of four blocks.
+    relay = f"""
+import os, signal, time, grpc
+from shardline.proto import worker_pb2, worker_pb2_grpc
+chunks = list(worker_pb2_grpc.KvTransferStub(grpc.insecure_channel({a.address!r})).ExportBlocks(
+    worker_pb2.ExportBlocksRequest(prompt_token_ids={prompt!r})))
+assert len(chunks) == 5, len(chunks)
+def stream():
+    yield from chunks[:3]
+    time.sleep(1.0)  # the three chunks reach B first
+    os.kill(os.getpid(), signal.SIGKILL)
+worker_pb2_grpc.KvTransferStub(grpc.insecure_channel({b.address!r})).PushBlocks(stream())
+"""
+    done = subprocess.run([sys.executable, "-c", relay], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert done.returncode == -9, done.stderr
+    # The receiver may see the dead sender's stream end like a finished one (the header's block
+    # count then tells it the transfer was cut short) or broken; either way it imports nothing.
+    deadline = time.monotonic() + 20
+    while not re.search(r"ended with 2 of 4 blocks complete|broke after 3 chunks", worker_procs[1].log(tail=None)):
+        assert time.monotonic() < deadline, "the receiver never noticed the broken transfer"
+        time.sleep(0.1)
+
+    served, cached = _serve(b, "on-b-2", prompt)
+
+    assert cached == 0, "no block of the broken transfer was imported"
+    assert served == computed
+
+
+def test_blocks_of_another_model_are_refused_naming_the_field(workers):
+    a, b = workers
+    prompt = _prompt(3)
+    _serve(a, "on-a-3", prompt)
+    channel, stub = _kv(a)
+    with channel:
+        chunks = list(stub.ExportBlocks(worker_pb2.ExportBlocksRequest(prompt_token_ids=prompt)))
+    chunks[0].header.model = "another-model"
+    channel, stub = _kv(b)
+    with channel, pytest.raises(grpc.RpcError) as refused:
+        stub.PushBlocks(iter(chunks))
+    assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert refused.value.details().startswith("model: blocks from another layout")
+
+
+def test_a_slab_of_the_wrong_size_is_refused_and_nothing_is_imported(workers):
+    a, b = workers
+    prompt = _prompt(4)
+    computed, _ = _serve(a, "on-a-4", prompt)
+    channel, stub = _kv(a)
+    with channel:
+        chunks = list(stub.ExportBlocks(worker_pb2.ExportBlocksRequest(prompt_token_ids=prompt)))
+    chunks[3].slab.kv = chunks[3].slab.kv[:-4]
+    channel, stub = _kv(b)
+    with channel, pytest.raises(grpc.RpcError) as refused:
+        stub.PushBlocks(iter(chunks))
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert refused.value.details().startswith("slab.kv:")
+    assert _serve(b, "on-b-4", prompt) == (computed, 0)
