@@ -16,7 +16,7 @@ from gateway.batches.files_http import READ_BYTES
 from gateway.tenancy.auth import ApiKeys
 from shardline.core.batch.batch_record import STATUSES, TIMESTAMPS, BatchRecord
 from shardline.core.batch.file_store import FileObject
-from shardline.core.errors import InvalidArgument, ShardlineError, Unavailable
+from shardline.core.errors import InvalidArgument, Unavailable
 from shardline.proto import batches_pb2, batches_pb2_grpc
 
 SERVICE_NAME = batches_pb2.DESCRIPTOR.services_by_name["Batches"].full_name
@@ -35,14 +35,7 @@ class BatchesServicer(batches_pb2_grpc.BatchesServicer):
             raise Unavailable(OFF_MESSAGE)
         return self._service
 
-    async def UploadFile(self, request_iterator: AsyncIterator[batches_pb2.UploadFileRequest], context):
-        # A client-streaming rpc: the server's error interceptor maps only the others, so this one does.
-        try:
-            return await self._upload(request_iterator, context)
-        except ShardlineError as exc:
-            await context.abort(exc.code, str(exc))
-
-    async def _upload(self, requests: AsyncIterator[batches_pb2.UploadFileRequest], context) -> batches_pb2.File:
+    async def UploadFile(self, requests: AsyncIterator[batches_pb2.UploadFileRequest], context) -> batches_pb2.File:
         service = self._on()
         header: batches_pb2.FileHeader | None = None
         with UploadSpool() as spool:
