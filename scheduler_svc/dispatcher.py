@@ -10,6 +10,7 @@ import grpc
 from opentelemetry import trace
 
 from scheduler_svc.deadlines import Deadlines
+from scheduler_svc.kv_handoff import hand_off_kv
 from scheduler_svc.live_request import LiveRequest, queue_span
 from scheduler_svc.load_meter import LoadMeter
 from scheduler_svc.model_coverage import ModelCoverage
@@ -200,8 +201,14 @@ class Dispatcher:
         self._wake.set()
 
     async def release_worker(self, worker_id: str, reason: str) -> None:
-        """Takes a drained worker out of the pool; what it still runs is re-queued with its tokens, not as a failure."""
+        """Takes a drained worker out of the pool; what it still runs is re-queued with its tokens, not as a
+        failure, after its KV blocks were sent to the workers it moves to (kv_handoff.py)."""
         session = self._sessions.get(worker_id)
+        worker = self.registry.get(worker_id)
+        if session is not None and worker is not None and worker.in_flight:
+            held = [request for rid in worker.in_flight if (request := self.requests.get(rid)) is not None]
+            # The worker is alive: its blocks go ahead of its requests, which then skip their prefill.
+            await hand_off_kv(worker, held, lambda r: self.registry.with_room(r.model, r.priority), self._router)
         if session is not None:
             await session.close(reason, migrate=True)
 

@@ -17,11 +17,26 @@ from shardline.core.grpc_server import GrpcService, start_grpc_server
 from shardline.proto import common_pb2, sampling_pb2, scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 WORKER_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
+KV_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["KvTransfer"].full_name
 
 
 def token_at(seed: int, index: int) -> int:
     """The token an unbroken run samples at output index `index`."""
     return 1000 + (seed * 31 + index * 7) % 997
+
+
+class ScriptedKvTransfer(worker_pb2_grpc.KvTransferServicer):
+    """Records the KV sends it is asked for; with `refuse`, answers each with UNAVAILABLE."""
+
+    def __init__(self) -> None:
+        self.sends: list[worker_pb2.SendBlocksRequest] = []
+        self.refuse = False
+
+    async def SendBlocks(self, request, context):
+        self.sends.append(request)
+        if self.refuse:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "target 127.0.0.1:1: connection refused")
+        return worker_pb2.PushBlocksResult(imported=3)
 
 
 @dataclass(slots=True)
@@ -69,10 +84,16 @@ class ScriptedWorker(worker_pb2_grpc.WorkerServicer):
         self._heartbeat_task: asyncio.Task | None = None
         self.session_ended = asyncio.Event()
         self.retired = asyncio.Event()  # a heartbeat said the autoscaler took it out of the pool
+        self.kv = ScriptedKvTransfer()  # its KvTransfer service
 
     async def start(self, scheduler_port: int) -> "ScriptedWorker":
         self._server = await start_grpc_server(
-            [GrpcService(self, worker_pb2_grpc.add_WorkerServicer_to_server, WORKER_SERVICE)], 0, "127.0.0.1"
+            [
+                GrpcService(self, worker_pb2_grpc.add_WorkerServicer_to_server, WORKER_SERVICE),
+                GrpcService(self.kv, worker_pb2_grpc.add_KvTransferServicer_to_server, KV_SERVICE),
+            ],
+            0,
+            "127.0.0.1",
         )
         self.info.address = f"127.0.0.1:{self._server.port}"
         self._channel = grpc.aio.insecure_channel(f"127.0.0.1:{scheduler_port}")

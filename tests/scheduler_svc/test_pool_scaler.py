@@ -38,6 +38,10 @@ async def _until(c, predicate, what: str, timeout_s: float = 15.0) -> scheduler_
     return latest[0]
 
 
+def _worker(c, worker_id: str):
+    return next(w for w in c.workers if w.info.worker_id == worker_id)
+
+
 async def _two_requests_on_two_workers(c, gateway, max_tokens: int) -> dict[str, str]:
     """Workers w0 and w1, requests "a" (seed 3) and "b" (seed 4) streaming: where each one runs."""
     for worker_id in ("w0", "w1"):
@@ -93,6 +97,26 @@ async def test_a_drain_past_its_timeout_moves_the_requests_with_their_tokens(red
             assert gateway.final(request_id).finish_reason == sampling_pb2.FINISH_REASON_LENGTH
         info = await c.info(moved)
         assert info.worker_id != gone and info.attempt == 1  # moved, not failed
+        # Before it moved, the drained worker was asked to send its KV blocks where it went.
+        [send] = _worker(c, gone).kv.sends
+        assert (send.request_id, send.target_address) == (moved, _worker(c, info.worker_id).info.address)
+
+
+@run_async
+async def test_a_kv_hand_off_that_fails_still_moves_the_requests_with_their_tokens(redis_url: str) -> None:
+    async with cluster(redis_url, autoscale_max_workers=2, autoscale_drain_timeout_s=0.3, **SCALING) as c:
+        gateway = await c.gateway("gw-1")
+        placed = await _two_requests_on_two_workers(c, gateway, max_tokens=150)
+        for worker in c.workers:
+            worker.kv.refuse = True
+        scale = await _until(c, lambda s: len(s.retired) == 1, "a worker retired past its drain timeout")
+        [gone] = scale.retired
+        moved = next(rid for rid, worker_id in placed.items() if worker_id == gone)
+        await gateway.wait_finished("a", "b", timeout_s=20)
+        for request_id, seed in (("a", 3), ("b", 4)):
+            assert gateway.tokens(request_id) == [token_at(seed, k) for k in range(150)]
+        assert [s.request_id for s in _worker(c, gone).kv.sends] == [moved]
+        assert (await c.info(moved)).worker_id != gone
 
 
 @run_async

@@ -160,3 +160,42 @@ def test_a_slab_of_the_wrong_size_is_refused_and_nothing_is_imported(workers):
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert refused.value.details().startswith("slab.kv:")
     assert _serve(b, "on-b-4", prompt) == (computed, 0)
+
+
+def test_a_running_requests_blocks_let_its_resumption_elsewhere_skip_their_prefill(workers):
+    """What a drain's hand-off does: the request's computed blocks go to B, which resumes it with the
+    tokens so far (as the scheduler re-dispatches it) and continues exactly as A does."""
+    a, b = workers
+    prompt, total = _prompt(5), 30
+    session = SessionClient(a.address)
+    try:
+        session.send(add=[new_request("moving", prompt, total)])
+        steps = [session.next()]
+        while sum(len(d.token_ids) for s in steps for d in s.deltas) < 10:
+            steps.append(session.next())
+        channel, stub = _kv(a)
+        with channel:
+            result = stub.SendBlocks(worker_pb2.SendBlocksRequest(target_address=b.address, request_id="moving"))
+        steps += session.until_finished({"moving"})
+        with pytest.raises(grpc.RpcError) as gone:
+            _kv(a)[1].SendBlocks(worker_pb2.SendBlocksRequest(target_address=b.address, request_id="moving"))
+        assert gone.value.code() == grpc.StatusCode.NOT_FOUND
+    finally:
+        session.close()
+    on_a = tokens_by_request(steps)["moving"]
+    assert len(on_a) == total and result.imported >= 4  # the prompt's four full blocks, at least
+    so_far = on_a[:10]
+    resumed = worker_pb2.NewRequest(
+        request_id="moved",
+        prompt_token_ids=prompt,
+        output_token_ids=so_far,
+        params={"max_tokens": total, "ignore_eos": True, "temperature": 0.0},
+    )
+    session = SessionClient(b.address)
+    try:
+        session.send(add=[resumed])
+        steps = session.until_finished({"moved"})
+    finally:
+        session.close()
+    assert final_deltas(steps)["moved"].usage.cached_tokens == 64, "the four blocks sent are hits; the rest is computed"
+    assert so_far + tokens_by_request(steps)["moved"] == on_a
