@@ -11,6 +11,7 @@ import contextlib
 import json
 import os
 import select
+import signal
 import sys
 import termios
 import time
@@ -114,6 +115,9 @@ def run(args: argparse.Namespace) -> int:
         print(screen(url))
         return 0
     fd = sys.stdin.fileno()
+    # Ctrl-C quits even when a parent started us with SIGINT ignored, as a non-interactive shell
+    # does for its background jobs: Python keeps an ignored SIGINT ignored.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         with _keys_without_echo(fd):
             while True:

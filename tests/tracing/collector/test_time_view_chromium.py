@@ -109,8 +109,10 @@ def test_time_view_charts_the_series_and_lists_a_dragged_windows_requests(redis_
                 # The 429s and the failover are in the failures chart, when they happened.
                 rejected = lines["failures", "rejected:rate"]
                 peak = read["times"][max(range(len(rejected)), key=lambda i: rejected[i] or 0)]
-                assert BURST_S[0] <= peak - start_s < BURST_S[1] + 1 and max(rejected) == 5.0
-                assert sum(v for v in lines["failures", "failovers:rate"] if v) * int(shown["step"]) == 1
+                # A point's time is its bucket's start, aligned down to the step: up to a step early.
+                step_s = int(shown["step"])
+                assert BURST_S[0] - step_s <= peak - start_s < BURST_S[1] + 1 and max(rejected) == 5.0
+                assert sum(v for v in lines["failures", "failovers:rate"] if v) * step_s == 1
                 # worker-1's batch line stops where it stopped stepping.
                 stopped = lines["batch", "batch_size:mean:worker-1"]
                 last = max(i for i, v in enumerate(stopped) if v is not None)
