@@ -71,6 +71,7 @@ class Dispatcher:
         self._sessions: dict[str, WorkerSession] = {}
         self._tasks: list[asyncio.Task] = []
         self._admitting: dict[str, asyncio.Future[int]] = {}  # Submits still writing their request
+        self._releases: dict[str, asyncio.Task[tuple[int, int]]] = {}  # workers leaving the pool now
 
     async def start(self) -> None:
         """Re-queues every unfinished request found in Redis, then starts dispatching."""
@@ -84,7 +85,8 @@ class Dispatcher:
 
     async def stop(self) -> None:
         """Stops dispatching and drops the worker streams; Redis keeps every request for the next start."""
-        tasks = [*self._tasks, *self._deadlines.tasks]
+        # A worker's release still handing off KV ends too: the requests it held stay RUNNING in Redis.
+        tasks = [*self._tasks, *self._deadlines.tasks, *self._releases.values()]
         for task in tasks:
             task.cancel()
         # Bounded: a task stuck in an rpc or a Redis call must not turn a SIGTERM into a hang.
@@ -200,17 +202,56 @@ class Dispatcher:
         )
         self._wake.set()
 
-    async def release_worker(self, worker_id: str, reason: str) -> None:
+    async def release_worker(self, worker_id: str, reason: str, deadline: float | None = None) -> tuple[int, int]:
         """Takes a drained worker out of the pool; what it still runs is re-queued with its tokens, not as a
-        failure, after its KV blocks were sent to the workers it moves to (kv_handoff.py)."""
+        failure, after its KV blocks were sent to the workers it moves to (kv_handoff.py), within
+        `deadline` (time.monotonic()) if given. Returns how many requests moved and how many of
+        those took their blocks along. A second call while one runs waits for that one."""
+        running = self._releases.get(worker_id)
+        if running is not None:
+            return await asyncio.shield(running)
+        release = asyncio.create_task(self._release(worker_id, reason, deadline), name=f"release-{worker_id}")
+        self._releases[worker_id] = release
+        release.add_done_callback(lambda _: self._releases.pop(worker_id, None))
+        # Shielded: a caller that gives up (a DrainWorker past its deadline) must not leave the
+        # worker half released, its requests neither moved nor failed.
+        return await asyncio.shield(release)
+
+    async def _release(self, worker_id: str, reason: str, deadline: float | None) -> tuple[int, int]:
         session = self._sessions.get(worker_id)
         worker = self.registry.get(worker_id)
+        moved = sent = 0
         if session is not None and worker is not None and worker.in_flight:
             held = [request for rid in worker.in_flight if (request := self.requests.get(rid)) is not None]
+            moved = len(held)
+            # Longest context first: within a deadline, the sends that save the most prefill go first.
+            held.sort(key=lambda r: len(r.prompt_token_ids) + r.num_output_tokens, reverse=True)
             # The worker is alive: its blocks go ahead of its requests, which then skip their prefill.
-            await hand_off_kv(worker, held, lambda r: self.registry.with_room(r.model, r.priority), self._router)
+            sent = await hand_off_kv(
+                worker, held, lambda r: self.registry.with_room(r.model, r.priority), self._router, deadline
+            )
         if session is not None:
             await session.close(reason, migrate=True)
+        return moved, sent
+
+    async def drain_worker(self, worker_id: str, deadline: float) -> tuple[int, int]:
+        """A worker that is stopping leaves the pool at once: no new requests, and what it runs moves
+        elsewhere with its KV blocks sent ahead until `deadline` (time.monotonic()), as an autoscaler
+        drain past its timeout does. Returns (moved, handed off); NotFound for a worker not in the pool."""
+        worker = self.registry.get(worker_id)
+        if worker is None or worker_id not in self._sessions:
+            raise NotFound(f"worker_id: no worker {worker_id!r} in the pool")
+        worker.draining = True  # nothing new is dispatched to it from now on
+        log.info("worker %s is stopping: moving its %d requests with their KV", worker_id, len(worker.in_flight))
+        moved, sent = await self.release_worker(worker_id, "stopping (SIGTERM)", deadline)
+        if sent < moved:
+            log.warning(
+                "worker %s stopped: %d of %d requests moved without their KV blocks and re-prefill",
+                worker_id,
+                moved - sent,
+                moved,
+            )
+        return moved, sent
 
     def heartbeat(self, worker_id: str, running: int, waiting: int, kv_blocks_used: int) -> bool:
         """Records a worker's load; False when it is unknown and must register again."""

@@ -24,6 +24,12 @@ if TYPE_CHECKING:  # imported by the server only when autoscaling is on
     from scheduler_svc.pool_scaler import PoolScaler
 
 
+# DrainWorker: how long before the caller's deadline the hand-off stops, for the requests to move and
+# the answer to get back; and the hand-off's bound when the caller set no deadline.
+_DRAIN_MARGIN_S = 0.5
+_DRAIN_DEFAULT_S = 5.0
+
+
 def _seconds(ts: timestamp_pb2.Timestamp) -> float:
     return ts.ToNanoseconds() / 1e9
 
@@ -155,6 +161,17 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             request.worker_id, request.running, request.waiting, request.kv_blocks_used
         )
         return scheduler_pb2.HeartbeatResponse(registered=registered)
+
+    async def DrainWorker(
+        self, request: scheduler_pb2.DrainWorkerRequest, context: grpc.aio.ServicerContext
+    ) -> scheduler_pb2.DrainWorkerResponse:
+        worker_id = require_id(request.worker_id, "worker_id")
+        # The hand-off ends early enough for the answer and the move to reach the worker before the
+        # deadline it gave; without one, the most a stopping worker waits by default.
+        left_s = context.time_remaining()
+        budget_s = _DRAIN_DEFAULT_S if left_s is None else max(0.0, left_s - _DRAIN_MARGIN_S)
+        moved, sent = await self._dispatcher.drain_worker(worker_id, time.monotonic() + budget_s)
+        return scheduler_pb2.DrainWorkerResponse(moved=moved, handed_off=sent)
 
     async def GetRequest(
         self, request: common_pb2.GetRequestRequest, context: grpc.aio.ServicerContext

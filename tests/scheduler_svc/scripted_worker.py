@@ -26,14 +26,17 @@ def token_at(seed: int, index: int) -> int:
 
 
 class ScriptedKvTransfer(worker_pb2_grpc.KvTransferServicer):
-    """Records the KV sends it is asked for; with `refuse`, answers each with UNAVAILABLE."""
+    """Records the KV sends it is asked for; with `refuse`, answers each with UNAVAILABLE; each one
+    takes `delay_s`, as a long context's blocks take time to move."""
 
     def __init__(self) -> None:
         self.sends: list[worker_pb2.SendBlocksRequest] = []
         self.refuse = False
+        self.delay_s = 0.0
 
     async def SendBlocks(self, request, context):
         self.sends.append(request)
+        await asyncio.sleep(self.delay_s)
         if self.refuse:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "target 127.0.0.1:1: connection refused")
         return worker_pb2.PushBlocksResult(imported=3)
