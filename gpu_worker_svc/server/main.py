@@ -4,8 +4,9 @@ Startup order: on CPU, restart this process (same pid and arguments) under mallo
 settings that keep a step's freed buffers (shardline/core/host_memory.py); load the engine
 (spawning the tensor-parallel ranks), start the gRPC server (healthy from then on),
 register with the scheduler, heartbeat.
-SIGTERM aborts the requests, shuts the ranks down and exits 0 (during the model
-load, at once); a dead engine
+SIGTERM asks the scheduler to move the running requests, their KV blocks sent ahead to the
+workers they move to (Scheduler.DrainWorker, within SHARDLINE_STOP_HANDOFF_S), then aborts what
+is left, shuts the ranks down and exits 0 (during the model load, at once); a dead engine
 marks the worker NOT_SERVING and exits 1, so the scheduler re-dispatches.
 """
 
@@ -273,21 +274,27 @@ async def _serve_engine(
     )
     started()
     metrics_server = start_metrics_server(s.metrics_port) if s.metrics_port > 0 else None
-    registration = asyncio.create_task(
-        SchedulerRegistration(
-            s.scheduler_address,
-            info,
-            lambda: engine_loop.load,
-            # The process itself stays healthy (a liveness probe must not restart it): only the
-            # Worker service stops, until the driver that scales the pool stops the worker.
-            on_retired=lambda: server.set_serving(False, [SERVICE_NAME]),
-        ).run()
+    registrar = SchedulerRegistration(
+        s.scheduler_address,
+        info,
+        lambda: engine_loop.load,
+        # The process itself stays healthy (a liveness probe must not restart it): only the
+        # Worker service stops, until the driver that scales the pool stops the worker.
+        on_retired=lambda: server.set_serving(False, [SERVICE_NAME]),
     )
+    registration = asyncio.create_task(registrar.run())
     watchdog = asyncio.create_task(_stop_when_dead(engine_died, server))
+
+    async def on_stop() -> None:
+        # No heartbeat may register the worker again once it has left the pool. The engine runs on
+        # while the scheduler moves its requests: the KvTransfer service exports their blocks between
+        # steps, and the tokens of those steps still reach Redis and go with them.
+        registration.cancel()
+        await registrar.leave(s.stop_handoff_s)
+        await asyncio.to_thread(engine_loop.stop)
+
     try:
-        await server.wait_for_signal(
-            on_stop=lambda: asyncio.to_thread(engine_loop.stop), grace_s=_STOP_GRACE_S, stop=stop_requested
-        )
+        await server.wait_for_signal(on_stop=on_stop, grace_s=_STOP_GRACE_S, stop=stop_requested)
     finally:
         registration.cancel()
         watchdog.cancel()

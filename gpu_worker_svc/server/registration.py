@@ -79,6 +79,40 @@ class SchedulerRegistration:
                     log.warning("scheduler %s no longer knows this worker: registering again", self._address)
                     interval = await self._register(stub)
 
+    async def leave(self, grace_s: float) -> None:
+        """Asks the scheduler to move this stopping worker's requests, their KV blocks sent ahead
+        (Scheduler.DrainWorker), and waits at most `grace_s` for it. Whatever goes wrong is logged and
+        the worker stops anyway: its requests then re-prefill elsewhere from their tokens in Redis."""
+        if grace_s <= 0:
+            log.warning("stopping without a KV hand-off (stop_handoff_s is 0): the requests re-prefill elsewhere")
+            return
+        async with grpc.aio.insecure_channel(
+            self._address, options=GRPC_OPTIONS, interceptors=aio_client_interceptors()
+        ) as channel:
+            try:
+                reply = await scheduler_pb2_grpc.SchedulerStub(channel).DrainWorker(
+                    scheduler_pb2.DrainWorkerRequest(worker_id=self._info.worker_id), timeout=grace_s
+                )
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.NOT_FOUND:  # retired, or never registered: it holds nothing
+                    log.info("stopping: scheduler %s has no requests on this worker", self._address)
+                    return
+                log.warning(
+                    "stopping: the KV hand-off through scheduler %s failed (%s %s); the requests re-prefill elsewhere",
+                    self._address,
+                    exc.code().name,
+                    exc.details(),
+                )
+                return
+        if reply.handed_off < reply.moved:
+            log.warning(
+                "stopping: %d of %d requests moved without their KV blocks and re-prefill elsewhere",
+                reply.moved - reply.handed_off,
+                reply.moved,
+            )
+        else:
+            log.info("stopping: %d requests moved with their KV blocks", reply.moved)
+
     async def _register(self, stub: scheduler_pb2_grpc.SchedulerStub) -> float:
         """Register until it succeeds; returns the heartbeat interval in seconds."""
         delay = _FIRST_RETRY_S

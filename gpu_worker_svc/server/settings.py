@@ -83,6 +83,11 @@ class WorkerSettings(BaseSettings):
     # batch 64: 2.66 ms a step against 3.59). The same tokens. None: on CUDA only (on CPU the model and
     # the host share the cores, and a dropped launch is a step run twice).
     async_scheduling: bool | None = None
+    # On SIGTERM, how long the scheduler may take to move this worker's requests with their KV blocks
+    # (Scheduler.DrainWorker) before the worker aborts them and exits; the requests not handed off by
+    # then re-prefill elsewhere. Under docker's default 10 s stop timeout, with room for the exit. 0: no
+    # hand-off, the requests re-prefill as after a crash.
+    stop_handoff_s: float = Field(5.0, ge=0)
     # Torch intra-op threads of rank 0; 0 leaves the engine's choice (cores / tp_size).
     torch_threads: int = Field(0, ge=0)
     # Port of the Prometheus /metrics endpoint; 0: not served.
