@@ -177,6 +177,7 @@ def test_services_expose_the_contracted_rpcs(tmp_path: Path) -> None:
         "ListWorkers": unary,
         "GetStats": unary,
         "Attach": unary,
+        "DrainWorker": unary,
     }
     assert services["Worker"] == {"Session": bidi, "GetInfo": unary}
     client_stream = (True, False)
