@@ -38,6 +38,7 @@ async def run_streams(
     resume_for_s: float = 90.0,
     started: asyncio.Event | None = None,
     started_after_tokens: int = 0,
+    max_tokens: int = MAX_TOKENS,
 ) -> list[StreamResult]:
     """Streams every prompt at once; a stream that fails UNAVAILABLE (a gateway gone, a Redis
     outage past the scheduler's bound) is resumed at its offset until `resume_for_s` has passed.
@@ -50,14 +51,19 @@ async def run_streams(
 
     async with AsyncShardlineClient(target, timeout=180, retries=6, backoff_s=0.25) as client:
         await asyncio.gather(
-            *(_one(client, result, text, resume_for_s, check_started) for result, text in zip(results, texts))
+            *(
+                _one(client, result, text, resume_for_s, check_started, max_tokens)
+                for result, text in zip(results, texts)
+            )
         )
     return results
 
 
-async def _one(client: AsyncShardlineClient, result: StreamResult, text: str, resume_for_s: float, on_chunk) -> None:
+async def _one(
+    client: AsyncShardlineClient, result: StreamResult, text: str, resume_for_s: float, on_chunk, max_tokens: int
+) -> None:
     deadline = time.monotonic() + resume_for_s
-    stream = client.stream(text, request_id=result.request_id, **PARAMS)
+    stream = client.stream(text, request_id=result.request_id, **(PARAMS | {"max_tokens": max_tokens}))
     while True:
         try:
             async for chunk in stream:

@@ -17,12 +17,14 @@ import pytest
 
 from shardline.client import ShardlineClient
 from shardline.stack.local_stack import LocalStack, StackConfig
-from tests.chaos.streams import MAX_TOKENS, run_streams, summary
+from tests.chaos.streams import run_streams, summary
 from tests.e2e.conftest import log_dir, running_stack
 
 pytestmark = [pytest.mark.slow, pytest.mark.chaos]
 
 STREAMS = 4
+# Long enough that the requests still run when they move: the worker decodes on during the hand-off.
+MAX_TOKENS = 64
 BLOCK_SIZE = 16  # the worker's default
 # Each prompt starts with its own number, so no two share a KV block: about 110 tokens each.
 STORY = (
@@ -55,7 +57,9 @@ def test_a_sigtermed_worker_hands_its_requests_kv_to_where_they_move(stack: Loca
 
     async def faulted() -> tuple[list, dict[str, str], str, float, int | None]:
         started = asyncio.Event()
-        streams = asyncio.create_task(run_streams(target, ids, _prompts(), started=started, started_after_tokens=4))
+        streams = asyncio.create_task(
+            run_streams(target, ids, _prompts(), started=started, started_after_tokens=4, max_tokens=MAX_TOKENS)
+        )
         await asyncio.wait_for(started.wait(), 120)
         with ShardlineClient(target) as client:
             placed = {rid: client.get_request(rid).worker_id for rid in ids}
@@ -68,7 +72,9 @@ def test_a_sigtermed_worker_hands_its_requests_kv_to_where_they_move(stack: Loca
 
     t_start = time.monotonic()
     results, placed, victim, exited_s, code = asyncio.run(faulted())
-    reference = asyncio.run(run_streams(target, [f"reference-{i}" for i in range(STREAMS)], _prompts()))
+    reference = asyncio.run(
+        run_streams(target, [f"reference-{i}" for i in range(STREAMS)], _prompts(), max_tokens=MAX_TOKENS)
+    )
     same = summary(results, {i: r.tokens for i, r in enumerate(reference)})
     print(f"\nSIGTERM {victim}, exited after {exited_s:.2f}s: {same}")
 
@@ -79,13 +85,14 @@ def test_a_sigtermed_worker_hands_its_requests_kv_to_where_they_move(stack: Loca
         assert result.gaps == 0 and not result.errors, result
         assert result.finish_reason == "length", result
         assert result.tokens == expected.tokens, (result, expected)
-    moved = [rid for rid, worker_id in placed.items() if worker_id == victim]
-    assert moved, placed
     with ShardlineClient(target) as client:
-        for request_id in moved:
-            info = client.get_request(request_id)
-            assert info.worker_id not in ("", victim) and info.attempt == 1, info  # moved, not failed
-            # Its prompt's full blocks at least were hits on the worker it moved to: the blocks sent.
-            prompt_blocks = info.usage.prompt_tokens // BLOCK_SIZE * BLOCK_SIZE
-            assert info.usage.cached_tokens >= prompt_blocks > 0, info.usage
+        # A request may still finish on the stopping worker while the others' blocks are sent.
+        infos = [client.get_request(rid) for rid, worker_id in placed.items() if worker_id == victim]
+    moved = [info for info in infos if info.worker_id != victim]
+    assert moved, (placed, infos)
+    for info in moved:
+        assert info.worker_id and info.attempt == 1, info  # moved, not failed
+        # Its prompt's full blocks at least were hits on the worker it moved to: the blocks sent.
+        prompt_blocks = info.usage.prompt_tokens // BLOCK_SIZE * BLOCK_SIZE
+        assert info.usage.cached_tokens >= prompt_blocks > 0, info.usage
     assert time.monotonic() - t_start < 90
