@@ -70,7 +70,6 @@ def test_a_sigtermed_worker_hands_its_requests_kv_to_where_they_move(stack: Loca
         code = next(c for c in stack.children if c.name == victim).proc.returncode
         return await streams, placed, victim, exited_s, code
 
-    t_start = time.monotonic()
     results, placed, victim, exited_s, code = asyncio.run(faulted())
     reference = asyncio.run(
         run_streams(target, [f"reference-{i}" for i in range(STREAMS)], _prompts(), max_tokens=MAX_TOKENS)
@@ -95,4 +94,3 @@ def test_a_sigtermed_worker_hands_its_requests_kv_to_where_they_move(stack: Loca
         # Its prompt's full blocks at least were hits on the worker it moved to: the blocks sent.
         prompt_blocks = info.usage.prompt_tokens // BLOCK_SIZE * BLOCK_SIZE
         assert info.usage.cached_tokens >= prompt_blocks > 0, info.usage
-    assert time.monotonic() - t_start < 90
