@@ -293,6 +293,8 @@ class Dispatcher:
                     attr.WORKER_ID: worker.worker_id,
                     attr.ATTEMPT: request.attempt,
                     attr.QUEUE_DEPTH: len(self.queue),
+                    # A sum over the workers, a few each dispatch: the series' "running" reads it.
+                    attr.RUNNING_REQUESTS: self.running(),
                 },
             )
             adds[worker.worker_id].append(request.new_request())
@@ -444,4 +446,4 @@ class Dispatcher:
         self._wake.set()
 
     def _open_queue_span(self, request: LiveRequest) -> None:
-        request.queue_span = queue_span(self._tracer, request, len(self.queue))
+        request.queue_span = queue_span(self._tracer, request, len(self.queue), self.running())

@@ -116,8 +116,9 @@ def params_from_json(params: dict) -> sampling_pb2.SamplingParameters:
     return json_format.ParseDict(params, sampling_pb2.SamplingParameters())
 
 
-def queue_span(tracer: trace.Tracer, request: LiveRequest, depth: int) -> trace.Span:
-    """The `queue` span a request has open from its enqueue to its dispatch, in its caller's trace."""
+def queue_span(tracer: trace.Tracer, request: LiveRequest, depth: int, running: int) -> trace.Span:
+    """The `queue` span a request has open from its enqueue to its dispatch, in its caller's trace; it
+    carries the queue's depth and the requests in flight then, which the collector's series read."""
     return tracer.start_span(
         "queue",
         context=extract_context({"traceparent": request.traceparent}),
@@ -125,6 +126,7 @@ def queue_span(tracer: trace.Tracer, request: LiveRequest, depth: int) -> trace.
             attr.REQUEST_ID: request.request_id,
             attr.TENANT: request.tenant,
             attr.QUEUE_DEPTH: depth,
+            attr.RUNNING_REQUESTS: running,
             attr.GEN_AI_REQUEST_MODEL: request.model,
         },
     )

@@ -55,6 +55,8 @@ BATCH_LINES_KEPT = "shardline.batch_lines_kept"
 
 # Shardline gauges sampled on step and queue spans; each becomes a Perfetto counter track.
 QUEUE_DEPTH = "shardline.queue_depth"
+# The scheduler's requests dispatched and not finished, on its queue and dispatch spans.
+RUNNING_REQUESTS = "shardline.running_requests"
 BATCH_SIZE = "shardline.batch_size"
 KV_BLOCKS_USED = "shardline.kv_blocks_used"
 TOKENS_PER_S = "shardline.tokens_per_s"
@@ -69,6 +71,7 @@ FORECAST_RPS = "shardline.forecast_rps"
 
 COUNTER_ATTRIBUTES = (
     QUEUE_DEPTH,
+    RUNNING_REQUESTS,
     BATCH_SIZE,
     KV_BLOCKS_USED,
     TOKENS_PER_S,

@@ -52,6 +52,9 @@ async def test_queue_and_dispatch_spans_join_the_callers_trace(redis_url: str) -
             assert format(span.context.trace_id, "032x") == TRACE_ID
             assert span.parent.span_id == submit.context.span_id
         assert queue.attributes[attr.QUEUE_DEPTH] == 1  # "earlier" was waiting too
+        # The requests in flight, which the collector's "running" series reads: none when r1 was queued,
+        # "earlier" and r1 itself once both went to the worker that joined.
+        assert (queue.attributes[attr.RUNNING_REQUESTS], dispatch.attributes[attr.RUNNING_REQUESTS]) == (0, 2)
         assert dispatch.attributes["shardline.worker_id"] == "w0"
         assert queue.end_time <= dispatch.end_time
 

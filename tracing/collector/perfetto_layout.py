@@ -23,6 +23,7 @@ from tracing.collector.stored_span import StoredSpan
 # Counter attribute -> (track name, unit name). Unit names are free text in Perfetto.
 COUNTERS: dict[str, tuple[str, str]] = {
     attr.QUEUE_DEPTH: ("queue depth", "requests"),
+    attr.RUNNING_REQUESTS: ("requests in flight", "requests"),
     attr.BATCH_SIZE: ("batch size", "requests"),
     attr.KV_BLOCKS_USED: ("KV blocks used", "blocks"),
     attr.TOKENS_PER_S: ("tokens/s", "tokens/s"),

@@ -13,7 +13,7 @@ from aiohttp import web
 from tracing.collector import trace_export
 from tracing.collector.dashboard_stats import summarize
 from tracing.collector.series_samples import SERIES
-from tracing.collector.series_store import RUNNING, SeriesStore
+from tracing.collector.series_store import SeriesStore
 from tracing.collector.span_store import SpanStore
 
 MAX_POINTS = 1000
@@ -26,7 +26,7 @@ MAX_REQUESTS_WINDOW_S = 3600
 MAX_WINDOW_SPANS = 100_000
 DEFAULT_LIMIT = 50
 MAX_LIMIT = 1000
-NAMES = (*SERIES, RUNNING)
+NAMES = tuple(SERIES)
 
 
 def _bad(field: str, problem: str) -> web.HTTPBadRequest:

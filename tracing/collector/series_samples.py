@@ -5,8 +5,8 @@ Every series is read from spans the services already send (names as they emit th
 - the gateway's request span (``gateway.request``, or ``gateway.choice`` per choice of an OpenAI
   request with several) at its end: a request, its output tokens, its TTFT and TPOT as the gateway
   measured them, and whether it was refused (429) or failed;
-- the scheduler's ``queue`` and ``dispatch`` spans: the queue depth at each enqueue and dispatch,
-  and a failover when a dispatch is a request's second attempt or later;
+- the scheduler's ``queue`` and ``dispatch`` spans: the queue depth and the requests in flight at
+  each enqueue and dispatch, and a failover when a dispatch is a request's second attempt or later;
 - each worker's ``engine_step`` span (tensor-parallel rank 0): batch size, step time, KV blocks in
   use, MFU, MBU and the tokens the step generated (its ``gen_ai.usage.output_tokens``).
 
@@ -52,6 +52,7 @@ SERIES: dict[str, SeriesSpec] = {
         SeriesSpec("ttft_ms", HISTOGRAM, ("model",), "ms", "time to first token, arrival to first token out"),
         SeriesSpec("tpot_ms", HISTOGRAM, ("model",), "ms", "time per output token after the first"),
         SeriesSpec("queue_depth", GAUGE, (), "requests", "the scheduler's queue, at each enqueue and dispatch"),
+        SeriesSpec("running", GAUGE, (), "requests", "the scheduler's requests in flight, as queue_depth"),
         SeriesSpec("batch_size", GAUGE, ("worker",), "requests", "requests in a worker's step"),
         SeriesSpec("step_time_ms", GAUGE, ("worker",), "ms", "a worker's step, schedule to outputs"),
         SeriesSpec("kv_blocks_used", GAUGE, ("worker",), "blocks", "KV-cache blocks in use on a worker"),
@@ -117,9 +118,10 @@ def _request_samples(span: StoredSpan) -> list[Sample]:
 def _scheduler_samples(span: StoredSpan) -> list[Sample]:
     at = span.start_ns / 1e9
     samples = []
-    depth = _number(span.attributes.get(attr.QUEUE_DEPTH))
-    if depth is not None:
-        samples.append(Sample("queue_depth", (), at, depth))
+    for name, key in (("queue_depth", attr.QUEUE_DEPTH), ("running", attr.RUNNING_REQUESTS)):
+        value = _number(span.attributes.get(key))
+        if value is not None:
+            samples.append(Sample(name, (), at, value))
     attempt = _number(span.attributes.get(attr.ATTEMPT))
     if span.name == "dispatch" and attempt is not None and attempt > 1:
         samples.append(Sample("failovers", (str(span.attributes.get(attr.WORKER_ID) or ""),), at, 1.0))

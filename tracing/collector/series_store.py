@@ -37,8 +37,6 @@ LABEL_SEP = "\x1e"  # between label values
 MAX_FUTURE_S = 300.0
 # One drop call deletes at most this many buckets; a backlog goes over later writes.
 DROP_BATCH = 1000
-# Derived at read time: the requests in the workers' steps, their batch sizes summed.
-RUNNING = "running"
 
 # KEYS: the bucket, the resolution's index. ARGV: bucket start, seconds it has left, then (op, field, value)
 # triples, op "+" to add and "max" to keep the larger.
@@ -205,7 +203,7 @@ class SeriesStore:
         for start in starts:
             pipe.hgetall(f"{index}:{start}")
         hashes = await pipe.execute() if starts else []
-        wanted = set(names) | ({"batch_size"} if RUNNING in names else set())
+        wanted = set(names)
         merged: dict[tuple[str, str], dict[int, dict[str, float]]] = defaultdict(lambda: defaultdict(dict))
         for start, fields in zip(starts, hashes, strict=True):
             slot = first + (start - first) // step * step
@@ -221,8 +219,6 @@ class SeriesStore:
             if name in names
             for row in _rows(name, labels, slots, times, step)
         ]
-        if RUNNING in names:
-            series.append(_running(merged, times))
         return SeriesWindow(first, times[-1], step, resolution.step_s, times, series)
 
 
@@ -244,15 +240,6 @@ def _rows(name: str, labels: str, slots: dict[int, dict[str, float]], times: lis
     ]
     rows.append({**base, "stat": "mean", "values": [_mean(slots.get(t)) for t in times]})
     return rows
-
-
-def _running(merged: dict[tuple[str, str], dict[int, dict[str, float]]], times: list[int]) -> dict[str, object]:
-    per_worker = [slots for (name, _labels), slots in merged.items() if name == "batch_size"]
-    values: list[float | None] = []
-    for t in times:
-        means = [m for slots in per_worker if (m := _mean(slots.get(t))) is not None]
-        values.append(_round(sum(means)) if means else None)
-    return {"name": RUNNING, "labels": {}, "unit": "requests", "stat": "mean", "values": values}
 
 
 def _mean(stats: dict[str, float] | None) -> float | None:

@@ -51,8 +51,8 @@ def served_request(
         span("tokenize", "gateway", "gateway-0", 1, 3, **rid, **{attr.NUM_TOKENS: 12}),
         span("shardline.v1.Tokenizer/Tokenize", "tokenizer", "tokenizer-0", 1.5, 2.5),
         span("shardline.v1.Scheduler/Submit", "scheduler", "scheduler", 3.5, 4.5),
-        span("queue", "scheduler", "scheduler", 4, 10, **rid, **{attr.QUEUE_DEPTH: 2}),
-        span("dispatch", "scheduler", "scheduler", 10, 11, **rid),
+        span("queue", "scheduler", "scheduler", 4, 10, **rid, **{attr.QUEUE_DEPTH: 2, attr.RUNNING_REQUESTS: 3}),
+        span("dispatch", "scheduler", "scheduler", 10, 11, **rid, **{attr.RUNNING_REQUESTS: 4}),
         span(
             "prefill",
             "gpu_worker",

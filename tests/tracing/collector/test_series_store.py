@@ -68,7 +68,8 @@ async def test_requests_and_steps_become_rates_latencies_and_worker_gauges(redis
     # Steps 10 ms long, counted at their end: 99 of worker-0 and 49 of worker-1 in the first second, 2 tokens each.
     assert values["worker_tokens", (("worker", "worker-0"),), "rate"] == [198.0, 0.0]
     assert values["worker_tokens", (("worker", "worker-1"),), "rate"] == [98.0, 0.0]
-    assert values["running", (), "mean"] == [4.0, None]  # batch 2 on each of two workers
+    # The scheduler's requests in flight, on each request's queue span (3) and dispatch span (4).
+    assert values["running", (), "mean"] == [3.5, None] and values["running", (), "max"] == [4.0, None]
     assert values["kv_blocks_used", (("worker", "worker-0"),), "max"][0] == 10 + 98
     assert values["queue_depth", (), "max"] == [2.0, None]
 
