@@ -25,6 +25,9 @@ REQUEST_ID = "shardline.request_id"
 # On the gateway.request span of an OpenAI request with several choices (n > 1, a batch of prompts):
 # the request ids of its choices, each a request of its own with a gateway.choice span.
 CHOICES = "shardline.choices"
+# On a gateway.choice span whose request was refused or failed before all its choices started: the
+# client's one answer (its status) is on the HTTP span, so this choice is not a request of its own.
+CHOICE_UNSTARTED = "shardline.choice_unstarted"
 RANK = "shardline.rank"
 STEP = "shardline.step"
 NUM_TOKENS = "shardline.num_tokens"
@@ -33,8 +36,8 @@ TOOL_CHOICE = "shardline.tool_choice"  # a request with tools: none, auto, requi
 # On the scheduler's dispatch span: the worker it went to, and its attempt (above 1: a failover).
 WORKER_ID = "shardline.worker_id"
 ATTEMPT = "shardline.attempt"
-# On a gateway request span: the HTTP status of a request refused before it ran (429 over a limit or a full
-# queue, 400 for bad input), the gRPC code's equivalent for a gRPC request.
+# On a gateway request span: the HTTP status of a request refused or failed before it ran (429 over the
+# admission bound, a limit or a full queue; 400 for bad input), the gRPC code's equivalent for a gRPC request.
 HTTP_STATUS = "shardline.http_status"
 # On a gateway request span at its end: its time to first token and mean time per output token after the
 # first, as the gateway measured them for gen_ai.server.time_to_first_token and time_per_output_token.

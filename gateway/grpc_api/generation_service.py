@@ -12,7 +12,7 @@ from opentelemetry import trace
 from gateway.output.request_stream import StreamChunk, drain, record_stream
 from gateway.runner.chat_request import chat_request
 from gateway.runner.generation_spec import GenerationSpec, Prompt
-from gateway.runner.request_runner import RequestRunner
+from gateway.runner.request_runner import RequestRunner, answer_status
 from gateway.runner.submitted_request import SubmittedRequest
 from gateway.tenancy.auth import ApiKeys
 from gateway.tenancy.slo_params import Slo, checked_target
@@ -53,9 +53,15 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
     async def Generate(
         self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> generation_pb2.GenerateResponse:
-        self._runner.admission.check()
-        spec, tools = await self._spec(request, self._keys.grpc_owner(context))
-        with self._tracer.start_as_current_span("gateway.request", attributes=_tool_attributes(tools)) as span:
+        owner = self._keys.grpc_owner(context)
+        # Open before anything is checked, so that a refusal or a bad request is a request span too.
+        with (
+            self._tracer.start_as_current_span("gateway.request", attributes=self._open_attributes(owner)) as span,
+            answer_status(span),
+        ):
+            self._runner.admission.check()
+            spec, tools = await self._spec(request, owner)
+            span.set_attributes(_tool_attributes(tools))
             live = await self._start(spec, span, context)
             try:
                 completion = await live.collect()
@@ -85,15 +91,18 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
     async def GenerateStream(
         self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[generation_pb2.GenerateStreamResponse]:
-        self._runner.admission.check()
-        spec, tools = await self._spec(request, self._keys.grpc_owner(context))
-        output = ToolCallOutput(tools) if tools is not None else None
+        owner = self._keys.grpc_owner(context)
         # No span is current across a yield: grpc abandons a stream at a yield when its client leaves
-        # mid-write, and the event loop closes the generator later, from another context.
-        span = self._tracer.start_span("gateway.request", attributes=_tool_attributes(tools))
+        # mid-write, and the event loop closes the generator later, from another context. It opens before
+        # anything is checked, so that a refusal or a bad request is a request span too.
+        span = self._tracer.start_span("gateway.request", attributes=self._open_attributes(owner))
         try:
-            with trace.use_span(span):  # current while submitting: the Submit rpc carries the trace
+            with trace.use_span(span), answer_status(span):  # current while submitting: Submit carries the trace
+                self._runner.admission.check()
+                spec, tools = await self._spec(request, owner)
+                span.set_attributes(_tool_attributes(tools))
                 live = await self._start(spec, span, context)
+            output = ToolCallOutput(tools) if tools is not None else None
             stream_out = self._tracer.start_span(
                 "stream_out", context=trace.set_span_in_context(span), attributes={attr.REQUEST_ID: spec.request_id}
             )
@@ -111,6 +120,10 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             raise
         finally:
             span.end()
+
+    def _open_attributes(self, owner: str) -> dict[str, str]:
+        """What a request span knows when it opens: the tenant the caller's key counts against."""
+        return {attr.TENANT: self._runner.tenant(owner).name}
 
     async def _start(
         self, spec: GenerationSpec, span: trace.Span, context: grpc.aio.ServicerContext

@@ -108,6 +108,9 @@ def _raise_first(results: list, spans: list[trace.Span], started: list[Choice]) 
     failures = [r for r in results if isinstance(r, BaseException)]
     if not failures:
         return
+    for span in spans:
+        # The client gets one answer, the first failure, counted on the HTTP span; no choice counts alone.
+        span.set_attribute(attr.CHOICE_UNSTARTED, True)
     close_choices(started)
     for span, result in zip(spans, results):
         if isinstance(result, BaseException):

@@ -35,7 +35,7 @@ from gateway.http_api.tokenize_http import TokenizeApi
 from gateway.http_api.tokenize_request import parse_detokenize, parse_tokenize
 from gateway.metrics import metrics_handler
 from gateway.runner.request_attach import ID_HEADER
-from gateway.runner.request_runner import ModelNotFound, RequestRunner
+from gateway.runner.request_runner import ModelNotFound, RequestRunner, answer_status
 from gateway.tenancy.auth import ApiKeys, http_auth_middleware
 from gateway.tools.tool_params import ToolRequest, keeps_special_tokens, resolve_parser
 from gateway.upstream.backends import HEALTH_TIMEOUT_S
@@ -105,26 +105,35 @@ class OpenAIHttpApi:
 
     async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
         arrival_s = time.perf_counter()
-        self._runner.admission.check()
-        parsed = parse_request(await json_body(request), chat)
-        if parsed.tools is not None:
-            await self._resolve_tools(parsed.tools, parsed.sampling)
-        # A request the client names is idempotent: sent again, it attaches to the first (request_attach.py).
-        named = request.headers.get(ID_HEADER)
-        kind = "chatcmpl" if chat else "cmpl"
-        request_id = require_named_id(named, ID_HEADER) if named is not None else f"{kind}-{secrets.token_hex(16)}"
-        default_max_tokens = self._runner.settings.default_max_tokens if chat else OPENAI_COMPLETIONS_DEFAULT_MAX_TOKENS
         owner = self._keys.owner(request.headers.get("Authorization"))
-        specs = choice_specs(parsed, request_id, default_max_tokens, arrival_s, owner, idempotent=named is not None)
-        span_attributes = {"http.request.method": request.method, "url.path": request.path}
-        if parsed.tools is not None:
-            span_attributes[attr.TOOL_CHOICE] = parsed.tools.choice
-        with start_http_server_span(self._tracer, "gateway.request", request.headers, span_attributes) as span:
+        span_attributes = {
+            "http.request.method": request.method,
+            "url.path": request.path,
+            attr.TENANT: self._runner.tenant(owner).name,
+        }
+        # The span opens before anything is checked, so that every answer, a refusal at the admission
+        # gate or a 400 included, is a request span with its status: the collector's series count them.
+        with (
+            start_http_server_span(self._tracer, "gateway.request", request.headers, span_attributes) as span,
+            answer_status(span),
+        ):
+            self._runner.admission.check()
+            parsed = parse_request(await json_body(request), chat)
+            if parsed.tools is not None:
+                span.set_attribute(attr.TOOL_CHOICE, parsed.tools.choice)
+                await self._resolve_tools(parsed.tools, parsed.sampling)
+            # A request the client names is idempotent: sent again, it attaches to the first (request_attach.py).
+            named = request.headers.get(ID_HEADER)
+            kind = "chatcmpl" if chat else "cmpl"
+            request_id = require_named_id(named, ID_HEADER) if named is not None else f"{kind}-{secrets.token_hex(16)}"
+            span.set_attribute(attr.REQUEST_ID, request_id)
+            default_max_tokens = (
+                self._runner.settings.default_max_tokens if chat else OPENAI_COMPLETIONS_DEFAULT_MAX_TOKENS
+            )
+            specs = choice_specs(parsed, request_id, default_max_tokens, arrival_s, owner, idempotent=named is not None)
             choices = await start_choices(self._runner, specs, parsed.n, span)
             if len(choices) > 1:  # the id the client gets back finds the whole trace; its choices have rows
-                span.set_attributes(
-                    {attr.REQUEST_ID: request_id, attr.CHOICES: [choice.live.request_id for choice in choices]}
-                )
+                span.set_attribute(attr.CHOICES, [choice.live.request_id for choice in choices])
             try:
                 formatters = await self._formatters(request_id, parsed, choices)
                 if parsed.stream:

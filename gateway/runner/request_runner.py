@@ -8,6 +8,8 @@ follows it as a SubmittedRequest (submitted_request.py).
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from opentelemetry import trace
 
@@ -40,6 +42,17 @@ from tracing import attributes as attr
 SUBSCRIPTION_WAIT_S = 2.0
 
 
+@contextmanager
+def answer_status(span: trace.Span) -> Iterator[None]:
+    """Put the status a request is answered with on its span when the block raises a ShardlineError:
+    the tracing collector's series tell refusals (429) from failures by it."""
+    try:
+        yield
+    except ShardlineError as exc:
+        span.set_attribute(attr.HTTP_STATUS, exc.http_status)
+        raise
+
+
 class ModelNotFound(NotFound):
     """The request names a model this gateway does not serve."""
 
@@ -63,15 +76,14 @@ class RequestRunner:
             self.tenants = RedisTenantDirectory(settings.redis_url, settings.tenants_redis_key)
         self.limiter = limiter_for(settings, self.tenants, backends)
 
+    def tenant(self, owner: str) -> Tenant:
+        """The tenant a request of `owner` counts against: a lookup in memory, cheap enough for a refusal."""
+        return tenant_of(self.tenants, owner)
+
     async def start(self, spec: GenerationSpec, span: trace.Span) -> SubmittedRequest:
         """Submit `spec`; call inside `span` (current), so the Submit rpc carries the request's trace."""
-        try:
-            with self.admission.admit():
-                return await self.submit(await self.prepare(spec, span))
-        except ShardlineError as exc:
-            # The tracing collector's series tell refusals (429) from failures by this.
-            span.set_attribute(attr.HTTP_STATUS, exc.http_status)
-            raise
+        with answer_status(span), self.admission.admit():
+            return await self.submit(await self.prepare(spec, span))
 
     async def prepare(self, spec: GenerationSpec, span: trace.Span) -> PreparedRequest:
         """Validate and tokenize `spec`, submitting nothing: a request of several choices checks them all first."""

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from gateway.settings import GatewaySettings
 from shardline.client import ShardlineClient
 from shardline.stack.local_stack import LocalStack, StackConfig
 from tests.e2e.conftest import log_dir, running_stack
@@ -28,12 +29,13 @@ pytestmark = [
     pytest.mark.skipif(find_chromium() is None, reason="needs chromium (scripts/setup.sh installs it)"),
 ]
 ARTIFACTS = Path(__file__).resolve().parents[2] / "artifacts" / "tracing"
+QUEUE_FULL_HOLD_S = GatewaySettings.model_fields["queue_full_hold_s"].default
 
 
 @pytest.fixture(scope="module")
 def small_stack(tmp_path_factory):
-    # One sequence per worker step and a queue of one, so that a burst overflows it; with no hold after
-    # a full queue, every refusal reaches the scheduler and leaves its span.
+    # One sequence per worker step and a queue of one, so that a burst overflows it: the first refusals come
+    # from the scheduler's full queue, the rest from the gateway's hold after it; each leaves its span.
     config = StackConfig.on_free_ports(
         workers=2,
         tracing=True,
@@ -44,7 +46,6 @@ def small_stack(tmp_path_factory):
             "KV_CACHE_BYTES": str(64 << 20),
             "MAX_NUM_SEQS": "1",
             "QUEUE_CAPACITY": "1",
-            "QUEUE_FULL_HOLD_S": "0",
         },
     )
     with running_stack(config) as stack:
@@ -60,6 +61,7 @@ def mixed_load(stack: LocalStack) -> tuple[float, str, int]:
     with ThreadPoolExecutor(12) as pool:
         statuses = list(pool.map(lambda i: post(http, {"prompt": f"Count {i}", "max_tokens": 24})[0], range(12)))
     assert set(statuses) <= {200, 429} and 429 in statuses, statuses
+    time.sleep(QUEUE_FULL_HOLD_S)  # the gateway refuses everything until its hold after the full queue ends
     params = dict(max_tokens=48, seed=3, ignore_eos=True)
     with ShardlineClient(f"127.0.0.1:{stack.config.grpc_port}", timeout=120) as client:
         stream = client.stream("Tell me about the sea.", **params)

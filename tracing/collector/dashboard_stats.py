@@ -101,8 +101,9 @@ def _ms(ns: int) -> float:
 
 
 def summarize(request_id: str, spans: list[StoredSpan]) -> RequestSummary | None:
-    """The request's row, from the spans of its traces; None when none carries its id, or when it is
-    an OpenAI request of several choices (they have the rows)."""
+    """The request's row, from the spans of its traces; None when none carries its id, when it is
+    an OpenAI request of several choices (they have the rows), or a choice of one refused before its
+    choices all started (the request has the row)."""
     own = [span for span in spans if span.request_id == request_id]
     if not own:
         return None
@@ -110,7 +111,7 @@ def summarize(request_id: str, spans: list[StoredSpan]) -> RequestSummary | None
     for span in sorted(own, key=lambda s: s.start_ns):
         named.setdefault(span.name, []).append(span)
     root = next((named[name][0] for name in ROOT_SPANS if name in named), None)
-    if root is not None and attr.CHOICES in root.attributes:
+    if root is not None and (attr.CHOICES in root.attributes or attr.CHOICE_UNSTARTED in root.attributes):
         return None
     start_ns = root.start_ns if root else min(span.start_ns for span in own)
     summary = RequestSummary(

@@ -4,7 +4,9 @@ Every series is read from spans the services already send (names as they emit th
 
 - the gateway's request span (``gateway.request``, or ``gateway.choice`` per choice of an OpenAI
   request with several) at its end: a request, its output tokens, its TTFT and TPOT as the gateway
-  measured them, and whether it was refused (429) or failed;
+  measured them, and whether it was refused (429) or failed. The gateway opens that span before it
+  checks anything, so every answer it gives, a refusal at its admission gate included, has one; a
+  request of several choices refused before they all started is counted once, by its HTTP span;
 - the scheduler's ``queue`` and ``dispatch`` spans: the queue depth and the requests in flight at
   each enqueue and dispatch, and a failover when a dispatch is a request's second attempt or later;
 - each worker's ``engine_step`` span (tensor-parallel rank 0): batch size, step time, KV blocks in
@@ -94,7 +96,9 @@ def samples_of(span: StoredSpan) -> list[Sample]:
 
 def _request_samples(span: StoredSpan) -> list[Sample]:
     a = span.attributes
-    if attr.CHOICES in a:  # an OpenAI request of several choices: each choice is a request of its own
+    # An OpenAI request of several choices: each choice that started is a request of its own. One
+    # refused before they all did is one request, counted with its status on the HTTP span.
+    if attr.CHOICES in a or attr.CHOICE_UNSTARTED in a:
         return []
     model, tenant = str(a.get(attr.GEN_AI_REQUEST_MODEL) or ""), str(a.get(attr.TENANT) or "")
     at = span.end_ns / 1e9
