@@ -24,6 +24,9 @@ DEFAULT_WINDOW_S = 300
 MAX_REQUESTS_WINDOW_S = 3600
 # Span refs one window listing reads per index; past it the answer says truncated.
 MAX_WINDOW_SPANS = 100_000
+# A request running across a whole window is listed when its spans began at most this long before the
+# window: the gateway's default request timeout, past which a request is aborted.
+LONGEST_SPAN_S = 600
 DEFAULT_LIMIT = 50
 MAX_LIMIT = 1000
 NAMES = tuple(SERIES)
@@ -87,11 +90,13 @@ async def series_api(request: web.Request, series: SeriesStore) -> web.Response:
 
 async def window_requests_api(request: web.Request, store: SpanStore) -> web.Response:
     """GET /api/requests?from=&to=&offset=&limit=: the requests with a span that starts or ends in the
-    window, by start, a page of rows as /api/requests gives them."""
+    window, or runs across it, by start, a page of rows as /api/requests gives them."""
     start_s, end_s = window(request, MAX_REQUESTS_WINDOW_S)
     offset = _int(request, "offset", 0, 0, 10**9) or 0
     limit = _int(request, "limit", DEFAULT_LIMIT, 1, MAX_LIMIT) or DEFAULT_LIMIT
-    ids, truncated = await store.requests_in_window(int(start_s * 1e9), int(end_s * 1e9), MAX_WINDOW_SPANS)
+    ids, truncated = await store.requests_in_window(
+        int(start_s * 1e9), int(end_s * 1e9), MAX_WINDOW_SPANS, int(LONGEST_SPAN_S * 1e9)
+    )
     page = ids[offset : offset + limit]
     rows = []
     for request_id, spans in zip(page, await store.by_requests(page), strict=True):

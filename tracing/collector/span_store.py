@@ -227,15 +227,30 @@ class SpanStore:
         # A blob is None when a concurrent trim removed the span after we read its ref.
         return _in_start_order(_decode(blob) for blob in blobs if blob is not None)
 
-    async def requests_in_window(self, start_ns: int, end_ns: int, limit: int) -> tuple[list[str], bool]:
-        """The requests with a span that starts or ends in ``[start_ns, end_ns]``, by their first span's
-        start; and whether more than ``limit`` spans matched a bound, so that some may be missing."""
+    async def requests_in_window(
+        self, start_ns: int, end_ns: int, limit: int, longest_ns: int = 0
+    ) -> tuple[list[str], bool]:
+        """The requests with a span in ``[start_ns, end_ns]``, by their first span's start; and whether
+        more than ``limit`` spans matched a bound, so that some may be missing.
+
+        A span is in the window when it starts or ends in it, or, no longer than ``longest_ns``, runs
+        across all of it."""
+        low, high = start_ns / 1e9, end_ns / 1e9
         pipe = self._redis.pipeline(transaction=False)
         for index in ("by_time", "by_end"):
-            pipe.zrangebyscore(f"{self._prefix}{index}", start_ns / 1e9, end_ns / 1e9, start=0, num=limit)
-        started, ended = await pipe.execute()
-        ids = sorted({rid for ref in (*started, *ended) if (rid := ref.decode().split(":", 2)[2])})
+            pipe.zrangebyscore(f"{self._prefix}{index}", low, high, start=0, num=limit)
+        # A span across the whole window started before it, within ``longest_ns``, and ends after it. Sorted
+        # sets cannot ask both at once, so this reads the spans that started in that lead, the latest first
+        # and at most ``limit`` of them, and keeps those whose end (ZMSCORE on by_end) is past the window:
+        # one bounded range read and one lookup, however long ago the store began.
+        pipe.zrevrangebyscore(f"{self._prefix}by_time", f"({low}", low - longest_ns / 1e9, start=0, num=limit)
+        started, ended, before = await pipe.execute()
+        across: list[bytes] = []
+        if before:
+            ends = await self._redis.zmscore(f"{self._prefix}by_end", before)
+            across = [ref for ref, end in zip(before, ends, strict=True) if end is not None and end > high]
+        ids = sorted({rid for ref in (*started, *ended, *across) if (rid := ref.decode().split(":", 2)[2])})
         scores = await self._redis.zmscore(f"{self._prefix}requests", ids) if ids else []
         # A score is None when a trim removed the request between the two reads.
         found = sorted((score, rid) for rid, score in zip(ids, scores, strict=True) if score is not None)
-        return [rid for _score, rid in found], limit in (len(started), len(ended))
+        return [rid for _score, rid in found], limit in (len(started), len(ended), len(before))

@@ -120,6 +120,28 @@ async def test_window_lists_exactly_the_requests_with_a_span_in_it_a_page_at_a_t
 
 
 @run_async
+async def test_window_inside_a_request_lists_it(redis_url: str) -> None:
+    """A window that r-1 (2.1 s to 2.2 s) runs across, none of its spans starting or ending in it: its
+    gateway.request, decode and detokenize spans start before it and end after it."""
+    now = float(math.floor(time.time()))
+    store = await stored(redis_url, now)
+    t0 = now - 10
+    start_ns, end_ns = int((t0 + 2.13) * 1e9), int((t0 + 2.16) * 1e9)
+    try:
+        async with dashboard(store) as (base, http):
+            status, inside = await answer(http, f"{base}/api/requests?from={t0 + 2.13}&to={t0 + 2.16}")
+        # The bound: spans that began further back than `longest_ns` before the window are not looked for.
+        bounded = await store.requests_in_window(start_ns, end_ns, 1000, longest_ns=1_000_000)
+        truncated = await store.requests_in_window(start_ns, end_ns, 2, longest_ns=600 * 10**9)
+    finally:
+        await store.close()
+    assert status == 200 and isinstance(inside, dict), inside
+    assert [r["request_id"] for r in inside["requests"]] == ["r-1"] and inside["truncated"] is False
+    assert bounded == ([], False)
+    assert truncated[1] is True  # more spans matched than the limit read: some may be missing
+
+
+@run_async
 async def test_a_collector_without_series_says_so(redis_url: str) -> None:
     store = SpanStore.from_url(redis_url, max_spans=100, max_age_s=1e9)
     try:
