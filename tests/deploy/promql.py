@@ -82,13 +82,34 @@ def dashboard_metric_names() -> set[str]:
     return {name for _where, expr in dashboard_queries() for name in metric_names(expr)}
 
 
-def exported_metrics() -> set[str]:
-    """The sample names of every metric tracing/metrics.py defines."""
+def _code_metrics() -> list[MetricWrapperBase]:
+    """Every metric the services' modules define: tracing/metrics.py's, the gateway's and the batch service's."""
+    import batch_svc.metrics
+    import gateway.metrics
+    import gateway.runner.admission
+    import gateway.tenancy.tenant_limiter
     import tracing.metrics
 
+    modules = (
+        tracing.metrics,
+        gateway.metrics,
+        gateway.runner.admission,
+        gateway.tenancy.tenant_limiter,
+        batch_svc.metrics,
+    )
+    found = {id(m): m for module in modules for m in vars(module).values() if isinstance(m, MetricWrapperBase)}
+    return list(found.values())
+
+
+def exported_metrics() -> set[str]:
+    """The sample names of every metric the services' code defines (_code_metrics)."""
     samples: set[str] = set()
-    for metric in vars(tracing.metrics).values():
-        if isinstance(metric, MetricWrapperBase):
-            for family in metric.describe():
-                samples |= {family.name + suffix for suffix in ("", *SAMPLE_SUFFIXES[family.type])}
+    for metric in _code_metrics():
+        for family in metric.describe():
+            samples |= {family.name + suffix for suffix in ("", *SAMPLE_SUFFIXES[family.type])}
     return samples
+
+
+def exported_labels() -> set[str]:
+    """The label names of those metrics."""
+    return {label for metric in _code_metrics() for label in metric._labelnames}

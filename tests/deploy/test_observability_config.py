@@ -3,16 +3,24 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import yaml
 
-import tracing.metrics
 from tests.deploy.compose_project import REPO, resolved_config
-from tests.deploy.promql import DASHBOARDS, dashboard_queries, exported_metrics, label_names, metric_names
+from tests.deploy.promql import (
+    DASHBOARDS,
+    dashboard_queries,
+    exported_labels,
+    exported_metrics,
+    label_names,
+    metric_names,
+)
 
 PROMETHEUS = REPO / "deploy" / "prometheus"
 PROVISIONING = REPO / "deploy" / "grafana" / "provisioning"
+TIME_VIEW = REPO / "tracing" / "collector" / "dashboard" / "time_view.js"
 # Where each compose service serves /metrics: the variable holding its port.
 METRICS_PORT = {
     "gateway": "SHARDLINE_HTTP_PORT",
@@ -93,12 +101,46 @@ def test_dashboard_shows_latency_throughput_queue_and_kv_usage():
 
 def test_every_dashboard_query_uses_metrics_and_labels_the_code_defines():
     defined = exported_metrics() | {"up"}  # `up`: Prometheus's own, per target
-    labels = {"job", "instance", "le", tracing.metrics.MODEL_LABEL}
+    labels = {"job", "instance", "le"} | exported_labels()
     for where, expr in dashboard_queries():
         names = metric_names(expr)
         assert names, (where, expr)
         assert names <= defined, (where, names - defined)
         assert label_names(expr) <= labels, (where, label_names(expr) - labels)
+
+
+def test_the_dashboard_charts_what_the_time_view_charts_under_the_same_names():
+    """Each quantity of the dashboard's time view that a Prometheus metric exports has a panel here, named as
+    its chart in tracing/collector/dashboard/time_view.js (which adds the unit). MFU, MBU, step time, KV blocks
+    and failovers have no metric, so no panel; the 429s panel is the failures chart less its failovers."""
+    panels = {panel["title"]: panel for panel in json.loads(next(DASHBOARDS.glob("*.json")).read_text())["panels"]}
+    charts = set(re.findall(r'^  \["\w+", "([^"]+)"', TIME_VIEW.read_text(), re.MULTILINE))
+    assert len(charts) >= 10, charts
+    shared = {  # panel: (the time view's chart, a metric the panel must read)
+        "Time to first token (TTFT)": (
+            "Time to first token (TTFT), ms",
+            "gen_ai_server_time_to_first_token_seconds_bucket",
+        ),
+        "Time per output token (TPOT)": (
+            "Time per output token (TPOT), ms",
+            "gen_ai_server_time_per_output_token_seconds_bucket",
+        ),
+        "Queue depth and requests in flight": ("Queue depth and requests in flight", "shardline_running_requests"),
+        "Generation throughput per worker": (
+            "Generation throughput per worker, tokens / s",
+            "shardline_generation_tokens_per_second",
+        ),
+        "Batch size per worker": ("Batch size per worker", "shardline_running_requests"),
+        "429s and errors / s": ("429s, errors and failovers / s", "shardline_gateway_refused_total"),
+    }
+    for title, (chart, metric) in shared.items():
+        assert chart in charts, (chart, charts)
+        used = {name for target in panels[title]["targets"] for name in metric_names(target["expr"])}
+        assert metric in used and used <= exported_metrics(), (title, used)
+    refused, errors = panels["429s and errors / s"]["targets"]
+    assert (refused["legendFormat"], errors["legendFormat"]) == ("429s", "errors")
+    assert metric_names(refused["expr"]) == {"shardline_gateway_refused_total", "shardline_gateway_throttled_total"}
+    assert metric_names(errors["expr"]) == {"shardline_requests_total"} and '"error"' in errors["expr"]
 
 
 def test_a_misspelt_metric_is_caught():
