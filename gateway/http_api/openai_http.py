@@ -117,16 +117,17 @@ class OpenAIHttpApi:
             start_http_server_span(self._tracer, "gateway.request", request.headers, span_attributes) as span,
             answer_status(span),
         ):
+            # A request the client names is idempotent: sent again, it attaches to the first (request_attach.py).
+            # Its id goes on the span first, so that even a refusal at the gate is listed by it.
+            named = request.headers.get(ID_HEADER)
+            kind = "chatcmpl" if chat else "cmpl"
+            request_id = require_named_id(named, ID_HEADER) if named is not None else f"{kind}-{secrets.token_hex(16)}"
+            span.set_attribute(attr.REQUEST_ID, request_id)
             self._runner.admission.check()
             parsed = parse_request(await json_body(request), chat)
             if parsed.tools is not None:
                 span.set_attribute(attr.TOOL_CHOICE, parsed.tools.choice)
                 await self._resolve_tools(parsed.tools, parsed.sampling)
-            # A request the client names is idempotent: sent again, it attaches to the first (request_attach.py).
-            named = request.headers.get(ID_HEADER)
-            kind = "chatcmpl" if chat else "cmpl"
-            request_id = require_named_id(named, ID_HEADER) if named is not None else f"{kind}-{secrets.token_hex(16)}"
-            span.set_attribute(attr.REQUEST_ID, request_id)
             default_max_tokens = (
                 self._runner.settings.default_max_tokens if chat else OPENAI_COMPLETIONS_DEFAULT_MAX_TOKENS
             )

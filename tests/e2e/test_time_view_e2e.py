@@ -123,7 +123,7 @@ def test_live_time_view_shows_the_429s_and_the_failover_and_lists_a_window(small
             status, body = get(f"{dashboard}/api/requests?from={box['from']}&to={box['to']}&limit=200")
             assert status == 200, body
             assert listed == [r["request_id"] for r in json.loads(body)["requests"]]
-            assert moved in listed and len(listed) >= 2 + 12 + 1
+            assert moved in listed and len(listed) >= 2 + 12 + 1, (box, body)
             await b.navigate(await b.evaluate("document.getElementById('window-requests-perfetto').href"))
             await b.wait_for(f"document.body.innerText.includes('request {moved}')", timeout_s=90)
             await asyncio.sleep(1)
