@@ -57,15 +57,24 @@ def extract_context(metadata: TraceCarrier | None) -> Context:
 
 
 def start_http_server_span(
-    tracer: trace.Tracer, name: str, headers: Mapping[str, str], attributes: Attributes = None
+    tracer: trace.Tracer,
+    name: str,
+    headers: Mapping[str, str],
+    attributes: Attributes = None,
+    record_exception: bool = True,
 ) -> AbstractContextManager[trace.Span]:
     """Context manager for a SERVER span that honours an incoming HTTP ``traceparent``.
 
     Use it around an HTTP handler, e.g. ``with start_http_server_span(tracer,
-    "POST /v1/completions", request.headers): ...``.
+    "POST /v1/completions", request.headers): ...``. ``record_exception=False`` leaves the
+    exception's traceback event to the caller (it still marks the span failed).
     """
     return tracer.start_as_current_span(
-        name, context=extract_context(headers), kind=trace.SpanKind.SERVER, attributes=attributes
+        name,
+        context=extract_context(headers),
+        kind=trace.SpanKind.SERVER,
+        attributes=attributes,
+        record_exception=record_exception,
     )
 
 

@@ -26,7 +26,7 @@ from gateway.tools.tool_params import (
     tools_from_grpc,
 )
 from gateway.upstream.backends import RPC_TIMEOUT_S, upstream
-from shardline.core.errors import InvalidArgument, NotFound, Unavailable
+from shardline.core.errors import InvalidArgument, NotFound, ShardlineError, Unavailable
 from shardline.core.ids import require_id, require_named_id
 from shardline.proto import common_pb2, generation_pb2, generation_pb2_grpc, sampling_pb2, scheduler_pb2, tokenizer_pb2
 from tracing import attributes as attr
@@ -56,7 +56,9 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         owner = self._keys.grpc_owner(context)
         # Open before anything is checked, so that a refusal or a bad request is a request span too.
         with (
-            self._tracer.start_as_current_span("gateway.request", attributes=self._open_attributes(owner)) as span,
+            self._tracer.start_as_current_span(
+                "gateway.request", attributes=self._open_attributes(owner), record_exception=False
+            ) as span,
             answer_status(span),
         ):
             self._runner.admission.check()
@@ -115,7 +117,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                 # upstream, after a grace in which the client may Resume it.
                 live.close(self._runner.settings.resume_grace_s)
         except Exception as exc:
-            span.record_exception(exc)
+            if not isinstance(exc, ShardlineError):  # answer_status marked those, without a traceback
+                span.record_exception(exc)
             span.set_status(trace.StatusCode.ERROR, str(exc))
             raise
         finally:

@@ -114,7 +114,9 @@ class OpenAIHttpApi:
         # The span opens before anything is checked, so that every answer, a refusal at the admission
         # gate or a 400 included, is a request span with its status: the collector's series count them.
         with (
-            start_http_server_span(self._tracer, "gateway.request", request.headers, span_attributes) as span,
+            start_http_server_span(
+                self._tracer, "gateway.request", request.headers, span_attributes, record_exception=False
+            ) as span,
             answer_status(span),
         ):
             # A request the client names is idempotent: sent again, it attaches to the first (request_attach.py).
