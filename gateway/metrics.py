@@ -33,10 +33,15 @@ from tracing.metrics import (
     AUTOSCALER_DESIRED,
     AUTOSCALER_FORECAST,
     AUTOSCALER_READY,
+    FAILOVERS,
+    KV_BLOCKS_USED,
     KV_CACHE_USAGE,
+    MODEL_BANDWIDTH_UTILIZATION,
+    MODEL_FLOPS_UTILIZATION,
     MODEL_LABEL,
     QUEUE_DEPTH,
     RUNNING_REQUESTS,
+    STEP_DURATION,
     TOKENS_PER_SECOND,
 )
 
@@ -76,9 +81,11 @@ TENANT_SLO_REQUESTS = Counter(
 SCRAPE_TIMEOUT_S = 2.0
 # Gauges the scheduler and workers set in their own processes; here they come from the scheduler.
 _SCALE_GAUGES = (AUTOSCALER_DESIRED, AUTOSCALER_READY, AUTOSCALER_FORECAST)
+# The engine steps' and the dispatcher's own, which only workers and the scheduler export: a gateway's would read 0.
+_NOT_HERE = (KV_BLOCKS_USED, STEP_DURATION, MODEL_FLOPS_UTILIZATION, MODEL_BANDWIDTH_UTILIZATION, FAILOVERS)
 _ELSEWHERE = frozenset(
     next(iter(g.describe())).name
-    for g in (QUEUE_DEPTH, RUNNING_REQUESTS, KV_CACHE_USAGE, TOKENS_PER_SECOND, *_SCALE_GAUGES)
+    for g in (QUEUE_DEPTH, RUNNING_REQUESTS, KV_CACHE_USAGE, TOKENS_PER_SECOND, *_SCALE_GAUGES, *_NOT_HERE)
 )
 
 

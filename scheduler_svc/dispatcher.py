@@ -28,7 +28,7 @@ from shardline.core.store.request_store import RequestStore, StoreUnavailable
 from shardline.proto import worker_pb2
 from tracing import attributes as attr
 from tracing.grpc_context import extract_context
-from tracing.metrics import QUEUE_DEPTH, RUNNING_REQUESTS
+from tracing.metrics import FAILOVERS, QUEUE_DEPTH, RUNNING_REQUESTS
 
 log = logging.getLogger(__name__)
 
@@ -283,6 +283,8 @@ class Dispatcher:
             worker = self._router.choose(request, self.registry.with_room(request.model, request.priority))
             worker.hold(request.request_id, request.priority)
             request.worker_id, request.attempt = worker.worker_id, request.attempt + 1
+            if request.attempt > 1:
+                FAILOVERS.inc()
             request.dispatched_at = self.meter.now()
             span = self._tracer.start_span(
                 "dispatch",

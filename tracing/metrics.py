@@ -49,6 +49,21 @@ QUEUE_DEPTH = Gauge("shardline_queue_depth", "Requests waiting in the scheduler'
 RUNNING_REQUESTS = Gauge("shardline_running_requests", "Requests being generated right now.")
 KV_CACHE_USAGE = Gauge("shardline_kv_cache_usage_ratio", "Fraction of the worker's KV blocks in use (0 to 1).")
 TOKENS_PER_SECOND = Gauge("shardline_generation_tokens_per_second", "Tokens generated per second, last engine step.")
+# Each worker's engine steps, as the time view's per-worker charts show them from the step spans.
+KV_BLOCKS_USED = Gauge("shardline_kv_blocks_used", "KV-cache blocks held by the worker's requests.")
+STEP_DURATION = Histogram(
+    "shardline_engine_step_duration_seconds",
+    "Wall time of one engine step: a batch's forward pass, sampling and bookkeeping.",
+    buckets=(0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12),
+)
+MODEL_FLOPS_UTILIZATION = Gauge(
+    "shardline_model_flops_utilization", "Model FLOPs utilisation (MFU) of the last engine step, 0 to 1."
+)
+MODEL_BANDWIDTH_UTILIZATION = Gauge(
+    "shardline_model_bandwidth_utilization", "Memory-bandwidth utilisation (MBU) of the last engine step, 0 to 1."
+)
+# The scheduler's dispatches that are a request's second attempt or later: the time view's failovers.
+FAILOVERS = Counter("shardline_failovers", "Requests dispatched again after their worker failed.")
 # N-gram speculation (vLLM's spec_decode counters): their ratio is the draft acceptance rate.
 SPEC_DRAFT_TOKENS = Counter("shardline_spec_decode_num_draft_tokens", "Draft tokens the engine computed.")
 SPEC_ACCEPTED_TOKENS = Counter(

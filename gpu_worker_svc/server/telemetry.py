@@ -63,27 +63,39 @@ class StepTelemetry:
         """After every change: a step, or requests dropped with their session."""
         metrics.RUNNING_REQUESTS.set(running)
         metrics.KV_CACHE_USAGE.set(kv_blocks_used / max(1, kv_blocks_total))
+        metrics.KV_BLOCKS_USED.set(kv_blocks_used)
 
     def step(self, step: int, out: StepResult, start_ns: int, end_ns: int) -> None:
         stats = out.stats
         if stats is not None:  # None: nothing ran (only aborts were reported)
             generated = sum(len(o.new_token_ids) for o in out.outputs)
             tokens_per_s = generated / stats.step_time_s if stats.step_time_s > 0 else 0.0
+            mfu, mbu = self._cost.utilization(
+                stats.num_tokens, stats.batch_size, stats.attention_pairs, stats.kv_tokens_read, stats.step_time_s
+            )
             metrics.TOKENS_PER_SECOND.set(tokens_per_s)
+            metrics.STEP_DURATION.observe(stats.step_time_s)
+            metrics.MODEL_FLOPS_UTILIZATION.set(mfu)
+            metrics.MODEL_BANDWIDTH_UTILIZATION.set(mbu)
             if stats.num_draft_tokens:
                 metrics.SPEC_DRAFT_TOKENS.inc(stats.num_draft_tokens)
                 metrics.SPEC_ACCEPTED_TOKENS.inc(stats.num_accepted_tokens)
             if self._enabled:
-                self._step_span(step, stats, generated, tokens_per_s, start_ns, end_ns)
+                self._step_span(step, stats, generated, tokens_per_s, (mfu, mbu), start_ns, end_ns)
         if self._enabled:
             self._request_events(out, start_ns, end_ns)
 
     def _step_span(
-        self, step: int, stats: StepStats, generated: int, tokens_per_s: float, start_ns: int, end_ns: int
+        self,
+        step: int,
+        stats: StepStats,
+        generated: int,
+        tokens_per_s: float,
+        utilization: tuple[float, float],
+        start_ns: int,
+        end_ns: int,
     ) -> None:
-        mfu, mbu = self._cost.utilization(
-            stats.num_tokens, stats.batch_size, stats.attention_pairs, stats.kv_tokens_read, stats.step_time_s
-        )
+        mfu, mbu = utilization
         span = self._tracer.start_span(
             "engine_step",
             start_time=start_ns,

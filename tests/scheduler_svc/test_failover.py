@@ -5,6 +5,7 @@ import gc
 import logging
 
 import grpc
+from prometheus_client import REGISTRY
 
 from scheduler_svc.server import start_scheduler
 from shardline.proto import sampling_pb2, scheduler_pb2, scheduler_pb2_grpc
@@ -15,6 +16,7 @@ from tests.tracing.run_async import run_async
 
 @run_async
 async def test_worker_death_mid_stream_resumes_on_another_worker(redis_url: str) -> None:
+    failovers = REGISTRY.get_sample_value("shardline_failovers_total")
     async with cluster(redis_url) as c:
         gateway = await c.gateway("gw-1")
         doomed = await c.worker("w0")
@@ -39,6 +41,8 @@ async def test_worker_death_mid_stream_resumes_on_another_worker(redis_url: str)
         info = await c.info("r1")
         assert (info.status, info.worker_id, info.attempt) == (sampling_pb2.REQUEST_STATUS_FINISHED, "w1", 2)
         assert list(info.output_token_ids) == gateway.tokens("r1")
+        # Its second dispatch is the one failover Grafana's failures panel counts.
+        assert REGISTRY.get_sample_value("shardline_failovers_total") == failovers + 1
         workers = await c.stub.ListWorkers(scheduler_pb2.ListWorkersRequest())
         assert [w.worker.worker_id for w in workers.workers] == ["w1"]
 
@@ -177,6 +181,7 @@ async def test_scheduler_restart_recovers_unfinished_requests_from_redis(redis_u
     await worker.kill()
     await channel.close()
 
+    failovers = REGISTRY.get_sample_value("shardline_failovers_total")
     async with cluster(redis_url, dispatch_overcommit=1.0) as c:
         stats = await c.stub.GetStats(scheduler_pb2.GetStatsRequest())
         assert dict(stats.queue_depth) == {0: 1, 1: 1, 3: 1}
@@ -190,6 +195,7 @@ async def test_scheduler_restart_recovers_unfinished_requests_from_redis(redis_u
         assert so_far + gateway.tokens("running") == [token_at(9, i) for i in range(6)]
         # A scheduler restart is not the request's failure: the re-dispatch resumes attempt 1.
         assert (await c.info("running")).attempt == 1
+        assert REGISTRY.get_sample_value("shardline_failovers_total") == failovers
         assert (await c.info("waiting-low")).status == sampling_pb2.REQUEST_STATUS_FINISHED
 
 

@@ -124,3 +124,20 @@ def test_metrics_follow_the_last_step(recorded):
     telemetry.occupancy(running=3, kv_blocks_used=5, kv_blocks_total=20)
     assert REGISTRY.get_sample_value("shardline_kv_cache_usage_ratio") == 0.25
     assert REGISTRY.get_sample_value("shardline_running_requests") == 3.0
+    assert REGISTRY.get_sample_value("shardline_kv_blocks_used") == 5.0
+
+
+def test_step_time_and_utilization_metrics_are_kept_with_tracing_off():
+    """The Grafana panels for step time, MFU and MBU read these; a worker exporting no spans still sets them."""
+    cost = StepCostModel.for_model(CONFIG, 4, DevicePeak(1e9, 1e9), 1)
+    telemetry = StepTelemetry(TracerProvider().get_tracer("test"), cost, "tiny", enabled=False)
+    count = REGISTRY.get_sample_value("shardline_engine_step_duration_seconds_count") or 0.0
+    total = REGISTRY.get_sample_value("shardline_engine_step_duration_seconds_sum") or 0.0
+    stats = _stats(0, 4, 4, 2, 4)
+    telemetry.step(0, StepResult([_token("r", 0)], stats), start_ns=0, end_ns=10 * MS)
+    assert REGISTRY.get_sample_value("shardline_engine_step_duration_seconds_count") == count + 1
+    assert REGISTRY.get_sample_value("shardline_engine_step_duration_seconds_sum") == pytest.approx(total + 0.01)
+    mfu, mbu = cost.utilization(4, 4, stats.attention_pairs, stats.kv_tokens_read, 0.01)
+    assert mfu > 0 and mbu > 0
+    assert REGISTRY.get_sample_value("shardline_model_flops_utilization") == pytest.approx(mfu)
+    assert REGISTRY.get_sample_value("shardline_model_bandwidth_utilization") == pytest.approx(mbu)
