@@ -22,7 +22,7 @@ from benchmarks.engine_vs_hf import bench_engine, random_prompts
 from gpu_worker_svc.engine.batch_scheduler import SchedulerConfig
 from gpu_worker_svc.engine.llm_engine import EngineConfig, LLMEngine
 from gpu_worker_svc.engine.model_runner import RunnerConfig
-from gpu_worker_svc.model.layers.quantize import CPU_WEIGHT_FORMATS
+from gpu_worker_svc.model.cpu_weight_formats import CPU_WEIGHT_FORMATS
 
 
 def main(argv: list[str] | None = None) -> int:

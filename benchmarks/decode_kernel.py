@@ -21,8 +21,8 @@ from gpu_worker_svc.engine.batch_scheduler import SchedulerConfig
 from gpu_worker_svc.engine.llm_engine import EngineConfig, LLMEngine
 from gpu_worker_svc.engine.model_runner import RunnerConfig
 from gpu_worker_svc.engine.ngram_proposer import SpeculativeConfig
+from gpu_worker_svc.model.cpu_weight_formats import CPU_WEIGHT_FORMATS
 from gpu_worker_svc.model.layers.kernels import cpu_kernels
-from gpu_worker_svc.model.layers.quantize import CPU_WEIGHT_FORMATS
 
 SIDES = ("kernel", "torch")
 

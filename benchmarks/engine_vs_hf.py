@@ -28,8 +28,8 @@ from gpu_worker_svc.engine.llm_engine import EngineConfig, LLMEngine
 from gpu_worker_svc.engine.model_runner import RunnerConfig
 from gpu_worker_svc.engine.ngram_proposer import SpeculativeConfig
 from gpu_worker_svc.engine.sampling_params import SamplingParams
+from gpu_worker_svc.model.cpu_weight_formats import CPU_WEIGHT_FORMATS
 from gpu_worker_svc.model.dummy import dummy_config, is_dummy
-from gpu_worker_svc.model.layers.quantize import CPU_WEIGHT_FORMATS
 from shardline.core.model_path import resolve_model_path
 
 PEAK_BANDWIDTH = {"cuda": 4.8e12}  # H200 HBM3e, bytes/s

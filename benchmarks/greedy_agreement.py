@@ -19,7 +19,7 @@ from gpu_worker_svc.engine.batch_scheduler import SchedulerConfig
 from gpu_worker_svc.engine.llm_engine import EngineConfig, LLMEngine
 from gpu_worker_svc.engine.model_runner import RunnerConfig
 from gpu_worker_svc.engine.sampling_params import SamplingParams
-from gpu_worker_svc.model.layers.quantize import CPU_WEIGHT_FORMATS
+from gpu_worker_svc.model.cpu_weight_formats import CPU_WEIGHT_FORMATS
 from shardline.core.model_path import resolve_model_path
 from shardline.core.text.tokenizer import Tokenizer
 

@@ -20,8 +20,8 @@ from gpu_worker_svc.engine.batch_scheduler import SchedulerConfig
 from gpu_worker_svc.engine.llm_engine import EngineConfig, LLMEngine
 from gpu_worker_svc.engine.model_runner import RunnerConfig
 from gpu_worker_svc.model.config import ModelConfig
+from gpu_worker_svc.model.cpu_weight_formats import CPU_WEIGHT_FORMATS
 from gpu_worker_svc.model.layers.gguf import GGUFWeight
-from gpu_worker_svc.model.layers.quantize import CPU_WEIGHT_FORMATS
 
 # Bytes per weight of the formats that re-quantize every layer (int8's per-channel scales are
 # negligible; int4 has a bf16 scale and zero per 32).

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import importlib.util
+import re
 import socket
+from pathlib import Path
 
-import torch
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from gpu_worker_svc.model.layers.quantize import CPU_WEIGHT_FORMATS
+from gpu_worker_svc.model.cpu_weight_formats import CPU_WEIGHT_FORMATS
 
 
 class WorkerSettings(BaseSettings):
@@ -114,14 +116,14 @@ class WorkerSettings(BaseSettings):
     def _known_device(cls, device: str) -> str:
         if device not in ("auto", "cpu", "cuda"):
             raise ValueError('must be "auto", "cpu" or "cuda"')
-        if device == "cuda" and not torch.cuda.is_available():
+        if device == "cuda" and not _torch_sees_cuda():
             raise ValueError("is cuda, but torch sees no CUDA device here")
         return device
 
     @property
     def resolved_device(self) -> str:
         if self.device == "auto":
-            return "cuda" if torch.cuda.is_available() else "cpu"
+            return "cuda" if _torch_sees_cuda() else "cpu"
         return self.device
 
     @property
@@ -151,3 +153,21 @@ class WorkerSettings(BaseSettings):
         except OSError:
             host = "127.0.0.1"
         return f"{host}:{bound_port}"
+
+
+def _torch_sees_cuda() -> bool:
+    import torch  # here, not at the top: main.py reads the settings before it may restart
+
+    return torch.cuda.is_available()
+
+
+def cuda_installed() -> bool:
+    """Whether "auto" may find a GPU, told without importing torch (seconds): a CUDA or ROCm build
+    of torch, and a loaded NVIDIA or AMD GPU driver. Where it is wrong, a worker on CPU only
+    misses its malloc settings (main.py), and resolved_device still asks torch itself."""
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.submodule_search_locations:
+        return False
+    build = (Path(next(iter(spec.submodule_search_locations))) / "version.py").read_text()
+    gpu_build = re.search(r"^(cuda|hip)\b[^=]*=\s*['\"]", build, re.MULTILINE) is not None
+    return gpu_build and (Path("/proc/driver/nvidia/version").exists() or Path("/dev/kfd").exists())

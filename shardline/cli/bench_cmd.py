@@ -278,7 +278,7 @@ def _stack_targets(args: argparse.Namespace, makers: dict[str, Callable[[], Targ
     stack, engine = None, None
     if args.launch or args.engine:
         require_serve("bench --launch" if args.launch else "bench --engine")
-        from gpu_worker_svc.server.main import engine_config
+        from gpu_worker_svc.server.serving import engine_config
         from gpu_worker_svc.server.settings import WorkerSettings
         from shardline.bench.engine_backend import EngineBackend
         from shardline.core.host_memory import reexec_with_malloc_env

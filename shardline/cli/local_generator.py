@@ -6,8 +6,8 @@ import uuid
 from collections.abc import Iterator
 
 from gpu_worker_svc.engine.sampling_params import SamplingParams
-from gpu_worker_svc.server.main import build_engine
 from gpu_worker_svc.server.request_params import EngineLimits, check_request
+from gpu_worker_svc.server.serving import build_engine
 from gpu_worker_svc.server.settings import WorkerSettings
 from shardline.core.model_path import resolve_model_path
 from shardline.core.text.chat_template import ChatTemplate

@@ -216,7 +216,7 @@ def test_install_app_step_builds_shardline_from_the_build_context(tmp_path):
     assert f"build in {site}" in result.stdout and "loads here" in result.stdout
     check = (
         "import shardline, gateway.main, tokenizer_svc.main, scheduler_svc.main, tracing.collector.main, "
-        "gpu_worker_svc.server.main; from shardline.v1 import scheduler_pb2; "
+        "gpu_worker_svc.server.main, gpu_worker_svc.server.serving; from shardline.v1 import scheduler_pb2; "
         "from tracing.collector.dashboard_app import STATIC_DIR; "
         "assert (STATIC_DIR / 'index.html').is_file(), STATIC_DIR; "
         "print(shardline.__file__)"

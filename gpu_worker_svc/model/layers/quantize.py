@@ -27,12 +27,8 @@ from gpu_worker_svc.model.layers.linear import ColumnParallelLinear, RowParallel
 from gpu_worker_svc.model.layers.onednn import OneDNNWeight
 from gpu_worker_svc.model.layers.smoothing import smooth
 
+# The formats quantize_model makes; gpu_worker_svc/model/cpu_weight_formats.py names them with the others.
 QUANTIZATIONS = {"int8": Int8Weight, "fp16": FP16Weight, "int4": Int4Weight}
-# Every CPU weight format a worker takes: these; "gguf", a .gguf file's own Q4_0/Q4_1/Q8_0 blocks,
-# which model/gguf_weights.py reads from the file (its bytes, not a float weight, are the input);
-# "none", the model's dtype (a .gguf file dequantized: the parity reference); and "auto", the default
-# (model/weight_format.py: gguf for a .gguf model on CPU, otherwise none).
-CPU_WEIGHT_FORMATS = ["auto", "none", *sorted([*QUANTIZATIONS, "gguf"])]
 
 
 def quantize_model(model: nn.Module, method: str, calibrate: Callable[[], None] | None = None) -> int:

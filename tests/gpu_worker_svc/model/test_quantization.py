@@ -208,3 +208,11 @@ def test_packing_drops_every_original_weight_but_the_embedding(tied):
     assert embedding is not None  # lookups still need it
     assert (model.lm_head.weight is embedding) if tied else model.lm_head.weight is None
     assert model.model.layers[0].mlp.down_proj.weight is None
+
+
+def test_the_worker_settings_name_every_quantization():
+    """The settings check formats by name before torch loads; the names must stay those quantize_model makes."""
+    from gpu_worker_svc.model.cpu_weight_formats import CPU_WEIGHT_FORMATS
+    from gpu_worker_svc.model.layers.quantize import QUANTIZATIONS
+
+    assert CPU_WEIGHT_FORMATS == ["auto", "none", *sorted([*QUANTIZATIONS, "gguf"])]

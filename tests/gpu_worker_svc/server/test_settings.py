@@ -1,8 +1,16 @@
+import importlib.machinery
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from pydantic import ValidationError
 
-from gpu_worker_svc.server.main import engine_config, parse_args
+from gpu_worker_svc.server import settings
+from gpu_worker_svc.server.main import parse_args
+from gpu_worker_svc.server.serving import engine_config
 
 
 def test_flags_override_the_environment_and_unset_flags_leave_it(monkeypatch):
@@ -60,3 +68,36 @@ def test_defaults_resolve_from_the_port_and_device(monkeypatch):
 def test_out_of_range_settings_are_refused():
     with pytest.raises(ValidationError, match="tp_size"):
         parse_args(["--tp", "0"])
+
+
+def test_the_worker_restarts_for_its_malloc_settings_before_importing_torch():
+    """main.py parses the settings and may restart the process (same pid) before torch and the engine
+    load: importing it, and deciding, costs no torch import, so the restart does not pay for one twice."""
+    script = (
+        "import sys; from gpu_worker_svc.server import main, settings; "
+        "s = main.parse_args(['--device', 'auto']); "
+        "print(settings.cuda_installed(), 'torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.split() == [str(torch.cuda.is_available()), "False"], out.stderr
+
+
+def test_cuda_installed_reads_torchs_build_and_the_driver(monkeypatch, tmp_path):
+    torch_dir = tmp_path / "torch"
+    torch_dir.mkdir()
+    spec = importlib.machinery.ModuleSpec("torch", None, is_package=True)
+    spec.submodule_search_locations = [str(torch_dir)]
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: spec)
+    driver = tmp_path / "nvidia-version"
+    real_path = settings.Path
+
+    def path(p: str) -> Path:
+        return driver if p == "/proc/driver/nvidia/version" else real_path(p)
+
+    monkeypatch.setattr(settings, "Path", path)
+    (torch_dir / "version.py").write_text("cuda: Optional[str] = None\nhip: Optional[str] = None\n")
+    assert not settings.cuda_installed()
+    (torch_dir / "version.py").write_text("cuda: Optional[str] = '12.8'\nhip: Optional[str] = None\n")
+    assert not settings.cuda_installed()  # a CUDA build, but no driver
+    driver.write_text("NVRM version: 570\n")
+    assert settings.cuda_installed()
