@@ -63,11 +63,16 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype) -> None:
+    """The SwiGLU MLP, intermediate_size wide unless `width` says otherwise (a MoE's shared expert); with
+    reduce_results off it gives this rank's partial sum, for a block that all-reduces once for all."""
+
+    def __init__(
+        self, cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype, width: int | None = None, reduce_results: bool = True
+    ) -> None:
         super().__init__()
-        n = cfg.intermediate_size
+        n = width or cfg.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [n, n], False, tp, dtype)
-        self.down_proj = RowParallelLinear(n, cfg.hidden_size, False, tp, dtype)
+        self.down_proj = RowParallelLinear(n, cfg.hidden_size, False, tp, dtype, reduce_results)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)

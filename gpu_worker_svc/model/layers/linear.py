@@ -91,12 +91,22 @@ class QKVParallelLinear(ColumnParallelLinear):
 class RowParallelLinear(nn.Module):
     """y = x W^T + b with W split by input columns; partial sums are all-reduced.
 
-    The bias is added on rank 0 only, before the all-reduce, so it is counted once.
+    The bias is added on rank 0 only, before the all-reduce, so it is counted once. With reduce_results
+    off, forward gives this rank's partial sum, for a caller that adds it to others before one all-reduce.
     """
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        tp: TPGroup,
+        dtype: torch.dtype,
+        reduce_results: bool = True,
+    ) -> None:
         super().__init__()
         self.tp = tp
+        self.reduce_results = reduce_results
         self.weight = _new_param((out_features, in_features // tp.world_size), dtype, self.weight_loader)
         self.bias = _new_param((out_features,), dtype, self.weight_loader) if bias else None
         self.quant = None  # a quantized copy of the weight, set by quantize_model
@@ -115,4 +125,4 @@ class RowParallelLinear(nn.Module):
             y = y if bias is None else y + bias
         else:
             y = F.linear(x, self.weight, bias)
-        return self.tp.all_reduce(y)
+        return self.tp.all_reduce(y) if self.reduce_results else y
