@@ -134,6 +134,11 @@ class ShardWorker:
         if self.batch_invariant:
             _check_batch_invariance(config, quantization, self.dtype)
         self.model = load_model(config.model, self.tp, self.dtype, self.device, config.max_model_len)
+        if self.batch_invariant and self.model.config.num_experts:
+            raise ValueError(
+                f"batch_invariant is not supported for {self.model.config.architecture}: its experts' GEMMs "
+                f"round a token's row differently with the number of tokens routed beside it"
+            )
         # Where the decode kernel takes every query (CPU, float32), each query's result is already
         # its own, bit for bit: batch-invariant attention is the kernel, with the step's usual layout.
         attn = self.model.attention()
@@ -170,7 +175,9 @@ class ShardWorker:
         # One extra block past the last is scratch space for padded rows of captured graphs.
         self.kv_caches = allocate_kv_cache(self.model, self.num_blocks + 1, self.block_size, self.dtype, self.device)
         self.graphs = None
-        if self.device.startswith("cuda") and config.cuda_graphs:
+        if self.device.startswith("cuda") and config.cuda_graphs and not self.model.captures_decode:
+            log.warning("rank %d: %s runs its decode steps without CUDA graphs", rank, self.model.config.architecture)
+        elif self.device.startswith("cuda") and config.cuda_graphs:
             max_context = config.max_model_len or min(self.model.config.max_position_embeddings, 8192)
             self.graphs = DecodeGraphs(self.model, self.kv_caches, self.num_blocks * self.block_size, max_context)
         self.staging = DeviceStaging(self.device) if self.device.startswith("cuda") else None

@@ -18,9 +18,16 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
     "Phi3ForCausalLM",
+    "MixtralForCausalLM",
+    "Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM",
 )
 # Architectures whose sliding window applies only when the config sets use_sliding_window (default off).
-_OPT_IN_SLIDING_WINDOW = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
+_OPT_IN_SLIDING_WINDOW = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+# Architectures with an RMSNorm over each q and k head.
+_QK_NORM = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+# Architectures whose attention_bias covers o_proj too (Qwen2's and Qwen2-MoE's biases stop at q/k/v).
+_O_PROJ_BIAS = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 _GGUF_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
@@ -72,6 +79,33 @@ def _longrope_scaling(cfg: dict[str, Any], scaling: dict[str, Any], head_dim: in
     return scaling
 
 
+def _moe_fields(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
+    """ModelConfig's Mixture-of-Experts fields from an HF config (none for a dense architecture)."""
+    if arch not in ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
+        return {}
+    # Qwen-MoE configs name the expert count num_experts, Mixtral's num_local_experts; transformers 5 writes
+    # either model's under the other name too.
+    experts = cfg["num_local_experts"] if "num_local_experts" in cfg else cfg["num_experts"]
+    if arch == "MixtralForCausalLM":  # every layer sparse; its experts are intermediate_size wide
+        return dict(
+            num_experts=experts,
+            num_experts_per_tok=cfg["num_experts_per_tok"],
+            moe_intermediate_size=cfg["intermediate_size"],
+            norm_topk_prob=True,
+        )
+    return dict(
+        num_experts=experts,
+        num_experts_per_tok=cfg["num_experts_per_tok"],
+        moe_intermediate_size=cfg["moe_intermediate_size"],
+        shared_expert_intermediate_size=cfg.get("shared_expert_intermediate_size", 0)
+        if arch == "Qwen2MoeForCausalLM"
+        else 0,
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+        decoder_sparse_step=cfg.get("decoder_sparse_step", 1) or 1,
+        mlp_only_layers=list(cfg.get("mlp_only_layers") or []),
+    )
+
+
 @dataclass(slots=True)
 class ModelConfig:
     """Shape and hyper-parameters of a Llama-family decoder-only model."""
@@ -95,6 +129,15 @@ class ModelConfig:
     attention_bias: bool = False  # biases on q/k/v (Qwen2; Llama and Qwen3 with attention_bias)
     o_proj_bias: bool = False  # a bias on o_proj too (Llama and Qwen3 with attention_bias; never Qwen2's)
     qk_norm: bool = False  # Qwen3: an RMSNorm over each q and k head, before the rotary embedding
+    # Mixture of Experts (0 experts: a dense model). A layer is sparse unless listed in mlp_only_layers or
+    # off the decoder_sparse_step grid (Qwen-MoE); its dense MLP, if any, is intermediate_size wide.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0  # each expert's SwiGLU width
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's shared expert, sigmoid-gated (0: none)
+    norm_topk_prob: bool = False  # rescale the top-k routing weights to sum to 1 (always, for Mixtral)
+    decoder_sparse_step: int = 1
+    mlp_only_layers: list[int] = field(default_factory=list)
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     name: str = ""
@@ -103,14 +146,41 @@ class ModelConfig:
         _check_architecture(self.architecture)
         if self.num_heads % self.num_kv_heads:
             raise ModelConfigError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+        if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ModelConfigError(
+                f"num_experts_per_tok {self.num_experts_per_tok} must be between 1 and num_experts {self.num_experts}"
+            )
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether decoder layer `layer` (from 0) has the sparse MoE block rather than a dense MLP (HF's rule)."""
+        return (
+            self.num_experts > 0 and layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0
+        )
 
     @property
     def num_params(self) -> int:
-        """Parameter count, used for load reporting and MFU/MBU estimates."""
+        """Parameter count, every expert's included: load reporting and the weight bytes of MBU estimates."""
+        return self._params(self.num_experts)
+
+    @property
+    def active_params(self) -> int:
+        """Parameters a token goes through (its top-k experts only, in a MoE): MFU's FLOPs per token."""
+        return self._params(self.num_experts_per_tok)
+
+    def _params(self, experts: int) -> int:
         h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        layer = h * (q + 2 * kv) + q * h + 3 * h * self.intermediate_size + 2 * h
+        total = 0
+        for layer in range(self.num_layers):
+            total += h * (q + 2 * kv) + q * h + 2 * h
+            if self.is_moe_layer(layer):
+                shared = 3 * h * self.shared_expert_intermediate_size + (
+                    h if self.shared_expert_intermediate_size else 0
+                )
+                total += self.num_experts * h + experts * 3 * h * self.moe_intermediate_size + shared
+            else:
+                total += 3 * h * self.intermediate_size
         embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * layer + embed + h
+        return total + embed + h
 
     def valid_tp_sizes(self, limit: int = 64) -> list[int]:
         return [tp for tp in range(1, limit + 1) if self.tp_problem(tp) is None]
@@ -123,8 +193,13 @@ class ModelConfig:
             return f"num_heads {self.num_heads} is not divisible by {tp}"
         if self.num_kv_heads % tp and tp % self.num_kv_heads:
             return f"num_kv_heads {self.num_kv_heads} neither divides nor is divisible by {tp}"
-        if self.intermediate_size % tp:
+        dense = any(not self.is_moe_layer(layer) for layer in range(self.num_layers))
+        if dense and self.intermediate_size % tp:
             return f"intermediate_size {self.intermediate_size} is not divisible by {tp}"
+        if self.num_experts % tp:  # each rank holds whole experts (expert parallelism)
+            return f"num_experts {self.num_experts} is not divisible by {tp}"
+        if self.shared_expert_intermediate_size % tp:
+            return f"shared_expert_intermediate_size {self.shared_expert_intermediate_size} is not divisible by {tp}"
         return None
 
     def check_tp(self, tp: int) -> None:
@@ -183,9 +258,15 @@ class ModelConfig:
             rope_scaling=scaling,
             max_position_embeddings=max_positions,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
-            o_proj_bias=bool(cfg.get("attention_bias", False)) and arch in ("LlamaForCausalLM", "Qwen3ForCausalLM"),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            # Qwen2-MoE names its q/k/v biases qkv_bias (on unless set off; older configs lack the key).
+            attention_bias=bool(
+                cfg.get("qkv_bias", True)
+                if arch == "Qwen2MoeForCausalLM"
+                else cfg.get("attention_bias", arch == "Qwen2ForCausalLM")
+            ),
+            o_proj_bias=bool(cfg.get("attention_bias", False)) and arch in _O_PROJ_BIAS,
+            qk_norm=arch in _QK_NORM,
+            **_moe_fields(cfg, arch),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=list(eos) if isinstance(eos, list) else ([eos] if eos is not None else []),
             name=name,

@@ -13,6 +13,7 @@ from gpu_worker_svc.model.config import ModelConfig
 from gpu_worker_svc.model.dummy import dummy_config, init_dummy_weights, is_dummy
 from gpu_worker_svc.model.families import model_class
 from gpu_worker_svc.model.families.llama import LlamaForCausalLM
+from gpu_worker_svc.model.layers.moe import expert_parameter, expert_tensor_name
 from gpu_worker_svc.model.parallel import TPGroup
 from shardline.core.model_path import resolve_model_path
 
@@ -117,11 +118,12 @@ def _load_tensors(
         if param is None and want is None:
             log.warning("%s: ignoring unexpected tensor %s", path, tensor.name)
             continue
-        # A weight the model would have but lacks (an extra layer, a bias) means the config is wrong.
-        if param is None:
+        # A weight the model would have but lacks (an extra layer, a bias, an expert past num_experts, a
+        # MoE tensor in a dense layer) means the config is wrong.
+        if param is None or not want:
             raise CheckpointError(
                 f"{path}: tensor {tensor.name!r} has no place in the model its config describes "
-                f"({cfg.num_layers} layers, attention_bias={cfg.attention_bias})"
+                f"({cfg.num_layers} layers, attention_bias={cfg.attention_bias}, num_experts={cfg.num_experts})"
             )
         # A smaller tensor than the config implies would load partially, without an error, so check it all.
         if tuple(tensor.shape) != want:
@@ -139,7 +141,11 @@ def _load_tensors(
 
 
 def fused_parameter(name: str) -> tuple[str, object]:
-    """A checkpoint tensor's parameter in the model, and its shard there (`up_proj` is shard 1 of `gate_up_proj`)."""
+    """A checkpoint tensor's parameter in the model, and its shard there (`up_proj` is shard 1 of `gate_up_proj`;
+    expert 5's `up_proj` is shard (5, 1) of its layer's stacked `experts.gate_up_proj`)."""
+    expert = expert_parameter(name)
+    if expert is not None:
+        return expert
     for ckpt_key, (fused, shard) in LlamaForCausalLM.packed_modules_mapping.items():
         if f".{ckpt_key}." in name:
             return name.replace(ckpt_key, fused), shard
@@ -147,7 +153,8 @@ def fused_parameter(name: str) -> tuple[str, object]:
 
 
 def _checkpoint_shape(cfg: ModelConfig, name: str) -> tuple[int, ...] | None:
-    """The full, unsharded shape `cfg` implies for checkpoint tensor `name`; None if the model has no such module."""
+    """The full, unsharded shape `cfg` implies for checkpoint tensor `name`; None if the model has no such module,
+    () for a MoE tensor the config gives no place."""
     h, inter, vocab = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     weights = {
@@ -162,6 +169,9 @@ def _checkpoint_shape(cfg: ModelConfig, name: str) -> tuple[int, ...] | None:
         "lm_head": (vocab, h),
     }
     module, kind = name.split(".")[-2:]
+    moe = _moe_tensor_shape(cfg, name)
+    if moe is not None:
+        return moe
     if module in ("q_norm", "k_norm"):  # Qwen3's, one weight per head size shared by every head
         return (cfg.head_dim,) if cfg.qk_norm else None
     if module.endswith("norm"):
@@ -170,8 +180,34 @@ def _checkpoint_shape(cfg: ModelConfig, name: str) -> tuple[int, ...] | None:
     return shape if shape is None or kind == "weight" else shape[:1]
 
 
+def _moe_tensor_shape(cfg: ModelConfig, name: str) -> tuple[int, ...] | None:
+    """The shape of a MoE block's tensor (an expert's projection, the router, the shared expert and its gate),
+    () for one the config gives no place (a dense layer's, an expert past num_experts), None for any other."""
+    if ".mlp." not in name or not name.startswith("model.layers."):
+        return None
+    h, width = cfg.hidden_size, cfg.moe_intermediate_size
+    layer = int(name.split(".")[2])
+    expert = expert_parameter(name)
+    if expert is not None:
+        if not cfg.is_moe_layer(layer) or expert[1][0] >= cfg.num_experts:
+            return ()
+        return (h, width) if expert[1][1] == 2 else (width, h)
+    module, kind = name.split(".")[-2:]
+    if module == "gate" or name.endswith(".shared_expert_gate.weight"):
+        rows = cfg.num_experts if module == "gate" else 1
+        sparse = cfg.is_moe_layer(layer) and (module == "gate" or cfg.shared_expert_intermediate_size > 0)
+        return (rows, h) if sparse and kind == "weight" else ()
+    if ".mlp.shared_expert." in name:
+        shared = cfg.shared_expert_intermediate_size
+        shapes = {"gate_proj": (shared, h), "up_proj": (shared, h), "down_proj": (h, shared)}
+        return shapes[module] if cfg.is_moe_layer(layer) and shared and kind == "weight" and module in shapes else ()
+    return () if cfg.is_moe_layer(layer) else None  # a dense MLP's tensor in a sparse layer
+
+
 def _checkpoint_name(name: str, shard_id: object) -> str:
     """The checkpoint's name for one shard of a parameter (`up_proj`, not the fused `gate_up_proj`)."""
+    if isinstance(shard_id, tuple):
+        return expert_tensor_name(name, shard_id)
     for ckpt_key, (fused, shard) in LlamaForCausalLM.packed_modules_mapping.items():
         if shard_id is not None and shard == shard_id and f".{fused}." in name:
             return name.replace(fused, ckpt_key)
@@ -184,7 +220,10 @@ def _expected_shards(params: dict[str, torch.Tensor]) -> set[tuple[str, object]]
     for fused_name, shard in LlamaForCausalLM.packed_modules_mapping.values():
         fused.setdefault(fused_name, []).append(shard)
     expected: set[tuple[str, object]] = set()
-    for name in params:
-        shards = next((s for f, s in fused.items() if f".{f}." in name), [None])
+    for name, param in params.items():
+        # A stacked expert parameter lists the (expert, part) shards this rank holds.
+        shards = getattr(param, "checkpoint_shards", None) or next(
+            (s for f, s in fused.items() if f".{f}." in name), [None]
+        )
         expected |= {(name, s) for s in shards}
     return expected

@@ -52,7 +52,7 @@ class StepCostModel:
         # The embedding lookup is a gather, not a matmul; a tied head shares its weights.
         embed_params = cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2)
         return cls(
-            layer_params=cfg.num_params - embed_params,
+            layer_params=cfg.active_params - embed_params,  # a MoE token goes through its top-k experts only
             head_params=head,
             weight_bytes=cfg.num_params * dtype_bytes,
             kv_bytes_per_token=2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * dtype_bytes,

@@ -8,8 +8,11 @@ from __future__ import annotations
 
 from gpu_worker_svc.model.config import SUPPORTED_ARCHITECTURES, ModelConfig, ModelConfigError
 from gpu_worker_svc.model.families.llama import LlamaForCausalLM
+from gpu_worker_svc.model.families.mixtral import MixtralForCausalLM
+from gpu_worker_svc.model.families.moe import MoeForCausalLM
 from gpu_worker_svc.model.families.phi3 import Phi3ForCausalLM
 from gpu_worker_svc.model.families.qwen3 import Qwen3ForCausalLM
+from gpu_worker_svc.model.families.qwen3_moe import Qwen3MoeForCausalLM
 
 MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -17,6 +20,9 @@ MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "Qwen2MoeForCausalLM": MoeForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
 }
 if set(MODEL_CLASSES) != set(SUPPORTED_ARCHITECTURES):  # one list is read by config.py, the other builds
     raise ImportError(f"model registry {sorted(MODEL_CLASSES)} differs from config.py's {SUPPORTED_ARCHITECTURES}")

@@ -98,10 +98,10 @@ def _cpu_rows(x: torch.Tensor) -> bool:
 class LlamaDecoderLayer(nn.Module):
     attention_class: type[LlamaAttention] = LlamaAttention
 
-    def __init__(self, cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype, layer_id: int) -> None:
         super().__init__()
         self.self_attn = self.attention_class(cfg, tp, dtype)
-        self.mlp = LlamaMLP(cfg, tp, dtype)
+        self.mlp = self.build_mlp(cfg, tp, dtype, layer_id)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
@@ -121,6 +121,10 @@ class LlamaDecoderLayer(nn.Module):
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
+    def build_mlp(self, cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype, layer_id: int) -> nn.Module:
+        """Layer `layer_id`'s MLP: Llama's dense one (a MoE family's sparse layers take families/moe.py's)."""
+        return LlamaMLP(cfg, tp, dtype)
+
 
 class LlamaModel(nn.Module):
     def __init__(
@@ -138,7 +142,7 @@ class LlamaModel(nn.Module):
         self.rotary = RotaryEmbedding(
             cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, dtype, cfg.rope_freq_factors
         )
-        self.layers = nn.ModuleList(layer_class(cfg, tp, dtype) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(layer_class(cfg, tp, dtype, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.fused_decode: FusedDecode | None = None  # set by fuse_decode, once the weights are final
         # Whether the layers compute exactly what the C++ op chains (a family with other maths says no).
@@ -170,6 +174,7 @@ class LlamaForCausalLM(nn.Module):
 
     decoder_layer: type[LlamaDecoderLayer] = LlamaDecoderLayer
     fused_decode_computes_it = True
+    captures_decode = True  # whether a CUDA graph can capture a decode step (engine/cuda_graphs.py)
     # Checkpoint names that load into a fused parameter: name -> (fused name, shard id).
     packed_modules_mapping = {
         "q_proj": ("qkv_proj", "q"),
@@ -216,7 +221,9 @@ class LlamaForCausalLM(nn.Module):
         groups = []
         for layer in self.model.layers:
             groups.append(SmoothingGroup(layer.self_attn.qkv_proj, layer.input_layernorm.divide_channels))
-            groups.append(SmoothingGroup(layer.mlp.gate_up_proj, layer.post_attention_layernorm.divide_channels))
-            groups.append(SmoothingGroup(layer.mlp.down_proj, layer.mlp.divide_up_channels))
+            # A MoE layer's norm feeds its router and experts too, which no smoothing scale reaches.
+            if isinstance(layer.mlp, LlamaMLP):
+                groups.append(SmoothingGroup(layer.mlp.gate_up_proj, layer.post_attention_layernorm.divide_channels))
+                groups.append(SmoothingGroup(layer.mlp.down_proj, layer.mlp.divide_up_channels))
         groups.append(SmoothingGroup(self.lm_head, self.model.norm.divide_channels))
         return groups

@@ -1,5 +1,6 @@
 """The model families beyond Llama's through the engine: continuous batching, chunked prefill and the
-prefix cache give HF's greedy tokens, each with HF's logprob (tests/gpu_worker_svc/model/family_cases.py)."""
+prefix cache give HF's greedy tokens, each with HF's logprob (tests/gpu_worker_svc/model/family_cases.py), for
+the Mixture-of-Experts families too (their experts split between the ranks at TP 2)."""
 
 from __future__ import annotations
 
@@ -10,11 +11,11 @@ from gpu_worker_svc.engine.batch_scheduler import SchedulerConfig
 from gpu_worker_svc.engine.llm_engine import EngineConfig, LLMEngine
 from gpu_worker_svc.engine.model_runner import RunnerConfig
 from gpu_worker_svc.engine.sampling_params import SamplingParams
-from tests.gpu_worker_svc.model.family_cases import GREEDY_STEPS, LOGPROB_TOL, SavedModel, save_cases
+from tests.gpu_worker_svc.model.family_cases import GREEDY_STEPS, LOGPROB_TOL, MOE_CASES, SavedModel, save_cases
 
 pytestmark = pytest.mark.slow
 
-ENGINE_CASES = ["qwen3-gqa4x2-headdim32-qknorm", "phi3-gqa4x2-fused-vocab250"]
+ENGINE_CASES = ["qwen3-gqa4x2-headdim32-qknorm", "phi3-gqa4x2-fused-vocab250", *MOE_CASES]
 BUDGET = 24  # tokens a step: the 70-token prompt's prefill takes several chunks
 
 

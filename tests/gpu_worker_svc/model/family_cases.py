@@ -1,5 +1,6 @@
 """The model families' test cases: small random configs built by transformers, saved as safetensors, and
-HF's greedy run of each (tokens and logits), shared by the model-level and the engine-level parity tests."""
+HF's greedy run of each (tokens and logits), shared by the model-level and the engine-level parity tests.
+The Mixture-of-Experts cases have 4 to 8 experts, top-2, so at TP 2 each rank holds half the experts."""
 
 from __future__ import annotations
 
@@ -8,7 +9,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import Phi3Config, PretrainedConfig, PreTrainedModel, Qwen3Config
+from transformers import (
+    MixtralConfig,
+    Phi3Config,
+    PretrainedConfig,
+    PreTrainedModel,
+    Qwen2MoeConfig,
+    Qwen3Config,
+    Qwen3MoeConfig,
+)
 
 from tests.gpu_worker_svc.model.random_checkpoints import random_hf_model, random_prompts
 
@@ -61,7 +70,56 @@ CASES: dict[str, PretrainedConfig] = {
         eos_token_id=2,
         **_SHAPE,
     ),
+    # Every layer sparse; the top-2 weights renormalised; experts intermediate_size wide.
+    "mixtral-gqa4x2-8experts-top2": MixtralConfig(
+        vocab_size=256,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_hidden_layers=2,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        tie_word_embeddings=False,
+        eos_token_id=2,
+        **_SHAPE,
+    ),
+    # q/k norms, norm_topk_prob, and layer 1 dense (mlp_only_layers) between two sparse ones.
+    "qwen3moe-gqa4x2-8experts-normtopk-denselayer1": Qwen3MoeConfig(
+        vocab_size=251,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        num_hidden_layers=3,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        norm_topk_prob=True,
+        mlp_only_layers=[1],
+        tie_word_embeddings=False,
+        eos_token_id=2,
+        **_SHAPE,
+    ),
+    # q/k/v biases, the sigmoid-gated shared expert, no renormalisation, every other layer sparse.
+    "qwen2moe-mha4-4experts-shared-sparsestep2": Qwen2MoeConfig(
+        vocab_size=256,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        num_hidden_layers=4,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+        norm_topk_prob=False,
+        decoder_sparse_step=2,
+        tie_word_embeddings=True,
+        eos_token_id=2,
+        **_SHAPE,
+    ),
 }
+MOE_CASES = [
+    "mixtral-gqa4x2-8experts-top2",
+    "qwen3moe-gqa4x2-8experts-normtopk-denselayer1",
+    "qwen2moe-mha4-4experts-shared-sparsestep2",
+]
 
 
 @dataclass(slots=True)

@@ -1,7 +1,9 @@
-"""The families beyond Llama's (Qwen3, Phi-3): small random models built by transformers, saved as
-safetensors and loaded through the real load path, against HF's own forward pass.
+"""The families beyond Llama's (Qwen3, Phi-3, and the Mixture-of-Experts Mixtral, Qwen3-MoE and Qwen2-MoE):
+small random models built by transformers, saved as safetensors and loaded through the real load path,
+against HF's own forward pass.
 
-Each case is checked at TP 1 and TP 2 (the GQA ones at TP 4 too): greedy decoding of a batch of
+Each case is checked at TP 1 and TP 2 (the GQA ones at TP 4 too; a MoE case's experts split between the
+ranks at TP 2, tests/gpu_worker_svc/model/test_moe.py has the MoE layer's own): greedy decoding of a batch of
 prompts for 32 steps gives HF's tokens, with every step's logits within TOL of HF's; a prefill split
 into chunks gives the same logits. Then Phi-3's LongRoPE, a Qwen3 GGUF file, and a sharded Phi-3
 checkpoint. tests/gpu_worker_svc/engine/test_model_families_engine.py runs the cases through the

@@ -42,6 +42,16 @@ def test_an_untied_head_adds_weight_bytes_but_no_per_token_flops():
     assert untied.weight_bytes == (2 * 592 + 8 + 2 * 800) * 2
 
 
+def test_a_moe_token_costs_its_top_k_experts_while_a_step_reads_every_expert():
+    moe = dataclasses.replace(
+        TINY, architecture="MixtralForCausalLM", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16
+    )
+    cost = StepCostModel.for_model(moe, 2, H200, 1)
+    # Per layer: attention 192 and 2 norms of 8, the router 4*8, and each expert 3*8*16 = 384.
+    assert cost.layer_params == 2 * (192 + 16 + 32 + 2 * 384) + 8
+    assert cost.weight_bytes == (2 * (192 + 16 + 32 + 4 * 384) + 8 + 800) * 2
+
+
 def test_decode_of_the_default_model_on_h200_is_bandwidth_bound():
     smollm = ModelConfig(
         architecture="LlamaForCausalLM",
