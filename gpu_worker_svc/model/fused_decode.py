@@ -49,6 +49,9 @@ class FusedDecode:
             weights = [linear.quant for linear in linears]
             if not attn.attn.cpu_kernel_fits or any(linear.bias is not None for linear in linears):
                 return None
+            paged = attn.attn
+            if paged.window is not None or paged.softcap is not None or paged.scale != paged.head_dim**-0.5:
+                return None  # the op chains plain causal attention at 1 / sqrt(head_dim)
             if any(not isinstance(w, GGUFWeight) or w.isa for w in weights):  # isa: a test's chosen build
                 return None
             layer_norms = (layer.input_layernorm, layer.post_attention_layernorm)

@@ -3,11 +3,18 @@ a C++ kernel that reads the cache in place (kernels/decode_attention.cpp), so th
 is the same bits wherever a step puts it. Elsewhere it is plain torch; GPU kernels plug in behind
 the same call.
 
+Every path takes a layer's sliding window (each query sees its last `window` keys only: Mistral,
+Gemma's local layers), its score scale (Gemma's query_pre_attn_scalar) and Gemma 2's score
+soft-capping (softcap * tanh(score / softcap), before the softmax: torch's SDPA has no such
+step, so a capped layer's torch path spells the attention out). Blocks that fall out of every
+window stay in the cache: prefix caching reads them as before, and no memory is freed.
+
 The KV cache of one layer is a tensor [2, num_blocks, block_size, kv_heads, head_dim].
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -24,9 +31,23 @@ PIECE = 16
 
 
 class PagedAttention(nn.Module):
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float | None = None,
+        window: int | None = None,
+        softcap: float | None = None,
+    ) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = scale if scale is not None else head_dim**-0.5
+        # What torch's SDPA is given: None for 1/sqrt(head_dim), which it computes itself, so that the torch
+        # paths of a plain model keep their bits.
+        self._sdpa_scale = scale
+        self.window = window  # keys each query sees, its own included; None: all before it
+        self.softcap = softcap  # Gemma 2's attn_logit_softcapping; None: scores as they are
         # The shapes kernels/decode_attention.cpp takes (all of Llama's and Qwen2's).
         self.cpu_kernel_fits = head_dim % 16 == 0 and head_dim <= 256
 
@@ -97,7 +118,9 @@ class PagedAttention(nn.Module):
             pieces = meta.derived["prefill_pieces"] = _prefill_pieces(meta)
         rows, slots, lengths, valid, dest = pieces
         queries = q.index_select(0, rows).unflatten(0, (-1, PIECE))
-        attended = kernel(queries, k_cache, v_cache, slots, lengths, self.head_dim**-0.5).flatten(0, 1)
+        attended = kernel(
+            queries, k_cache, v_cache, slots, lengths, self.scale, self.window or 0, self.softcap or 0.0
+        ).flatten(0, 1)
         out.flatten(1).index_copy_(0, dest, attended.index_select(0, valid))
 
     def _prefill_sdpa(
@@ -120,24 +143,29 @@ class PagedAttention(nn.Module):
         for (start, end), gather, mask in zip(meta.prefill_bounds, meta.prefill_gather, meta.prefill_mask):
             if gather is not None:  # the chunk's queries sit at the end of a longer context
                 out[start:end] = self._sdpa(
-                    q[start:end], k_cache.index_select(0, gather), v_cache.index_select(0, gather), mask, causal=False
+                    q[start:end],
+                    k_cache.index_select(0, gather),
+                    v_cache.index_select(0, gather),
+                    self._in_window(mask, gather.shape[0], gather.device),
+                    causal=False,
                 )
 
     def _invariant(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         """Each chunk, then the decodes group by group, each query over its context gathered from the cache."""
-        contexts = meta.derived.get("invariant")
+        key = f"invariant/{self.window}"  # sliding and global layers see different keys
+        contexts = meta.derived.get(key)
         if contexts is None:  # the first layer lays out the step's contexts; the others reuse them
-            contexts = meta.derived["invariant"] = self._invariant_contexts(meta)
+            contexts = meta.derived[key] = self._invariant_contexts(meta)
         prefills, decodes = contexts
         out = torch.empty_like(q)
+        scale, cap = self.scale, self.softcap
         for (start, end), context in zip(meta.prefill_bounds, prefills):
-            out[start:end] = invariant_attention(q[None, start:end], k_cache, v_cache, context)[0]
+            out[start:end] = invariant_attention(q[None, start:end], k_cache, v_cache, context, scale, cap)[0]
         for rows, context in decodes:
-            out.index_copy_(
-                0, rows, invariant_attention(q.index_select(0, rows)[:, None], k_cache, v_cache, context)[:, 0]
-            )
+            attended = invariant_attention(q.index_select(0, rows)[:, None], k_cache, v_cache, context, scale, cap)
+            out.index_copy_(0, rows, attended[:, 0])
         return out.flatten(1)
 
     def _invariant_contexts(
@@ -145,7 +173,7 @@ class PagedAttention(nn.Module):
     ) -> tuple[list[InvariantContext], list[tuple[torch.Tensor, InvariantContext]]]:
         """Each chunk's context; and each decode group's flat-batch rows, and its context."""
         prefills = [
-            InvariantContext.of(gather[None], mask[None], self.num_kv_heads)
+            InvariantContext.of(gather[None], self._window_of(mask, gather)[None], self.num_kv_heads)
             for gather, mask in zip(meta.prefill_gather, meta.prefill_mask)
         ]
         decodes = []
@@ -154,7 +182,7 @@ class PagedAttention(nn.Module):
                 DecodeGroup(torch.arange(meta.decode_index.numel()), meta.decode_gather, meta.decode_mask)
             ]
             for group in groups:
-                allowed = group.mask.view(group.gather.shape[0], 1, -1)
+                allowed = self._window_of(group.mask, group.gather).view(group.gather.shape[0], 1, -1)
                 decodes.append(
                     (
                         meta.decode_index.index_select(0, group.rows.to(meta.decode_index.device)),
@@ -171,7 +199,7 @@ class PagedAttention(nn.Module):
         kernel = self._cpu_kernel(q, k_cache)
         if kernel is not None:  # one call for all the decodes: it needs no padding to one length
             slots, lengths = decode_contexts(meta)
-            return kernel(q, k_cache, v_cache, slots, lengths, self.head_dim**-0.5)
+            return kernel(q, k_cache, v_cache, slots, lengths, self.scale, self.window or 0, self.softcap or 0.0)
         if not meta.decode_groups:
             return self._attend(q, k_cache, v_cache, meta.decode_gather, meta.decode_mask)
         out = q.new_empty(*q.shape[:-2], q.shape[-2] * q.shape[-1])
@@ -213,12 +241,11 @@ class PagedAttention(nn.Module):
         flat = gather.flatten()
         kd = k_cache.index_select(0, flat).view(b, length, *k_cache.shape[1:]).transpose(1, 2)  # [B, Hkv, L, D]
         vd = v_cache.index_select(0, flat).view(b, length, *v_cache.shape[1:]).transpose(1, 2)
+        mask = self._in_window(mask, length, q.device)
         if q.dim() == 4:  # [B, Q, Hq, D]: a decode's token and its drafts
+            assert mask is not None, "a decode with drafts always has a mask"
             return self._attend_queries(q, kd, vd, mask)
-        od = F.scaled_dot_product_attention(
-            q.unsqueeze(2), kd, vd, attn_mask=mask, enable_gqa=self.num_heads != self.num_kv_heads
-        )
-        return od.flatten(1)
+        return self._scores_softmax_values(q.unsqueeze(2), kd, vd, mask, causal=False).flatten(1)
 
     def _attend_queries(self, q: torch.Tensor, kd: torch.Tensor, vd: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Q queries per decode, q [B, Q, Hq, D], over kd/vd [B, Hkv, L, D] → [B, Q, Hq * D].
@@ -229,8 +256,8 @@ class PagedAttention(nn.Module):
         b, queries, _, dim = q.shape
         group = self.num_heads // self.num_kv_heads
         rows = q.view(b, queries, self.num_kv_heads, group, dim).permute(0, 2, 3, 1, 4)
-        od = F.scaled_dot_product_attention(
-            rows.reshape(b, self.num_kv_heads, group * queries, dim), kd, vd, attn_mask=mask.repeat(1, 1, group, 1)
+        od = self._scores_softmax_values(
+            rows.reshape(b, self.num_kv_heads, group * queries, dim), kd, vd, mask.repeat(1, 1, group, 1), causal=False
         )
         return od.view(b, self.num_kv_heads, group, queries, dim).permute(0, 3, 1, 2, 4).reshape(b, queries, -1)
 
@@ -240,12 +267,12 @@ class PagedAttention(nn.Module):
         One call for all of them: a burst of equal prompts prefills in one step, and torch's CPU
         kernel then spreads (chunk, head) pairs over its threads, ~4x faster than a call per chunk
         for 16 chunks of 128 tokens; each pair's result is the same bits either way."""
-        o = F.scaled_dot_product_attention(
+        o = self._scores_softmax_values(
             q.unflatten(0, (count, -1)).transpose(1, 2),
             k.unflatten(0, (count, -1)).transpose(1, 2),
             v.unflatten(0, (count, -1)).transpose(1, 2),
-            is_causal=True,
-            enable_gqa=self.num_heads != self.num_kv_heads,
+            None,
+            causal=True,
         )
         return o.transpose(1, 2).flatten(0, 1)
 
@@ -257,15 +284,50 @@ class PagedAttention(nn.Module):
         As a batch of one: given 3-D inputs, torch's CPU SDPA takes its unfused math path (a
         [heads, n, ctx] score matrix, tril, softmax), 5-7x slower than its flash kernel at 512 tokens.
         """
-        o = F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None],
-            k.transpose(0, 1)[None],
-            v.transpose(0, 1)[None],
-            attn_mask=mask,
-            is_causal=causal,
-            enable_gqa=self.num_heads != self.num_kv_heads,
+        o = self._scores_softmax_values(
+            q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], mask, causal
         )
         return o[0].transpose(0, 1)
+
+    def _in_window(self, mask: torch.Tensor | None, length: int, device: torch.device) -> torch.Tensor | None:
+        """`mask` [..., L] (True: seen; each row a prefix of the L keys, None: all of them) narrowed to each
+        row's last `window` keys; as it is without a window. Tensor ops only, so a CUDA graph captures it."""
+        if self.window is None:
+            return mask
+        keys = torch.arange(length, device=device)
+        if mask is None:
+            return (keys >= length - self.window)[None]  # [1, L]: SDPA takes no 1-D mask
+        return mask & (keys >= mask.sum(-1, keepdim=True) - self.window)
+
+    def _window_of(self, mask: torch.Tensor | None, gather: torch.Tensor) -> torch.Tensor:
+        """The mask of a context gathered from `gather`'s slots (its last dimension), in its window."""
+        windowed = self._in_window(mask, gather.shape[-1], gather.device)
+        assert windowed is not None, "the invariant layout gives every context a mask"
+        return windowed
+
+    def _scores_softmax_values(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool
+    ) -> torch.Tensor:
+        """q [..., Hq, n, D] over k, v [..., Hkv, L, D] → [..., Hq, n, D]: torch's SDPA, with this layer's scale
+        and window (a causal call with a window becomes a masked one). SDPA cannot cap scores, so a
+        soft-capped layer spells the attention out, in float32 as HF's eager attention does its softmax."""
+        n, length = q.shape[-2], k.shape[-2]
+        if causal and (self.window is not None or self.softcap is not None):
+            causal_mask = torch.ones(n, length, dtype=torch.bool, device=q.device).tril(length - n)
+            mask = self._in_window(causal_mask, length, q.device)
+            causal = False
+        if self.softcap is None:
+            return F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, is_causal=causal, scale=self._sdpa_scale, enable_gqa=q.shape[-3] != k.shape[-3]
+            )
+        group = q.shape[-3] // k.shape[-3]
+        if group > 1:
+            k, v = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3)
+        scores = torch.matmul(q, k.transpose(-1, -2)) * self.scale
+        scores = torch.tanh(scores / self.softcap) * self.softcap
+        if mask is not None:
+            scores = scores.masked_fill(~mask, -math.inf)
+        return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
 
 
 def _self_attending_runs(meta: AttentionMetadata) -> list[tuple[int, int, int]]:

@@ -73,10 +73,17 @@ class InvariantContext:
 
 
 def invariant_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, context: InvariantContext
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    context: InvariantContext,
+    scale: float | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """q [S, n, Hq, D] over the keys and values of `context`, in caches [slots, Hkv, D].
-    Returns [S, n, Hq, D]: softmax(q k^T / sqrt(D)) v per head."""
+    Returns [S, n, Hq, D]: softmax(q k^T * scale) v per head (scale None: 1 / sqrt(D)), each score
+    capped first to softcap * tanh(score / softcap) where a softcap is given (Gemma 2)."""
+    scale = 1.0 / math.sqrt(q.shape[3]) if scale is None else scale
     d = q.shape[3]
     hkv, s_, length = context.shape
     if context.keys is None:
@@ -85,16 +92,18 @@ def invariant_attention(
     k = torch.index_select(k_cache.view(-1, d), 0, context.rows, out=context.keys).view(hkv, s_, length, d)
     v = torch.index_select(v_cache.view(-1, d), 0, context.rows, out=context.values).view(hkv, s_, length, d)
     if len(context.pieces) == 1:
-        return _attend(q, k, v, context.hidden)
+        return _attend(q, k, v, context.hidden, scale, softcap)
     out = torch.empty_like(q)
     for first, end, keys in context.pieces:  # a long chunk: each piece's rows come out the same bits
         out[:, first:end] = _attend(
-            q[:, first:end], k[:, :, :keys], v[:, :, :keys], context.hidden[:, first:end, :keys]
+            q[:, first:end], k[:, :, :keys], v[:, :, :keys], context.hidden[:, first:end, :keys], scale, softcap
         )
     return out
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+def _attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hidden: torch.Tensor, scale: float, softcap: float | None
+) -> torch.Tensor:
     """q [S, n, Hq, D]; k, v [Hkv, S, L, D]; hidden [S, n, L] → [S, n, Hq, D]."""
     s_, n, hq, d = q.shape
     hkv, length = k.shape[0], k.shape[2]
@@ -107,11 +116,13 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hidden: torch.Ten
     q_rows = q.new_zeros(batch, padded, d) if padded > rows else q.new_empty(batch, rows, d)
     torch.mul(
         q.view(s_, n, hkv, group, d).permute(2, 0, 1, 3, 4),
-        1.0 / math.sqrt(d),
+        scale,
         out=q_rows[:, :rows].view(hkv, s_, n, group, d),
     )
     scores = torch.bmm(q_rows, k.reshape(batch, length, d).transpose(1, 2))
     real = scores[:, :rows]
+    if softcap is not None:  # elementwise: each score's own bits, whatever the layout
+        real.div_(softcap).tanh_().mul_(softcap)
     real.view(hkv, s_, n, group, length).masked_fill_(hidden[None, :, :, None], -math.inf)
     real.sub_(real.amax(-1, keepdim=True)).exp_()
     tiled = scores.view(batch, padded, tiles, TILE)

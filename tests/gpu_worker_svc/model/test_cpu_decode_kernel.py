@@ -18,15 +18,26 @@ needs_kernel = pytest.mark.skipif(kernel is None, reason="the CPU kernels cannot
 
 
 def reference(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    lengths: torch.Tensor,
+    scale: float | None = None,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
-    """Softmax attention of each decode over its own slots, in float64."""
+    """Softmax attention of each decode over its own slots (its last `window` only, if given), in float64."""
     group = q.shape[1] // k_cache.shape[1]
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
     rows = []
     for i, n in enumerate(lengths.tolist()):
-        k = k_cache[slots[i, :n]].double().repeat_interleave(group, 1)  # [n, Hq, D]
-        v = v_cache[slots[i, :n]].double().repeat_interleave(group, 1)
-        scores = torch.einsum("hd,nhd->hn", q[i].double(), k) / q.shape[-1] ** 0.5
+        first = max(0, n - window) if window else 0
+        k = k_cache[slots[i, first:n]].double().repeat_interleave(group, 1)  # [n - first, Hq, D]
+        v = v_cache[slots[i, first:n]].double().repeat_interleave(group, 1)
+        scores = torch.einsum("hd,nhd->hn", q[i].double(), k) * scale
+        if softcap:
+            scores = softcap * torch.tanh(scores / softcap)
         rows.append(torch.einsum("hn,nhd->hd", scores.softmax(-1), v).flatten())
     return torch.stack(rows).float()
 
@@ -93,6 +104,39 @@ def test_a_decode_with_drafts_attends_each_query_to_its_own_prefix():
         for i in range(3):
             alone = kernel(q[i : i + 1, j], k_cache, v_cache, slots[i : i + 1], lengths[i : i + 1, j], dim**-0.5)
             assert torch.equal(alone, out[i : i + 1, j])
+
+
+@needs_kernel
+@pytest.mark.parametrize("window, softcap", [(16, 0.0), (1, 0.0), (50, 0.0), (0, 3.0), (24, 2.0)])
+def test_a_window_sees_each_querys_last_keys_and_softcap_caps_the_scores(window, softcap):
+    """Sliding-window layers (Mistral, Gemma) and Gemma 2's score capping: each decode over its last `window`
+    keys, its scores capped to softcap * tanh(score / softcap), against float64; and each row the same bits
+    alone as in the batch, though a batch-mate's window starts elsewhere."""
+    heads, kv_heads, dim = 8, 2, 32
+    lengths = [1, 17, 300, 16, 95, 40]
+    q, k_cache, v_cache, slots, lens = random_case(heads, kv_heads, dim, lengths, seed=3)
+    scale = 0.3
+    out = kernel(q, k_cache, v_cache, slots, lens, scale, window, softcap)
+    expected = reference(q, k_cache, v_cache, slots, lens, scale, window, softcap)
+    torch.testing.assert_close(out, expected, rtol=2e-5, atol=2e-5)
+    for i, n in enumerate(lengths):
+        alone = kernel(
+            q[i : i + 1], k_cache, v_cache, slots[i : i + 1, :n].contiguous(), lens[i : i + 1], scale, window, softcap
+        )
+        assert torch.equal(alone, out[i : i + 1])
+
+
+@needs_kernel
+def test_a_window_applies_to_each_draft_query_by_its_own_length():
+    """A decode with drafts (or a piece of a prefill chunk): query j's window ends at its own length."""
+    heads, kv_heads, dim = 4, 2, 16
+    _, k_cache, v_cache, slots, _ = random_case(heads, kv_heads, dim, [60, 200, 9], seed=4)
+    q = torch.randn(3, 4, heads, dim, generator=torch.Generator().manual_seed(2)) * 6
+    lengths = torch.tensor([[57, 58, 59, 60], [197, 198, 199, 200], [6, 7, 8, 8]])
+    out = kernel(q, k_cache, v_cache, slots, lengths, dim**-0.5, 12, 0.0)
+    for j in range(4):
+        expected = reference(q[:, j], k_cache, v_cache, slots, lengths[:, j], window=12)
+        torch.testing.assert_close(out[:, j], expected, rtol=2e-5, atol=2e-5)
 
 
 @needs_kernel

@@ -18,7 +18,8 @@ namespace shardline_cpu {
 
 // decode_attention.cpp
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                  const at::Tensor& slots, const at::Tensor& lengths, double scale);
+                                  const at::Tensor& slots, const at::Tensor& lengths, double scale,
+                                  int64_t window = 0, double softcap = 0.0);
 
 // gguf_linear.cpp
 at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& panels, int64_t type, int64_t out_features,

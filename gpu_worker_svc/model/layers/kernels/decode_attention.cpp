@@ -8,6 +8,9 @@
 // Every reduction has a fixed order that depends only on the decode's own context length,
 // never on its batch-mates or the padding of the step's slot table: a decode's output is
 // the same bits however it is batched, which the engine's determinism rests on.
+//
+// A sliding-window layer (Mistral, Gemma's local layers) attends to each query's last `window`
+// keys only, and Gemma 2 caps each score with softcap * tanh(score / softcap) before the softmax.
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
@@ -85,13 +88,15 @@ inline void score_rows(const v16* kt, int64_t dim, const float* const* q, float*
 // The weighted sum of values for R rows of one head, slot by slot in order; a row's keys past its
 // own length weigh exactly 0. Its arithmetic is the same whatever R. V, the vectors per head,
 // is a template argument so that the R x V sums stay in registers.
+// Slots before `from` weigh 0 for every row (outside all their windows), so they are skipped:
+// the sums start at +0 either way, and adding the exact zeros would not change them.
 template <int R, int V>
-void weigh_rows(const float* v_cache, const int64_t* slots, int64_t longest, int64_t kv_heads, int64_t head,
-                bool fetch, const float* const* p, const float* inverse_total, float* const* out) {
+void weigh_rows(const float* v_cache, const int64_t* slots, int64_t from, int64_t longest, int64_t kv_heads,
+                int64_t head, bool fetch, const float* const* p, const float* inverse_total, float* const* out) {
   v16 acc[R][V];
   for (int r = 0; r < R; ++r)
     for (int d = 0; d < V; ++d) acc[r][d] = v16{};
-  for (int64_t t = 0; t < longest; ++t) {
+  for (int64_t t = from; t < longest; ++t) {
     // Only a head's first rows prefetch: its later ones find the values in cache.
     const float* v = fetch ? row_at(v_cache, slots, t, longest, kv_heads, head, 1, V * W)
                            : v_cache + (slots[t] * kv_heads + head) * V * W;
@@ -104,7 +109,7 @@ void weigh_rows(const float* v_cache, const int64_t* slots, int64_t longest, int
     for (int d = 0; d < V; ++d) store(out[r] + d * W, acc[r][d] * inverse_total[r]);
 }
 
-using Weigh = void (*)(const float*, const int64_t*, int64_t, int64_t, int64_t, bool, const float* const*,
+using Weigh = void (*)(const float*, const int64_t*, int64_t, int64_t, int64_t, int64_t, bool, const float* const*,
                        const float*, float* const*);
 
 template <int R, size_t... V>
@@ -125,13 +130,16 @@ Weigh weigh_for(int64_t vecs) {
 // taken 16 slots at a time and transposed, so that one vector holds 16 keys' scores and the rows of
 // a KV head share the transposed block. Every sum runs in an order fixed by the row's own length,
 // so a row gives the same bits as that query alone, whatever the other queries of the call.
-// `scores` holds a row per query head, the longest length rounded up to W.
+// `scores` holds a row per query head, the longest length rounded up to W. With a `window` (0: none),
+// a query of length n sees slots [n - window, n) only; keys before every query's window are not read.
 void attend(const float* q, int64_t q_query_stride, int64_t q_head_stride, int64_t queries, const int64_t* lengths,
             const float* k_cache, const float* v_cache, const int64_t* slots, int64_t kv_heads, int64_t first,
-            int64_t count, int64_t group, int64_t heads, int64_t dim, float scale, float* scores, float* qs,
-            float* out) {
+            int64_t count, int64_t group, int64_t heads, int64_t dim, float scale, int64_t window, float softcap,
+            float* scores, float* qs, float* out) {
   const int64_t vecs = dim / W, per_query = count * group, rows = queries * per_query;
   const int64_t longest = *std::max_element(lengths, lengths + queries), padded = (longest + W - 1) / W * W;
+  auto window_start = [&](int64_t length) { return window > 0 ? std::max<int64_t>(0, length - window) : 0; };
+  const int64_t from = window_start(*std::min_element(lengths, lengths + queries)), from_block = from / W * W;
   for (int64_t r = 0; r < rows; ++r) {
     const float* row = q + r / per_query * q_query_stride + (first * group + r % per_query) * q_head_stride;
     for (int64_t d = 0; d < vecs; ++d) store(qs + r * dim + d * W, load(row + d * W) * scale);
@@ -144,7 +152,7 @@ void attend(const float* q, int64_t q_query_stride, int64_t q_head_stride, int64
   const int64_t per_head = queries * group;
 
   v16 kt[MAX_DIM];
-  for (int64_t t0 = 0; t0 < longest; t0 += W) {
+  for (int64_t t0 = from_block; t0 < longest; t0 += W) {
     const int64_t keys = std::min<int64_t>(W, longest - t0);
     const float* key[W];
     for (int64_t i = 0; i < keys; ++i) key[i] = row_at(k_cache, slots, t0 + i, longest, kv_heads, first, count, dim);
@@ -169,17 +177,20 @@ void attend(const float* q, int64_t q_query_stride, int64_t q_head_stride, int64
       }
     }
   }
-  // Softmax: a row's keys past its own length weigh exactly 0, so its sum is the same bits as that
-  // query's alone, whatever the other queries' lengths.
+  // Softmax: a row's keys past its own length, or before its window, weigh exactly 0, so its sum is
+  // the same bits as that query's alone, whatever the other queries' lengths.
   std::vector<float> inverse_total(rows);
   for (int64_t r = 0; r < rows; ++r) {
     float* row = scores + r * padded;
-    const int64_t length = lengths[r / per_query];
+    const int64_t length = lengths[r / per_query], start = window_start(length);
+    if (softcap > 0)
+      for (int64_t t = start; t < length; ++t) row[t] = softcap * std::tanh(row[t] / softcap);
     float top = -INFINITY;
-    for (int64_t t = 0; t < length; ++t) top = row[t] > top ? row[t] : top;
+    for (int64_t t = start; t < length; ++t) top = row[t] > top ? row[t] : top;
+    for (int64_t t = from_block; t < start; ++t) row[t] = -INFINITY;
     for (int64_t t = length; t < padded; ++t) row[t] = -INFINITY;
     v16 total = {};
-    for (int64_t t = 0; t < padded; t += W) {
+    for (int64_t t = from_block; t < padded; t += W) {
       const v16 e = exp_nonpositive(load(row + t) - top);
       store(row + t, e);
       total += e;
@@ -197,13 +208,13 @@ void attend(const float* q, int64_t q_query_stride, int64_t q_head_stride, int64
       const float inv[4] = {inverse_total[mine[i]], inverse_total[mine[i + 1]], inverse_total[mine[i + 2]],
                             inverse_total[mine[i + 3]]};
       float* o[4] = {at(i), at(i + 1), at(i + 2), at(i + 3)};
-      weigh4(v_cache, slots, longest, kv_heads, first + h, i == 0, p, inv, o);
+      weigh4(v_cache, slots, from, longest, kv_heads, first + h, i == 0, p, inv, o);
     }
     for (; i < per_head; ++i) {
       const float* p[1] = {scores + mine[i] * padded};
       const float inv[1] = {inverse_total[mine[i]]};
       float* o[1] = {at(i)};
-      weigh1(v_cache, slots, longest, kv_heads, first + h, i < 4, p, inv, o);
+      weigh1(v_cache, slots, from, longest, kv_heads, first + h, i < 4, p, inv, o);
     }
   }
 }
@@ -214,8 +225,10 @@ namespace shardline_cpu {
 
 // q [B, Hq, D] with lengths [B] -> [B, Hq * D]; or q [B, Q, Hq, D] with lengths [B, Q] -> [B, Q, Hq * D]
 // (a decode and its draft tokens). q's rows may be strided; caches [slots, Hkv, D]; slots [B, L].
+// window > 0: each query sees its last `window` slots only; softcap > 0: Gemma 2's score capping.
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                  const at::Tensor& slots, const at::Tensor& lengths, double scale) {
+                                  const at::Tensor& slots, const at::Tensor& lengths, double scale, int64_t window,
+                                  double softcap) {
   const bool drafts = q.dim() == 4;
   TORCH_CHECK((q.dim() == 3 || drafts) && k_cache.dim() == 3 && v_cache.dim() == 3 && slots.dim() == 2 &&
                   lengths.dim() == q.dim() - 2,
@@ -229,6 +242,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   const int64_t heads = q.size(-2), dim = q.size(-1), kv_heads = k_cache.size(1);
   TORCH_CHECK(dim % W == 0 && dim <= MAX_DIM, "paged_decode_attention: head_dim must be a multiple of 16, <= 256");
   TORCH_CHECK(heads % kv_heads == 0, "paged_decode_attention: query heads must be a multiple of KV heads");
+  TORCH_CHECK(window >= 0 && softcap >= 0, "paged_decode_attention: window and softcap must be >= 0 (0: none)");
   TORCH_CHECK(q.stride(-1) == 1 && k_cache.is_contiguous() && v_cache.is_contiguous() && slots.is_contiguous() &&
                   lengths.is_contiguous() && slots.size(0) == batch && lengths.size(0) == batch &&
                   (!drafts || lengths.size(1) == queries),
@@ -265,8 +279,8 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / tasks_per_decode, first = task % tasks_per_decode * per_task;
       attend(qp + b * q_row, q_query, q_head, queries, lp + b * queries, kp, vp, sp + b * width, kv_heads, first,
-             std::min(per_task, kv_heads - first), group, heads, dim, static_cast<float>(scale), scores.data(),
-             qs.data(), op + b * queries * heads * dim);
+             std::min(per_task, kv_heads - first), group, heads, dim, static_cast<float>(scale), window,
+             static_cast<float>(softcap), scores.data(), qs.data(), op + b * queries * heads * dim);
     }
   });
   return out;
@@ -276,6 +290,6 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
 
 TORCH_LIBRARY(shardline_cpu, m) {
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slots, Tensor lengths, "
-        "float scale) -> Tensor");
+        "float scale, int window=0, float softcap=0.0) -> Tensor");
   m.impl("paged_decode_attention", c10::DispatchKey::CPU, &shardline_cpu::paged_decode_attention);
 }
