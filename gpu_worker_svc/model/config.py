@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import json
-import logging
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-log = logging.getLogger(__name__)
 
 # Every architecture a module in families/ builds; families/__init__.py checks its registry against this list
 # (kept here, not there, because a config is read, and refused, before any model module is imported).
@@ -21,13 +19,19 @@ SUPPORTED_ARCHITECTURES = (
     "MixtralForCausalLM",
     "Qwen2MoeForCausalLM",
     "Qwen3MoeForCausalLM",
+    "Gemma2ForCausalLM",
+    "Gemma3ForCausalLM",
 )
 # Architectures whose sliding window applies only when the config sets use_sliding_window (default off).
 _OPT_IN_SLIDING_WINDOW = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+_GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 # Architectures with an RMSNorm over each q and k head.
-_QK_NORM = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+_QK_NORM = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM")
 # Architectures whose attention_bias covers o_proj too (Qwen2's and Qwen2-MoE's biases stop at q/k/v).
-_O_PROJ_BIAS = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+_O_PROJ_BIAS = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", *_GEMMA)
+# The MLP activations families/llama.py computes (HF's names): SiLU, and Gemma's tanh-approximated GELU.
+HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")
+ROPE_TYPES = ("linear", "dynamic", "yarn", "llama3", "longrope")
 _GGUF_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
@@ -49,17 +53,99 @@ def _check_supported_features(
     cfg: dict[str, Any], arch: str, rope: dict[str, Any], scaling: dict[str, Any] | None
 ) -> None:
     """ModelConfigError naming a setting the families here do not compute, rather than a silently wrong model."""
-    act = cfg.get("hidden_act", cfg.get("hidden_activation", "silu"))
-    if act != "silu":
-        raise ModelConfigError(f"hidden_act {act!r} is not supported for {arch} (supported: silu)")
+    act = _hidden_act(cfg, arch)
+    if act not in HIDDEN_ACTS:
+        raise ModelConfigError(f"hidden_act {act!r} is not supported for {arch} (supported: {', '.join(HIDDEN_ACTS)})")
+    if cfg.get("use_bidirectional_attention"):
+        raise ModelConfigError(f"use_bidirectional_attention is not supported for {arch} (a decoder is causal)")
     partial = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
     if partial != 1.0:
         raise ModelConfigError(
             f"partial_rotary_factor {partial} is not supported (the rotary embedding covers every dim)"
         )
     kind = (scaling or {}).get("rope_type", (scaling or {}).get("type"))
-    if kind not in (None, "default", "linear", "llama3", "longrope"):
-        raise ModelConfigError(f"rope_scaling type {kind!r} is not supported (supported: linear, llama3, longrope)")
+    if kind not in (None, "default", *ROPE_TYPES):
+        raise ModelConfigError(f"rope_scaling type {kind!r} is not supported (supported: {', '.join(ROPE_TYPES)})")
+
+
+def _hidden_act(cfg: dict[str, Any], arch: str) -> str:
+    """The MLP's activation. Gemma's configs name it hidden_activation (HF reads that one for Gemma), and
+    older ones carry a hidden_act beside it that HF ignores."""
+    if arch in _GEMMA:
+        return str(cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh")
+    return str(cfg.get("hidden_act", cfg.get("hidden_activation", "silu")))
+
+
+def _rope_settings(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None, float | None, dict[str, Any]]:
+    """(theta, scaling or None, local layers' theta or None, the rope settings' other keys).
+
+    transformers 5 nests rope settings in rope_parameters, per layer type for Gemma 3 ("full_attention",
+    "sliding_attention"); older configs keep them flat (Gemma 3's local theta as rope_local_base_freq)."""
+    nested = dict(cfg.get("rope_parameters") or {})
+    local_theta = cfg.get("rope_local_base_freq")
+    legacy = cfg.get("rope_scaling")
+    if isinstance(nested.get("full_attention"), dict):
+        local = nested.get("sliding_attention") or {}
+        local_theta = local.get("rope_theta", local_theta)
+        if local.get("rope_type", "default") != "default":
+            raise ModelConfigError("rope scaling of the sliding-window layers is not supported (only of global ones)")
+        nested, legacy = dict(nested["full_attention"]), None  # the nested settings are the whole story
+    theta = nested.pop("rope_theta", cfg.get("rope_theta", 10000.0))
+    scaling = legacy or (nested if nested.get("rope_type", "default") != "default" else None)
+    if scaling and scaling.get("rope_type", scaling.get("type", "default")) in ("default", None):
+        scaling = None
+    return float(theta), scaling, None if local_theta is None else float(local_theta), nested
+
+
+def _yarn_scaling(cfg: dict[str, Any], scaling: dict[str, Any]) -> dict[str, Any]:
+    """YaRN's settings with what HF derives filled in: the pretraining context, the factor (from the two
+    contexts where a config gives none) and the attention factor that scales cos and sin."""
+    scaling = dict(scaling)
+    original = scaling.get("original_max_position_embeddings") or cfg.get("max_position_embeddings", 4096)
+    scaling["original_max_position_embeddings"] = original
+    factor = scaling.get("factor")
+    if factor is None:
+        factor = scaling["factor"] = cfg.get("max_position_embeddings", 4096) / original
+    if scaling.get("attention_factor") is None:
+        mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        if mscale and mscale_all_dim:
+            scaling["attention_factor"] = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+        else:
+            scaling["attention_factor"] = _yarn_mscale(factor)
+    return scaling
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """The YaRN paper's attention scale, 0.1 * mscale * ln(factor) + 1 (1 without stretching), as HF's."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _sliding_layers(cfg: dict[str, Any], arch: str, num_layers: int) -> tuple[int | None, list[bool]]:
+    """The sliding window and which layers slide: (None, []) where none does.
+
+    Mistral and Phi-3 slide on every layer; Qwen2 and Qwen3 only with use_sliding_window, from layer
+    max_window_layers on; Gemma 2 on every other layer from the first, Gemma 3 on all but every
+    sliding_window_pattern-th. A config's layer_types (transformers 5 writes it) says it outright."""
+    window = cfg.get("sliding_window")
+    if not window or not cfg.get("use_sliding_window", arch not in _OPT_IN_SLIDING_WINDOW):
+        return None, []
+    if window >= cfg.get("max_position_embeddings", 4096):  # it never cuts: attend as a model without one
+        return None, []
+    types = cfg.get("layer_types")
+    if types and arch not in ("MistralForCausalLM", "Phi3ForCausalLM"):  # HF reads no layer_types for these
+        sliding = [kind == "sliding_attention" for kind in types]
+    elif arch == "Gemma2ForCausalLM":
+        sliding = [i % 2 == 0 for i in range(num_layers)]
+    elif arch == "Gemma3ForCausalLM":
+        pattern = cfg.get("sliding_window_pattern", 6)
+        sliding = [(i + 1) % pattern != 0 for i in range(num_layers)]
+    elif arch in _OPT_IN_SLIDING_WINDOW:
+        sliding = [i >= cfg.get("max_window_layers", 28) for i in range(num_layers)]
+    else:
+        sliding = [True] * num_layers
+    if len(sliding) != num_layers:
+        raise ModelConfigError(f"layer_types lists {len(sliding)} layers, but num_hidden_layers is {num_layers}")
+    return (int(window), sliding) if any(sliding) else (None, [])
 
 
 def _longrope_scaling(cfg: dict[str, Any], scaling: dict[str, Any], head_dim: int) -> dict[str, Any]:
@@ -128,7 +214,6 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # biases on q/k/v (Qwen2; Llama and Qwen3 with attention_bias)
     o_proj_bias: bool = False  # a bias on o_proj too (Llama and Qwen3 with attention_bias; never Qwen2's)
-    qk_norm: bool = False  # Qwen3: an RMSNorm over each q and k head, before the rotary embedding
     # Mixture of Experts (0 experts: a dense model). A layer is sparse unless listed in mlp_only_layers or
     # off the decoder_sparse_step grid (Qwen-MoE); its dense MLP, if any, is intermediate_size wide.
     num_experts: int = 0
@@ -138,6 +223,15 @@ class ModelConfig:
     norm_topk_prob: bool = False  # rescale the top-k routing weights to sum to 1 (always, for Mixtral)
     decoder_sparse_step: int = 1
     mlp_only_layers: list[int] = field(default_factory=list)
+    qk_norm: bool = False  # Qwen3, Gemma 3: an RMSNorm over each q and k head, before the rotary embedding
+    hidden_act: str = "silu"  # the MLP's activation of its gate (HIDDEN_ACTS)
+    sliding_window: int | None = None  # keys a sliding layer's query sees, its own included
+    sliding_layers: list[bool] = field(default_factory=list)  # per layer, whether it slides; empty: none does
+    attn_scale: float | None = None  # scores' scale (Gemma: query_pre_attn_scalar ** -0.5); None: 1 / sqrt(head_dim)
+    attn_softcap: float | None = None  # Gemma 2: scores capped to softcap * tanh(score / softcap)
+    final_softcap: float | None = None  # Gemma 2: logits capped alike
+    embed_scale: float | None = None  # Gemma: the embeddings multiplied by sqrt(hidden_size), in the model's dtype
+    rope_local_theta: float | None = None  # Gemma 3: the sliding layers' rope theta, without the scaling
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     name: str = ""
@@ -150,12 +244,18 @@ class ModelConfig:
             raise ModelConfigError(
                 f"num_experts_per_tok {self.num_experts_per_tok} must be between 1 and num_experts {self.num_experts}"
             )
+        if self.sliding_layers and len(self.sliding_layers) != self.num_layers:
+            raise ModelConfigError(f"{len(self.sliding_layers)} sliding-layer flags for {self.num_layers} layers")
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether decoder layer `layer` (from 0) has the sparse MoE block rather than a dense MLP (HF's rule)."""
         return (
             self.num_experts > 0 and layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0
         )
+
+    def window_of(self, layer: int) -> int | None:
+        """The sliding window of layer `layer`, or None where it attends to its whole context."""
+        return self.sliding_window if self.sliding_layers and self.sliding_layers[layer] else None
 
     @property
     def num_params(self) -> int:
@@ -217,33 +317,20 @@ class ModelConfig:
         # Before reading fields: other architectures name them differently (GPT-2's n_head).
         _check_architecture(arch)
         heads = cfg["num_attention_heads"]
-        # transformers 5 nests rope settings in rope_parameters; older configs keep them flat.
-        rope = dict(cfg.get("rope_parameters") or {})
-        theta = rope.pop("rope_theta", cfg.get("rope_theta", 10000.0))
-        scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
-        if scaling and scaling.get("rope_type", scaling.get("type", "default")) in ("default", None):
-            scaling = None
+        theta, scaling, local_theta, rope = _rope_settings(cfg)
         _check_supported_features(cfg, arch, rope, scaling)
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
-        if scaling and scaling.get("rope_type", scaling.get("type")) == "longrope":
+        kind = scaling.get("rope_type", scaling.get("type")) if scaling else None
+        if kind == "longrope":
             scaling = _longrope_scaling(cfg, scaling, head_dim)
+        elif kind == "yarn":
+            scaling = _yarn_scaling(cfg, scaling)
+        elif kind == "dynamic":  # HF stretches past max_position_embeddings, the pretraining context
+            scaling = {**scaling, "original_max_position_embeddings": cfg.get("max_position_embeddings", 4096)}
         eos = cfg.get("eos_token_id")
-        max_positions = cfg.get("max_position_embeddings", 4096)
-        # Attention here is full causal, which equals sliding-window attention (Mistral 7B v0.1, Qwen2 with
-        # use_sliding_window) only while the sequence fits the window: past it the model would silently
-        # attend to tokens it never saw in training, so the context stops at the window instead.
-        # Qwen2 configs default use_sliding_window to False (transformers does too); Mistral has no such flag.
-        window = (
-            cfg.get("sliding_window") if cfg.get("use_sliding_window", arch not in _OPT_IN_SLIDING_WINDOW) else None
-        )
-        if window and window < max_positions:
-            log.warning(
-                "%s: sliding-window attention is not implemented; context capped at the window, %d tokens (of %d)",
-                name or arch,
-                window,
-                max_positions,
-            )
-            max_positions = window
+        gemma = arch in _GEMMA
+        window, sliding = _sliding_layers(cfg, arch, cfg["num_hidden_layers"])
+        scalar = cfg.get("query_pre_attn_scalar", 256) if gemma else None
         return cls(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
@@ -254,10 +341,10 @@ class ModelConfig:
             num_kv_heads=cfg.get("num_key_value_heads") or heads,
             head_dim=head_dim,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=float(theta),
+            rope_theta=theta,
             rope_scaling=scaling,
-            max_position_embeddings=max_positions,
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),
             # Qwen2-MoE names its q/k/v biases qkv_bias (on unless set off; older configs lack the key).
             attention_bias=bool(
                 cfg.get("qkv_bias", True)
@@ -266,6 +353,14 @@ class ModelConfig:
             ),
             o_proj_bias=bool(cfg.get("attention_bias", False)) and arch in _O_PROJ_BIAS,
             qk_norm=arch in _QK_NORM,
+            hidden_act=_hidden_act(cfg, arch),
+            sliding_window=window,
+            sliding_layers=sliding,
+            attn_scale=float(scalar) ** -0.5 if scalar else None,
+            attn_softcap=cfg.get("attn_logit_softcapping") if gemma else None,
+            final_softcap=cfg.get("final_logit_softcapping") if gemma else None,
+            embed_scale=cfg["hidden_size"] ** 0.5 if gemma else None,
+            rope_local_theta=(local_theta or 10000.0) if arch == "Gemma3ForCausalLM" else None,
             **_moe_fields(cfg, arch),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=list(eos) if isinstance(eos, list) else ([eos] if eos is not None else []),

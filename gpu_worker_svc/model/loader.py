@@ -65,6 +65,8 @@ def load_model(
     cfg = ckpt.config()
     if tp.is_driver:
         _warn_of_long_rope(cfg, rotary_positions(cfg, max_model_len))
+        _warn_of_dynamic_rope(cfg, rotary_positions(cfg, max_model_len))
+        _say_what_a_sliding_window_keeps(cfg)
     with torch.device(device):
         model = model_class(cfg)(cfg, tp, dtype, rotary_positions(cfg, max_model_len))
     _load_tensors(model, ckpt, cfg, path)
@@ -98,6 +100,37 @@ def _warn_of_long_rope(cfg: ModelConfig, positions: int) -> None:
             original,
             original,
         )
+
+
+def _warn_of_dynamic_rope(cfg: ModelConfig, positions: int) -> None:
+    """Dynamic NTK's theta is chosen once, by the served context (layers/rotary.py): say where that parts from HF."""
+    scaling = cfg.rope_scaling or {}
+    original = scaling.get("original_max_position_embeddings", 0)
+    if scaling.get("rope_type", scaling.get("type")) == "dynamic" and positions > original:
+        log.warning(
+            "%s: the served context (%d tokens) passes dynamic NTK's original %d, so every sequence is rotated "
+            "as HF rotates one of %d tokens; HF rotates shorter ones otherwise (serve with max_model_len %d "
+            "for HF's rotation of every sequence within it)",
+            cfg.name or cfg.architecture,
+            positions,
+            original,
+            positions,
+            original,
+        )
+
+
+def _say_what_a_sliding_window_keeps(cfg: ModelConfig) -> None:
+    """The window is enforced in the attention, but its blocks stay allocated: say so once, at load."""
+    if cfg.sliding_window is None:
+        return
+    log.warning(
+        "%s: sliding-window attention (%d tokens) on %d of %d layers; the KV blocks behind the window are kept, "
+        "so prefix caching works as for any model but a long sequence takes as much KV memory as without a window",
+        cfg.name or cfg.architecture,
+        cfg.sliding_window,
+        sum(cfg.sliding_layers),
+        cfg.num_layers,
+    )
 
 
 def _load_tensors(

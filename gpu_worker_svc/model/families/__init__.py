@@ -7,6 +7,7 @@ only those, so the layers (gpu_worker_svc/model/layers) and the decoder pieces a
 from __future__ import annotations
 
 from gpu_worker_svc.model.config import SUPPORTED_ARCHITECTURES, ModelConfig, ModelConfigError
+from gpu_worker_svc.model.families.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from gpu_worker_svc.model.families.llama import LlamaForCausalLM
 from gpu_worker_svc.model.families.mixtral import MixtralForCausalLM
 from gpu_worker_svc.model.families.moe import MoeForCausalLM
@@ -23,6 +24,8 @@ MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen2MoeForCausalLM": MoeForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
 }
 if set(MODEL_CLASSES) != set(SUPPORTED_ARCHITECTURES):  # one list is read by config.py, the other builds
     raise ImportError(f"model registry {sorted(MODEL_CLASSES)} differs from config.py's {SUPPORTED_ARCHITECTURES}")

@@ -31,14 +31,21 @@ from gpu_worker_svc.model.parallel import TPGroup
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype, layer: int = 0) -> None:
         super().__init__()
         self.qkv_proj = QKVParallelLinear(
             cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.attention_bias, tp, dtype
         )
         # Llama's and Qwen3's attention_bias cover o_proj too; Qwen2 biases only q/k/v (config.py).
         self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, cfg.o_proj_bias, tp, dtype)
-        self.attn = PagedAttention(self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, cfg.head_dim)
+        self.attn = PagedAttention(
+            self.qkv_proj.num_heads,
+            self.qkv_proj.num_kv_heads,
+            cfg.head_dim,
+            cfg.attn_scale,
+            cfg.window_of(layer),
+            cfg.attn_softcap,
+        )
         self.head_dim = cfg.head_dim
 
     def forward(
@@ -73,14 +80,16 @@ class LlamaMLP(nn.Module):
         n = width or cfg.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [n, n], False, tp, dtype)
         self.down_proj = RowParallelLinear(n, cfg.hidden_size, False, tp, dtype, reduce_results)
+        self.gelu = cfg.hidden_act == "gelu_pytorch_tanh"  # Gemma's GeGLU; else SiLU (config.py allows no other)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        silu_mul = cpu_kernels.silu_mul() if _cpu_rows(gate_up) else None
+        silu_mul = cpu_kernels.silu_mul() if not self.gelu and _cpu_rows(gate_up) else None
         if silu_mul is not None:  # CPU: one pass, kernels/silu_mul.cpp
             return self.down_proj(silu_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate).mul_(up))  # in place: no second [T, n] buffer
+        act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+        return self.down_proj(act.mul_(up))  # in place: no second [T, n] buffer
 
     def divide_up_channels(self, s: torch.Tensor) -> None:
         """Scale down_proj's input channel j by 1 / s[j], through the up projection's row j."""
@@ -98,10 +107,12 @@ def _cpu_rows(x: torch.Tensor) -> bool:
 class LlamaDecoderLayer(nn.Module):
     attention_class: type[LlamaAttention] = LlamaAttention
 
-    def __init__(self, cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype, layer_id: int) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype, layer: int = 0) -> None:
         super().__init__()
-        self.self_attn = self.attention_class(cfg, tp, dtype)
-        self.mlp = self.build_mlp(cfg, tp, dtype, layer_id)
+        self.self_attn = self.attention_class(cfg, tp, dtype, layer)
+        # Gemma 3's sliding layers rotate with their own theta (LlamaModel.local_rotary).
+        self.local_rope = cfg.rope_local_theta is not None and cfg.window_of(layer) is not None
+        self.mlp = self.build_mlp(cfg, tp, dtype, layer)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
@@ -142,6 +153,14 @@ class LlamaModel(nn.Module):
         self.rotary = RotaryEmbedding(
             cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, dtype, cfg.rope_freq_factors
         )
+        # Gemma 3's second table, for its sliding layers: their own theta, unscaled.
+        self.local_rotary = (
+            RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_local_theta, None, dtype)
+            if cfg.rope_local_theta is not None
+            else None
+        )
+        # Gemma: sqrt(hidden), rounded to the model's dtype first, as HF's; None: no scale.
+        self.embed_scale = float(torch.tensor(cfg.embed_scale, dtype=dtype)) if cfg.embed_scale is not None else None
         self.layers = nn.ModuleList(layer_class(cfg, tp, dtype, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.fused_decode: FusedDecode | None = None  # set by fuse_decode, once the weights are final
@@ -158,12 +177,15 @@ class LlamaModel(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv_caches: list[torch.Tensor]
     ) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None
+        if self.embed_scale is not None:
+            x = x * self.embed_scale
         rope = self.rotary.prepare(positions)  # once per step, shared by every layer
         if self.fused_decode is not None and self.fused_decode.fits(x, meta):
             x, residual = self.fused_decode(x, rope, kv_caches, meta)
         else:
+            local = self.local_rotary.prepare(positions) if self.local_rotary is not None else rope
             for layer, kv_cache in zip(self.layers, kv_caches):
-                x, residual = layer(rope, x, residual, kv_cache, meta)
+                x, residual = layer(local if layer.local_rope else rope, x, residual, kv_cache, meta)
         x, _ = self.norm(x, residual)
         return x
 

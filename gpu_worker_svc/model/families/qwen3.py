@@ -16,8 +16,8 @@ from gpu_worker_svc.model.parallel import TPGroup
 
 
 class Qwen3Attention(LlamaAttention):
-    def __init__(self, cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype) -> None:
-        super().__init__(cfg, tp, dtype)
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, dtype: torch.dtype, layer: int = 0) -> None:
+        super().__init__(cfg, tp, dtype, layer)
         # One weight of head_dim each, shared by every head, so every rank holds it whole.
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype)
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype)

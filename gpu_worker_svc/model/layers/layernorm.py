@@ -75,3 +75,13 @@ class RMSNorm(nn.Module):
     def divide_channels(self, s: torch.Tensor) -> None:
         """Scale output channel j by 1 / s[j] (int8 smoothing moves s into the next layer's weight)."""
         self.weight.data /= s
+
+
+class OffsetRMSNorm(RMSNorm):
+    """Gemma's RMSNorm, which scales by (1 + weight): the one is added to the checkpoint's weight at load, so
+    the norm is RMSNorm's, kernels included. HF adds it in float32 at each call; in float32 that is the
+    same, in bfloat16 the sum is rounded to the model's dtype once."""
+
+    def __init__(self, hidden: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__(hidden, eps, dtype)
+        self.weight.weight_loader = lambda p, t, s=None: p.data.copy_(t.read().float() + 1)  # type: ignore[attr-defined]

@@ -1,4 +1,5 @@
-"""Rotary position embedding (HF's rotate-half layout), with linear, Llama 3 and LongRoPE frequency scaling."""
+"""Rotary position embedding (HF's rotate-half layout), with linear, dynamic NTK, YaRN, Llama 3 and LongRoPE
+frequency scaling."""
 
 from __future__ import annotations
 
@@ -27,15 +28,56 @@ def _longrope(head_dim: int, theta: float, scaling: dict[str, Any], max_position
     return inv, float(attention)
 
 
-def _inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
+def _dynamic_ntk(head_dim: int, theta: float, scaling: dict[str, Any], max_positions: int) -> torch.Tensor:
+    """Dynamic NTK: past the pretraining context HF raises theta by the sequence's length, anew for each
+    forward pass, which a KV cache written at earlier lengths cannot follow. Here the served context
+    picks once: within the original context, the plain frequencies (HF's for every sequence there); past
+    it, those of a sequence as long as the served context (loader.py warns at load)."""
+    original, factor = scaling["original_max_position_embeddings"], scaling["factor"]
+    if max_positions > original:
+        theta = theta * ((factor * max_positions / original) - (factor - 1)) ** (head_dim / (head_dim - 2))
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+
+
+def _yarn(head_dim: int, theta: float, scaling: dict[str, Any]) -> torch.Tensor:
+    """YaRN: the frequencies that turn fewer than beta_slow times over the pretraining context are divided by
+    the factor, those that turn more than beta_fast times kept, a linear ramp between; spelled as HF's
+    _compute_yarn_parameters. Its attention factor (config.py fills it in) scales cos and sin."""
+    factor, original = scaling["factor"], scaling["original_max_position_embeddings"]
+    beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return (head_dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # HF's guard against a zero-width ramp
+    pos_freqs = theta ** (torch.arange(0, head_dim, 2).float() / head_dim)
+    extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
+    kept = 1 - torch.clamp((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    return interpolation * (1 - kept) + extrapolation * kept
+
+
+def _inv_freq(
+    head_dim: int, theta: float, scaling: dict[str, Any] | None, max_positions: int | None = None
+) -> torch.Tensor:
     inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     if not scaling:
         return inv
     kind = scaling.get("rope_type", scaling.get("type"))
     if kind == "linear":
         return inv / scaling["factor"]
+    if kind == "dynamic":
+        return _dynamic_ntk(head_dim, theta, scaling, max_positions or scaling["original_max_position_embeddings"])
+    if kind == "yarn":
+        return _yarn(head_dim, theta, scaling)
     if kind != "llama3":
-        raise ValueError(f"rope_scaling type {kind!r} is not supported (supported: linear, llama3, longrope)")
+        raise ValueError(
+            f"rope_scaling type {kind!r} is not supported (supported: linear, dynamic, yarn, llama3, longrope)"
+        )
     factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
     old_ctx = scaling["original_max_position_embeddings"]
     low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
@@ -63,8 +105,9 @@ class RotaryEmbedding(nn.Module):
         freq_factors: list[float] | None = None,
     ) -> None:
         super().__init__()
-        attention = 1.0  # LongRoPE scales cos and sin
-        if scaling and scaling.get("rope_type", scaling.get("type")) == "longrope":
+        attention = 1.0  # LongRoPE and YaRN scale cos and sin
+        kind = scaling.get("rope_type", scaling.get("type")) if scaling else None
+        if scaling and kind == "longrope":
             inv_freq, attention = _longrope(head_dim, theta, scaling, max_positions)
         elif freq_factors is not None:  # llama.cpp's form of the same scaling: divisors, one per frequency
             if len(freq_factors) != head_dim // 2:
@@ -73,7 +116,9 @@ class RotaryEmbedding(nn.Module):
                 )
             inv_freq = _inv_freq(head_dim, theta, None) / torch.tensor(freq_factors, dtype=torch.float32)
         else:
-            inv_freq = _inv_freq(head_dim, theta, scaling)
+            inv_freq = _inv_freq(head_dim, theta, scaling, max_positions)
+            if scaling and kind == "yarn":
+                attention = float(scaling["attention_factor"])
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
         cos, sin_signed = torch.cat([freqs, freqs], dim=-1).cos(), torch.cat([-freqs, freqs], dim=-1).sin()
         if attention != 1.0:

@@ -1,6 +1,7 @@
-"""The model families beyond Llama's through the engine: continuous batching, chunked prefill and the
-prefix cache give HF's greedy tokens, each with HF's logprob (tests/gpu_worker_svc/model/family_cases.py), for
-the Mixture-of-Experts families too (their experts split between the ranks at TP 2)."""
+"""The model families beyond Llama's, and Mistral's sliding window, through the engine: continuous batching,
+chunked prefill and the prefix cache give HF's greedy tokens, each with HF's logprob
+(tests/gpu_worker_svc/model/family_cases.py), for the Mixture-of-Experts families too (their experts split
+between the ranks at TP 2)."""
 
 from __future__ import annotations
 
@@ -10,12 +11,23 @@ import torch
 from gpu_worker_svc.engine.batch_scheduler import SchedulerConfig
 from gpu_worker_svc.engine.llm_engine import EngineConfig, LLMEngine
 from gpu_worker_svc.engine.model_runner import RunnerConfig
+from gpu_worker_svc.engine.ngram_proposer import SpeculativeConfig
 from gpu_worker_svc.engine.sampling_params import SamplingParams
+from gpu_worker_svc.model.layers.kernels import cpu_kernels
 from tests.gpu_worker_svc.model.family_cases import GREEDY_STEPS, LOGPROB_TOL, MOE_CASES, SavedModel, save_cases
 
 pytestmark = pytest.mark.slow
 
-ENGINE_CASES = ["qwen3-gqa4x2-headdim32-qknorm", "phi3-gqa4x2-fused-vocab250", *MOE_CASES]
+ENGINE_CASES = [
+    "qwen3-gqa4x2-headdim32-qknorm",
+    "phi3-gqa4x2-fused-vocab250",
+    # Windows of 12 and 16 keys: the prefix cache's hits (blocks of 16) and the chunks (BUDGET) start
+    # past the window of later queries.
+    "mistral-gqa4x2-window12",
+    "gemma2-gqa4x2-window16-softcaps",
+    "gemma3-gqa4x2-window10-qknorm",
+    *MOE_CASES,
+]
 BUDGET = 24  # tokens a step: the 70-token prompt's prefill takes several chunks
 
 
@@ -63,3 +75,41 @@ def test_engine_batched_chunked_and_from_the_prefix_cache_gives_hf_greedy(saved_
                 assert err <= LOGPROB_TOL, f"{run}: prompt {i}: max |logprob error| {err}"
     finally:
         engine.shutdown()
+
+
+WINDOWED_CASES = ["mistral-gqa4x2-window12", "gemma2-gqa4x2-window16-softcaps", "gemma3-gqa4x2-window10-qknorm"]
+
+
+@pytest.mark.parametrize("attention", ["cpu kernel", "torch"])
+@pytest.mark.parametrize("case", WINDOWED_CASES)
+def test_engine_with_ngram_drafts_gives_hf_greedy_past_the_window(saved_models, case, attention, monkeypatch):
+    """N-gram speculation: a decode's drafts are queries of their own, each with its own window, through
+    the CPU kernel or torch's attention. The tokens are HF's greedy ones, with drafts run and some kept."""
+    if attention == "torch":
+        monkeypatch.setattr(cpu_kernels, "paged_decode_attention", lambda: None)
+    saved = saved_models[case]
+    engine = LLMEngine(
+        EngineConfig(
+            runner=RunnerConfig(model=str(saved.folder), num_blocks=64),
+            scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=BUDGET),
+            speculative=SpeculativeConfig(num_speculative_tokens=3),
+        )
+    )
+    params = SamplingParams(max_tokens=GREEDY_STEPS, temperature=0.0, ignore_eos=True)
+    try:
+        for i, prompt in enumerate(saved.prompts):
+            engine.add_request(str(i), prompt, params)
+        tokens: dict[str, list[int]] = {str(i): [] for i in range(len(saved.prompts))}
+        drafts = accepted = 0
+        while engine.has_unfinished:
+            step = engine.step()
+            for out in step.outputs:
+                tokens[out.request_id] += out.new_token_ids
+            if step.stats is not None:
+                drafts += step.stats.num_draft_tokens
+                accepted += step.stats.num_accepted_tokens
+    finally:
+        engine.shutdown()
+    assert drafts > 0 and accepted > 0, (drafts, accepted)
+    for i in range(len(saved.prompts)):
+        assert tokens[str(i)] == saved.greedy[i], f"prompt {i}"

@@ -10,6 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 from transformers import (
+    Gemma2Config,
+    Gemma3TextConfig,
+    MistralConfig,
     MixtralConfig,
     Phi3Config,
     PretrainedConfig,
@@ -111,6 +114,51 @@ CASES: dict[str, PretrainedConfig] = {
         norm_topk_prob=False,
         decoder_sparse_step=2,
         tie_word_embeddings=True,
+        eos_token_id=2,
+        **_SHAPE,
+    ),
+    # A window of 12 keys, far shorter than the prompts (40, 70) and the 32 decoded tokens: every layer slides.
+    "mistral-gqa4x2-window12": MistralConfig(
+        vocab_size=256,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_hidden_layers=2,
+        sliding_window=12,
+        tie_word_embeddings=False,
+        eos_token_id=2,
+        **_SHAPE,
+    ),
+    # Sliding layers (window 16) alternating with global ones; soft-capping small enough to bite (scores
+    # and logits here are of order 1 to 10); query_pre_attn_scalar not head_dim; tied embeddings.
+    "gemma2-gqa4x2-window16-softcaps": Gemma2Config(
+        vocab_size=256,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_hidden_layers=3,
+        sliding_window=16,
+        query_pre_attn_scalar=24,
+        attn_logit_softcapping=2.0,
+        final_logit_softcapping=4.0,
+        eos_token_id=2,
+        attn_implementation="eager",  # HF's SDPA path cannot cap scores
+        **_SHAPE,
+    ),
+    # Two sliding layers (window 10, their own rope theta) then a global one (theta 1e6, linear scaling),
+    # q/k norms, head_dim 32 (not hidden / heads).
+    "gemma3-gqa4x2-window10-qknorm": Gemma3TextConfig(
+        vocab_size=250,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        num_hidden_layers=3,
+        sliding_window=10,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        rope_parameters={
+            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1_000_000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+        },
+        query_pre_attn_scalar=32,
         eos_token_id=2,
         **_SHAPE,
     ),

@@ -127,9 +127,9 @@ def _phi3_folder(tmp_path: Path, settings: dict) -> Path:
             id="phi3-longrope-factors-short-of-head-dim",
         ),
         pytest.param(
-            {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}},
-            ("rope_scaling type", "yarn", "not supported"),
-            id="yarn",
+            {"rope_parameters": {"rope_type": "ntk-by-parts", "rope_theta": 10000.0, "factor": 4.0}},
+            ("rope_scaling type", "ntk-by-parts", "not supported", "dynamic, yarn"),
+            id="unknown-rope-type",
         ),
         pytest.param(
             {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75}},
@@ -137,6 +137,11 @@ def _phi3_folder(tmp_path: Path, settings: dict) -> Path:
             id="phi4-mini-partial-rotary",
         ),
         pytest.param({"hidden_act": "gelu"}, ("hidden_act", "gelu", "not supported"), id="activation"),
+        pytest.param(
+            {"architectures": ["Gemma3ForCausalLM"], "use_bidirectional_attention": True},
+            ("use_bidirectional_attention", "not supported"),
+            id="gemma3-as-an-encoder",
+        ),
     ],
 )
 def test_settings_no_family_computes_are_refused_at_load_naming_them(tmp_path, settings, problem):

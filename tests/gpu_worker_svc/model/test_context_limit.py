@@ -1,4 +1,5 @@
-"""The worker's context limit and the model's rotary table come from one place, dummy models included."""
+"""The worker's context limit and the model's rotary table come from one place, dummy models included; a
+sliding window is the attention's, per layer, and never caps the context."""
 
 from __future__ import annotations
 
@@ -33,26 +34,52 @@ def _hf_config(arch: str, **extra) -> dict:
 
 
 @pytest.mark.parametrize(
-    ("arch", "extra", "context"),
+    ("arch", "extra", "window", "sliding"),
     [
-        pytest.param("MistralForCausalLM", {"sliding_window": 4096}, 4096, id="mistral-v0.1-window-caps-the-context"),
-        pytest.param("MistralForCausalLM", {"sliding_window": None}, 32768, id="no-window"),
-        pytest.param("MistralForCausalLM", {"sliding_window": 65536}, 32768, id="window-past-the-context"),
+        pytest.param("MistralForCausalLM", {"sliding_window": 4096}, 4096, [True, True], id="mistral-every-layer"),
+        pytest.param("MistralForCausalLM", {"sliding_window": None}, None, [], id="no-window"),
+        pytest.param("MistralForCausalLM", {"sliding_window": 65536}, None, [], id="window-past-the-context"),
         pytest.param(
-            "Qwen2ForCausalLM", {"sliding_window": 4096, "use_sliding_window": False}, 32768, id="qwen2-window-off"
+            "Qwen2ForCausalLM", {"sliding_window": 4096, "use_sliding_window": False}, None, [], id="qwen2-window-off"
         ),
-        pytest.param("Qwen2ForCausalLM", {"sliding_window": 4096}, 32768, id="qwen2-window-off-by-default"),
+        pytest.param("Qwen2ForCausalLM", {"sliding_window": 4096}, None, [], id="qwen2-window-off-by-default"),
         pytest.param(
-            "Qwen2ForCausalLM", {"sliding_window": 4096, "use_sliding_window": True}, 4096, id="qwen2-window-on"
+            "Qwen2ForCausalLM",
+            {"sliding_window": 4096, "use_sliding_window": True, "max_window_layers": 1},
+            4096,
+            [False, True],
+            id="qwen2-window-from-max-window-layers",
         ),
-        pytest.param("Qwen3ForCausalLM", {"sliding_window": 4096}, 32768, id="qwen3-window-off-by-default"),
         pytest.param(
-            "Qwen3ForCausalLM", {"sliding_window": 4096, "use_sliding_window": True}, 4096, id="qwen3-window-on"
+            "Qwen2ForCausalLM",
+            {"sliding_window": 4096, "use_sliding_window": True},
+            None,
+            [],
+            id="qwen2-default-max-window-layers-28-leaves-two-layers-global",
         ),
-        pytest.param("Phi3ForCausalLM", {"sliding_window": 2047}, 2047, id="phi3-mini-4k-window-caps-the-context"),
+        pytest.param("Qwen3ForCausalLM", {"sliding_window": 4096}, None, [], id="qwen3-window-off-by-default"),
+        pytest.param(
+            "Qwen3ForCausalLM",
+            {"sliding_window": 4096, "use_sliding_window": True, "layer_types": ["sliding_attention"] * 2},
+            4096,
+            [True, True],
+            id="qwen3-layer-types",
+        ),
+        pytest.param("Phi3ForCausalLM", {"sliding_window": 2047}, 2047, [True, True], id="phi3-mini-4k"),
+        pytest.param("Gemma2ForCausalLM", {"sliding_window": 4096}, 4096, [True, False], id="gemma2-every-other"),
+        pytest.param(
+            "Gemma3ForCausalLM",
+            {"sliding_window": 512, "num_hidden_layers": 6, "sliding_window_pattern": 3},
+            512,
+            [True, True, False, True, True, False],
+            id="gemma3-pattern",
+        ),
     ],
 )
-def test_the_context_stops_at_a_sliding_window(arch, extra, context):
-    """Full causal attention equals sliding-window attention only within the window."""
+def test_a_sliding_window_is_enforced_per_layer_and_never_caps_the_context(arch, extra, window, sliding):
+    """The paged attention enforces the window, so the context stays the model's whole one."""
     cfg = ModelConfig.from_hf_dict(_hf_config(arch, **extra))
-    assert cfg.max_position_embeddings == context == rotary_positions(cfg)
+    assert cfg.max_position_embeddings == 32768 == rotary_positions(cfg)
+    assert (cfg.sliding_window, cfg.sliding_layers) == (window, sliding)
+    per_layer = [window if slides else None for slides in sliding] or [None] * cfg.num_layers
+    assert [cfg.window_of(i) for i in range(cfg.num_layers)] == per_layer
