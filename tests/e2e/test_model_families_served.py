@@ -1,15 +1,17 @@
-"""A Qwen3 model served through the whole stack (tokenizer, scheduler, worker, gateway as processes), the
-official openai client streaming from it: its greedy tokens are HF's, each with HF's logprob.
+"""A Qwen3 and a Gemma 2 model served through the whole stack (tokenizer, scheduler, worker, gateway as
+processes), the official openai client streaming from each: its greedy tokens are HF's, each with HF's
+logprob.
 
-The model is random (transformers builds it from a small config) with the default model's vocabulary,
-whose tokenizer transformers reads from the GGUF file and saves into the model's folder.
+The models are random (transformers builds them from small configs) with the default model's vocabulary,
+whose tokenizer transformers reads from the GGUF file and saves into the model's folder. The Gemma 2
+model's window (8 keys) is far shorter than the prompt and its continuation, and its soft-capping bites.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoTokenizer, Qwen3Config
+from transformers import AutoTokenizer, Gemma2Config, PretrainedConfig, PreTrainedModel, Qwen3Config
 
 from shardline.core.model_path import default_model_path
 from shardline.stack.local_stack import StackConfig
@@ -23,43 +25,65 @@ MAX_TOKENS = 16
 LOGPROB_TOL = 1e-3  # the worker runs the model in float32, as HF does here; measured below 1e-5
 
 
-@pytest.fixture(scope="module")
-def qwen3(tmp_path_factory):
-    """The served model's folder and its HF reference model."""
+SHAPE = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    tie_word_embeddings=True,
+)
+
+
+def random_model_with_default_vocab(family: str, folder) -> tuple[PreTrainedModel, object]:
+    """A random `family` model ("qwen3", "gemma2") with the default model's vocabulary and tokenizer, saved
+    into `folder`; its HF model and the tokenizer."""
     gguf = default_model_path()
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    config = Qwen3Config(
+    ids = dict(
         vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        max_position_embeddings=512,
-        tie_word_embeddings=True,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id or 0,
     )
+    config: PretrainedConfig
+    if family == "gemma2":
+        config = Gemma2Config(
+            head_dim=16,
+            sliding_window=8,
+            query_pre_attn_scalar=16,
+            attn_logit_softcapping=2.0,
+            final_logit_softcapping=8.0,
+            attn_implementation="eager",
+            **SHAPE,
+            **ids,
+        )
+    else:
+        config = Qwen3Config(head_dim=32, **SHAPE, **ids)
     model = random_hf_model(config, seed=3)
-    folder = tmp_path_factory.mktemp("models") / "tiny-qwen3"
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
-    return folder, model, tokenizer
+    return model, tokenizer
 
 
-@pytest.fixture(scope="module")
-def client(qwen3, tmp_path_factory):
-    folder = qwen3[0]
+@pytest.fixture(scope="module", params=["qwen3", "gemma2"])
+def served(request, tmp_path_factory):
+    """(the served model's folder, its HF reference model, the tokenizer, an openai client of its stack)."""
+    family = request.param
+    folder = tmp_path_factory.mktemp("models") / f"tiny-{family}"
+    model, tokenizer = random_model_with_default_vocab(family, folder)
     config = StackConfig.on_free_ports(
         model=str(folder),
-        data_dir=tmp_path_factory.mktemp("qwen3-stack-data"),
-        log_dir=log_dir(tmp_path_factory, "qwen3-stack"),
+        data_dir=tmp_path_factory.mktemp(f"{family}-stack-data"),
+        log_dir=log_dir(tmp_path_factory, f"{family}-stack"),
         env={"HEARTBEAT_INTERVAL_S": "0.5", "KV_CACHE_BYTES": str(32 << 20)},
     )
     with running_stack(config) as stack:
-        yield openai.OpenAI(base_url=f"http://127.0.0.1:{stack.config.http_port}/v1", api_key="unused", max_retries=0)
+        client = openai.OpenAI(
+            base_url=f"http://127.0.0.1:{stack.config.http_port}/v1", api_key="unused", max_retries=0
+        )
+        yield folder, model, tokenizer, client
 
 
 @torch.no_grad()
@@ -72,8 +96,8 @@ def _hf_greedy(model, prompt: list[int], steps: int) -> tuple[list[int], list[fl
     return ids[len(prompt) :], logprobs
 
 
-def test_the_stack_serves_qwen3_with_hfs_greedy_tokens_streamed(qwen3, client):
-    folder, model, tokenizer = qwen3
+def test_the_stack_serves_the_family_with_hfs_greedy_tokens_streamed(served):
+    folder, model, tokenizer, client = served
     assert folder.name in [m.id for m in client.models.list()]
     prompt = [1, 504, 3458, 314, 260, 3575, 282, 8241, 30, 2000, 77]
     stream = client.completions.create(
