@@ -42,6 +42,8 @@ class ModelCoverage:
         """Notes the models with a live worker now; returns now."""
         now = self._clock()
         for worker in self._registry:
+            if not worker.runs_requests:  # a prefill worker alone serves no request
+                continue
             self._last_live[worker.info.model] = now
             self._last_live[""] = now  # a request naming no model takes any worker
         return now

@@ -144,7 +144,8 @@ class PoolScaler:
         return pool
 
     def _ready(self, model: str) -> list[RegisteredWorker]:
-        return [w for w in self._dispatcher.registry if w.info.model == model and not w.draining]
+        # Prefill workers are a pool of their own, which the policies (sized on requests' slots) leave be.
+        return [w for w in self._dispatcher.registry if w.info.model == model and w.runs_requests and not w.draining]
 
     def _cold_start(self, pool: _ModelPool) -> float:
         return pool.cold_start_s if pool.cold_start_s is not None else self._settings.autoscale_cold_start_s
@@ -171,7 +172,7 @@ class PoolScaler:
 
     def _sample(self, model: str, pool: _ModelPool, ready: list[RegisteredWorker], now: float) -> LoadSample:
         window = self._dispatcher.meter.take(model)
-        workers = [w for w in self._dispatcher.registry if w.info.model == model]
+        workers = [w for w in self._dispatcher.registry if w.info.model == model and w.runs_requests]
         kv = [w.kv_blocks_used / w.info.kv_blocks_total for w in workers if w.info.kv_blocks_total]
         return LoadSample(
             ts=now,

@@ -17,6 +17,7 @@ from shardline.core.errors import InvalidArgument, NotFound
 from shardline.core.ids import require_id
 from shardline.core.store.request_record import RequestRecord
 from shardline.core.store.request_store import RequestStore
+from shardline.core.worker_role import role_of
 from shardline.proto import common_pb2, sampling_pb2, scheduler_pb2, scheduler_pb2_grpc
 from tracing.grpc_context import inject_metadata
 
@@ -145,6 +146,10 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             raise InvalidArgument("worker.address", "must be the host:port of its Worker service")
         if info.max_num_seqs == 0:
             raise InvalidArgument("worker.max_num_seqs", "must be at least 1")
+        try:
+            role_of(info.role)
+        except ValueError as exc:
+            raise InvalidArgument("worker.role", str(exc)) from None
         await self._dispatcher.register_worker(info)
         if self._scaler is not None:
             self._scaler.registered(info)

@@ -6,6 +6,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+from shardline.core.worker_role import WorkerRole, role_of
 from shardline.proto import worker_pb2
 
 
@@ -23,10 +24,21 @@ class RegisteredWorker:
     waiting: int = 0  # requests it reported waiting inside it
     kv_blocks_used: int = 0  # KV blocks it reported in use
     draining: bool = False  # the autoscaler is removing it: no new requests
+    prefills_in_flight: int = 0  # remote prefills asked of it and not answered (a prefill worker)
 
     @property
     def worker_id(self) -> str:
         return self.info.worker_id
+
+    @property
+    def role(self) -> WorkerRole:
+        """prefill, decode or both; RegisterWorker refused any other name."""
+        return role_of(self.info.role)
+
+    @property
+    def runs_requests(self) -> bool:
+        """False for a prefill worker: it only computes KV for the others, and is never dispatched to."""
+        return self.role != "prefill"
 
     @property
     def load(self) -> float:
@@ -35,7 +47,7 @@ class RegisteredWorker:
 
     @property
     def has_room(self) -> bool:
-        return not self.draining and len(self.in_flight) < self.capacity
+        return self.runs_requests and not self.draining and len(self.in_flight) < self.capacity
 
     def has_room_for(self, priority: int) -> bool:
         """Room for a request of class `priority`: a free place, or, for a class strictly better than
@@ -44,7 +56,12 @@ class RegisteredWorker:
         if self.has_room:
             return True
         headroom = self.capacity + max(1, self.info.max_num_seqs)
-        return not self.draining and len(self.in_flight) < headroom and priority < max(self.classes, default=priority)
+        return (
+            self.runs_requests
+            and not self.draining
+            and len(self.in_flight) < headroom
+            and priority < max(self.classes, default=priority)
+        )
 
     def hold(self, request_id: str, priority: int) -> None:
         """Counts a request dispatched to it."""
@@ -127,6 +144,11 @@ class WorkerRegistry:
         if free or priority is None:
             return free
         return [worker for worker in serving if worker.has_room_for(priority)]
+
+    def prefill_workers(self, model: str) -> list[RegisteredWorker]:
+        """The prefill workers of `model` that take work now (not draining), the least busy first."""
+        ready = [w for w in self._workers.values() if w.role == "prefill" and not w.draining and w.serves(model)]
+        return sorted(ready, key=lambda w: (w.prefills_in_flight, w.worker_id))
 
     def longest_sequence(self, model: str) -> int | None:
         """The longest sequence any registered worker of `model` holds; None when none says."""

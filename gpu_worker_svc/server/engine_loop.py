@@ -8,12 +8,15 @@ no work the thread sleeps on the inbox.
 
 One Session is live at a time and owns every request in the engine: a new
 session, or the end of the current one, aborts them without a final delta
-(the scheduler re-dispatches them).
+(the scheduler re-dispatches them). Remote prefills (KvTransfer.PrefillBlocks) are
+the one exception: they run in the engine beside the session's requests, belong to
+no session, and end with their KV exported instead of any delta.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import threading
 import time
@@ -22,8 +25,11 @@ from concurrent.futures import Future, wait
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from gpu_worker_svc.engine.kv_transfer import KvBlocks
 from gpu_worker_svc.engine.llm_engine import LLMEngine
 from gpu_worker_svc.engine.model_runner import EngineDeadError
+from gpu_worker_svc.engine.outputs import StepResult
+from gpu_worker_svc.engine.sampling_params import SamplingParams
 from gpu_worker_svc.engine.torch_thread import TorchThread
 from gpu_worker_svc.server.grammar_gate import GrammarGate
 from gpu_worker_svc.server.request_params import EngineLimits, engine_request
@@ -95,6 +101,28 @@ class _Call:
     fn: Callable[[LLMEngine], Any]
     future: Future[Any]
 
+
+@dataclass(slots=True)
+class _Prefill:
+    """A remote prefill: the KV of `token_ids`, computed for another worker; its sampled token is dropped."""
+
+    job_id: str  # its id in the engine, never one a session's request can take
+    token_ids: list[int]
+    priority: int
+    future: Future[KvBlocks]  # the prefix cache's blocks of token_ids once the prefill is done
+
+
+@dataclass(slots=True)
+class _CancelPrefill:
+    job_id: str
+
+
+class PrefillFailed(Exception):
+    """A remote prefill ended without its KV: aborted, refused by the engine, or the worker stopping."""
+
+
+# Its one sampled token is dropped, so the cheapest: greedy, and nothing that could stop it early.
+_PREFILL_PARAMS = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, seed=0)
 
 T = TypeVar("T")
 
@@ -180,6 +208,8 @@ class EngineLoop:
         self._requests: set[str] = set()  # ids in the engine, all owned by the live session
         self._grammar_gate = GrammarGate(engine, lambda: self._inbox.put(_GrammarsCompiled()))
         self._errors: list[common_pb2.RequestDelta] = []  # refused requests, sent with the next step
+        self._prefills: dict[str, _Prefill] = {}  # remote prefills in the engine, by job id
+        self._prefill_ids = itertools.count(1)
         self._step = 0
         self.load = WorkerLoad()
 
@@ -201,6 +231,22 @@ class EngineLoop:
         self._inbox.put(_Call(fn, future))
         return future
 
+    @property
+    def limits(self) -> EngineLimits:
+        """What a sequence must fit in this engine: its context length and vocabulary."""
+        return self._limits
+
+    def prefill(self, request_id: str, token_ids: list[int], priority: int = 0) -> tuple[str, Future[KvBlocks]]:
+        """Starts a remote prefill of `token_ids` (checked against `limits` by the caller); returns its
+        job id (for cancel_prefill) and a future of the full blocks' KV, or PrefillFailed."""
+        job = _Prefill(f"prefill/{request_id}/{next(self._prefill_ids)}", token_ids, priority, Future())
+        self._inbox.put(job)
+        return job.job_id, job.future
+
+    def cancel_prefill(self, job_id: str) -> None:
+        """Drops a remote prefill whose caller has gone; a finished one is left alone."""
+        self._inbox.put(_CancelPrefill(job_id))
+
     def stop(self, timeout_s: float = 30.0) -> None:
         """Abort every request, end the live session and wait for the thread to exit."""
         self._inbox.put(_Stop())
@@ -218,6 +264,8 @@ class EngineLoop:
             finally:
                 self._on_fatal(exc)  # whatever happens, the process must exit
             return
+        finally:
+            self._fail_prefills("the worker is stopping")
         self._drop_requests()
         self._end_session("worker is shutting down")
 
@@ -243,6 +291,7 @@ class EngineLoop:
         start_ns = time.time_ns()
         out = self._engine.step()
         end_ns = time.time_ns()
+        self._finish_prefills(out)
         deltas, self._errors = self._errors, []
         deltas += [request_delta(o) for o in out.outputs]
         self._requests.difference_update(o.request_id for o in out.outputs if o.finish_reason)
@@ -278,6 +327,12 @@ class EngineLoop:
                     future.set_result(fn(self._engine))
                 except Exception as exc:  # the caller's to report: the engine is as it was
                     future.set_exception(exc)
+            case _Prefill() as job if job.future.set_running_or_notify_cancel():
+                self._engine.add_request(job.job_id, job.token_ids, _PREFILL_PARAMS, priority=job.priority)
+                self._prefills[job.job_id] = job
+            case _CancelPrefill(job_id) if job_id in self._prefills:
+                self._engine.abort_request(job_id, report=False)
+                self._prefills.pop(job_id).future.set_exception(PrefillFailed("cancelled by its caller"))
             case _GrammarsCompiled():
                 for new, compiled in self._grammar_gate.release():
                     self._add(new, compiled)
@@ -309,6 +364,29 @@ class EngineLoop:
         self._telemetry.request_added(
             new.request_id, new.traceparent, len(new.prompt_token_ids), req.params.max_tokens, req.params.temperature
         )
+
+    def _finish_prefills(self, out: StepResult) -> None:
+        """Takes the remote prefills' outputs out of the step (no session may see them) and hands each
+        finished one its KV, exported before any later step can evict a block of it."""
+        if not self._prefills:
+            return
+        kept = []
+        for o in out.outputs:
+            job = self._prefills.get(o.request_id)
+            if job is None:
+                kept.append(o)
+            elif o.finish_reason is not None:
+                del self._prefills[o.request_id]
+                if o.finish_reason in ("stop", "length"):
+                    job.future.set_result(self._engine.export_prefix(job.token_ids))
+                else:
+                    job.future.set_exception(PrefillFailed(o.error or o.finish_reason))
+        out.outputs = kept
+
+    def _fail_prefills(self, why: str) -> None:
+        for job in self._prefills.values():
+            job.future.set_exception(PrefillFailed(why))
+        self._prefills.clear()
 
     def _drop_requests(self) -> None:
         """Abort every request without final deltas: their session is gone."""

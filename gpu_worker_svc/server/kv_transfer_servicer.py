@@ -2,7 +2,8 @@
 
 Exports and imports run on the engine thread between steps (EngineLoop.call). A pushed transfer
 is imported only once its stream has ended whole, so a sender that dies mid-stream leaves this
-worker's cache as it was; see docs/kv_transfer.md.
+worker's cache as it was. A remote prefill (PrefillBlocks) runs in the engine beside the worker's
+requests, then is sent as SendBlocks sends; see docs/kv_transfer.md.
 """
 
 from __future__ import annotations
@@ -16,9 +17,9 @@ import grpc
 
 from gpu_worker_svc.engine.kv_transfer import ImportResult, KvBlocks, KvLayout, KvLayoutMismatch, KvTransferError
 from gpu_worker_svc.engine.llm_engine import LLMEngine
-from gpu_worker_svc.server.engine_loop import EngineLoop
+from gpu_worker_svc.server.engine_loop import EngineLoop, PrefillFailed
 from gpu_worker_svc.server.kv_wire import KvAssembler, kv_chunks
-from shardline.core.errors import FailedPrecondition, InvalidArgument, NotFound
+from shardline.core.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from shardline.proto import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -105,14 +106,44 @@ class KvTransferServicer(worker_pb2_grpc.KvTransferServicer):
         if not request.target_address:
             raise InvalidArgument("target_address", "required")
         blocks: KvBlocks = await self._on_engine(lambda engine: _export(engine, request))
+        return await self._push(blocks, request.target_address, context)
+
+    async def PrefillBlocks(
+        self, request: worker_pb2.PrefillBlocksRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.PushBlocksResult:
+        self._check_transferable()
+        if not request.target_address:
+            raise InvalidArgument("target_address", "required")
+        tokens = list(request.token_ids)
+        limits = self._engine_loop.limits
+        if not tokens:
+            raise InvalidArgument("token_ids", "must not be empty")
+        if len(tokens) >= limits.max_model_len:  # the prefill samples one token after them
+            raise InvalidArgument("token_ids", f"{len(tokens)} tokens, this worker holds {limits.max_model_len - 1}")
+        if max(tokens) >= limits.vocab_size:
+            raise InvalidArgument("token_ids", f"must be in [0, {limits.vocab_size})")
+        log.info("prefilling %d tokens of request %s for %s", len(tokens), request.request_id, request.target_address)
+        job_id, future = self._engine_loop.prefill(request.request_id, tokens, request.priority)
+        try:
+            blocks = await asyncio.wrap_future(future)
+        except asyncio.CancelledError:  # the scheduler gave up on it: the engine need not finish it
+            self._engine_loop.cancel_prefill(job_id)
+            raise
+        except PrefillFailed as exc:
+            raise Unavailable(f"prefill of request {request.request_id!r} failed: {exc}") from None
+        return await self._push(blocks, request.target_address, context)
+
+    async def _push(
+        self, blocks: KvBlocks, target_address: str, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.PushBlocksResult:
         # Slabs are under gRPC's default message limit: a channel with default options carries them.
-        async with grpc.aio.insecure_channel(request.target_address) as channel:
+        async with grpc.aio.insecure_channel(target_address) as channel:
             stub = worker_pb2_grpc.KvTransferStub(channel)
             try:
                 result = await stub.PushBlocks(_aiter(kv_chunks(self._layout, blocks)))
             except grpc.aio.AioRpcError as exc:  # the receiver's own refusal, passed on with its code
-                await context.abort(exc.code(), f"target {request.target_address}: {exc.details()}")
-        log.info("KV send of %d blocks to %s: %d imported", len(blocks), request.target_address, result.imported)
+                await context.abort(exc.code(), f"target {target_address}: {exc.details()}")
+        log.info("KV send of %d blocks to %s: %d imported", len(blocks), target_address, result.imported)
         return result
 
 

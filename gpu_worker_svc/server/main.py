@@ -17,6 +17,7 @@ from gpu_worker_svc.model.cpu_weight_formats import CPU_WEIGHT_FORMATS
 from gpu_worker_svc.server.settings import WorkerSettings, cuda_installed
 from shardline.core.host_memory import keep_freed_host_memory, reexec_with_malloc_env
 from shardline.core.service_main import run_service
+from shardline.core.worker_role import ROLES
 
 log = logging.getLogger("gpu_worker_svc")
 
@@ -29,6 +30,11 @@ def parse_args(argv: list[str] | None) -> WorkerSettings:
     p.add_argument("--host")
     p.add_argument("--advertise-address", dest="advertise_address")
     p.add_argument("--scheduler", dest="scheduler_address", help="scheduler host:port")
+    p.add_argument(
+        "--role",
+        choices=ROLES,
+        help="prefill (computes prompts' KV for decode workers), decode, or both (the default)",
+    )
     p.add_argument("--model", help="HF folder, .gguf file or dummy:<shape>; default: SmolLM2-135M-Instruct")
     p.add_argument("--tp", dest="tp_size", type=int, help="tensor-parallel size")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])

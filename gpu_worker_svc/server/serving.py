@@ -97,6 +97,7 @@ def worker_info(s: WorkerSettings, engine: LLMEngine, address: str) -> worker_pb
         block_size=s.block_size,
         max_num_seqs=s.max_num_seqs,
         max_model_len=engine.max_model_len,
+        role=s.role,
     )
 
 

@@ -11,6 +11,7 @@ from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from gpu_worker_svc.model.cpu_weight_formats import CPU_WEIGHT_FORMATS
+from shardline.core.worker_role import WorkerRole
 
 
 class WorkerSettings(BaseSettings):
@@ -28,6 +29,10 @@ class WorkerSettings(BaseSettings):
     advertise_address: str | None = None
     # The scheduler's gRPC address, for RegisterWorker and Heartbeat.
     scheduler_address: str = "localhost:50053"
+    # What this worker does (docs/kv_transfer.md#worker-roles): prefill (computes long prompts' KV for
+    # decode workers, runs no request), decode (runs requests, long prompts prefilled elsewhere when a
+    # prefill worker is up) or both (runs requests and prefills them itself).
+    role: WorkerRole = "both"
     # HF folder or .gguf file; None: the default model.
     model: str | None = None
     # Ranks in the tensor-parallel group (processes on this machine).

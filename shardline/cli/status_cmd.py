@@ -80,6 +80,7 @@ def _print_scheduler(address: str) -> bool:
         print(
             f"  {info.worker_id:<12}{'alive' if w.alive else 'DEAD':<6}{info.address:<18}"
             f"running {w.running}/{info.max_num_seqs}  waiting {w.waiting}  KV {kv}  seen {seen_s:.1f}s ago"
+            + (f"  role {info.role}" if info.role and info.role != "both" else "")
             + ("  DRAINING" if w.draining else "")
         )
     queued = sum(stats.queue_depth.values())

@@ -26,13 +26,22 @@ def token_at(seed: int, index: int) -> int:
 
 
 class ScriptedKvTransfer(worker_pb2_grpc.KvTransferServicer):
-    """Records the KV sends it is asked for; with `refuse`, answers each with UNAVAILABLE; each one
-    takes `delay_s`, as a long context's blocks take time to move."""
+    """Records the KV sends and remote prefills it is asked for; with `refuse`, answers each with
+    UNAVAILABLE; each one takes `delay_s`, as a long context's blocks take time to compute and move."""
 
-    def __init__(self) -> None:
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
         self.sends: list[worker_pb2.SendBlocksRequest] = []
+        self.prefills: list[worker_pb2.PrefillBlocksRequest] = []
         self.refuse = False
         self.delay_s = 0.0
+
+    async def PrefillBlocks(self, request, context):
+        self.prefills.append(request)
+        await asyncio.sleep(self.delay_s)
+        if self.refuse:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "prefill worker stopping")
+        return worker_pb2.PushBlocksResult(imported=len(request.token_ids) // self.block_size)
 
     async def SendBlocks(self, request, context):
         self.sends.append(request)
@@ -61,6 +70,7 @@ class ScriptedWorker(worker_pb2_grpc.WorkerServicer):
         heartbeat_s: float | None = 0.1,
         max_model_len: int = 0,
         reregister: bool = False,
+        role: str = "",
     ) -> None:
         self.info = worker_pb2.WorkerInfo(
             worker_id=worker_id,
@@ -70,6 +80,7 @@ class ScriptedWorker(worker_pb2_grpc.WorkerServicer):
             block_size=block_size,
             max_num_seqs=max_num_seqs,
             max_model_len=max_model_len,
+            role=role,
         )
         self.tick_s = tick_s
         self.reregister = reregister  # registers again when a heartbeat says the scheduler forgot it
@@ -87,7 +98,7 @@ class ScriptedWorker(worker_pb2_grpc.WorkerServicer):
         self._heartbeat_task: asyncio.Task | None = None
         self.session_ended = asyncio.Event()
         self.retired = asyncio.Event()  # a heartbeat said the autoscaler took it out of the pool
-        self.kv = ScriptedKvTransfer()  # its KvTransfer service
+        self.kv = ScriptedKvTransfer(block_size)  # its KvTransfer service
 
     async def start(self, scheduler_port: int) -> "ScriptedWorker":
         self._server = await start_grpc_server(

@@ -199,3 +199,55 @@ def test_a_running_requests_blocks_let_its_resumption_elsewhere_skip_their_prefi
         session.close()
     assert final_deltas(steps)["moved"].usage.cached_tokens == 64, "the four blocks sent are hits; the rest is computed"
     assert so_far + tokens_by_request(steps)["moved"] == on_a
+
+
+def test_a_remote_prefill_sends_the_prompts_blocks_and_shows_nothing_on_the_session(workers):
+    """What a prefill worker does: PrefillBlocks computes the prompt in A's engine and pushes its full
+    blocks to B, where the request is then served from them. A's own Session sees the steps' figures,
+    never a delta of the prefill."""
+    a, b = workers
+    prompt = _prompt(6)
+    session = SessionClient(a.address)
+    try:
+        session.send(add=[new_request("on-a-6", prompt, MAX_TOKENS)])
+        steps = session.until_finished({"on-a-6"})
+        computed, cached = tokens_by_request(steps)["on-a-6"], final_deltas(steps)["on-a-6"].usage.cached_tokens
+        assert cached == 0
+        channel, stub = _kv(a)
+        with channel:
+            result = stub.PrefillBlocks(
+                worker_pb2.PrefillBlocksRequest(request_id="remote-6", token_ids=prompt, target_address=b.address)
+            )
+        assert (result.imported, result.already_cached, result.no_room) == (4, 0, 0)
+        during = [session.next(timeout_s=10)]  # the prefill's step: the 6 tokens past A's cached blocks
+        assert during[0].stats.num_prefill_tokens > 0
+        assert not [d for step in during for d in step.deltas]
+    finally:
+        session.close()
+
+    served, cached = _serve(b, "on-b-6", prompt)
+
+    assert cached == 64, "B prefills only the partial last block"
+    assert served == computed
+
+
+def test_a_remote_prefill_refuses_what_it_cannot_compute_naming_the_field(workers):
+    a, b = workers
+    channel, stub = _kv(a)
+    cases = [
+        (worker_pb2.PrefillBlocksRequest(token_ids=[1, 2], target_address=""), "target_address:"),
+        (worker_pb2.PrefillBlocksRequest(token_ids=[], target_address=b.address), "token_ids:"),
+        (worker_pb2.PrefillBlocksRequest(token_ids=[1, 10**6], target_address=b.address), "token_ids:"),
+    ]
+    with channel:
+        for request, field in cases:
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.PrefillBlocks(request)
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert refused.value.details().startswith(field), refused.value.details()
+        # A decode worker that is gone: the sender's answer says so, with its address.
+        gone = f"127.0.0.1:{free_port()}"
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.PrefillBlocks(worker_pb2.PrefillBlocksRequest(token_ids=_prompt(7), target_address=gone))
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert refused.value.details().startswith(f"target {gone}:")
