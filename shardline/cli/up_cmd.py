@@ -26,7 +26,20 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default=os.environ.get("SHARDLINE_MODEL") or None,
         help="HF folder or .gguf file (default: $SHARDLINE_MODEL, else SmolLM2-135M-Instruct)",
     )
-    p.add_argument("--workers", type=at_least_one, default=1, help="number of GPU worker services")
+    workers = p.add_mutually_exclusive_group()
+    workers.add_argument("--workers", type=at_least_one, default=1, help="number of GPU worker services")
+    workers.add_argument(
+        "--decode-workers",
+        type=at_least_one,
+        default=None,
+        help="the workers that run requests, of role decode (with --prefill-workers; instead of --workers)",
+    )
+    p.add_argument(
+        "--prefill-workers",
+        type=at_least_zero,
+        default=0,
+        help="workers of role prefill, which compute long prompts' KV for the decode workers (docs/kv_transfer.md)",
+    )
     p.add_argument("--tp", type=at_least_one, default=1, help="tensor-parallel size of each worker")
     p.add_argument(
         "--autoscale",
@@ -82,7 +95,8 @@ def run(args: argparse.Namespace) -> int:
     # Without --verbose the services' logs go to files, as `docker compose up -d` keeps them, and the
     # console shows the progress, the endpoints and the errors; --verbose alone keeps them on it.
     log_dir = args.log_dir or (None if args.verbose else args.data_dir / "logs")
-    min_workers = args.min_workers or args.workers
+    workers = args.decode_workers or args.workers
+    min_workers = args.min_workers or workers
     max_workers = args.max_workers or min_workers
     if max_workers < min_workers:
         print(f"shardline up: --max-workers {max_workers} is below --min-workers {min_workers}", file=sys.stderr)
@@ -90,7 +104,8 @@ def run(args: argparse.Namespace) -> int:
     autoscaling = args.autoscale != "static"
     config = StackConfig(
         model=args.model,
-        workers=min_workers if autoscaling else args.workers,
+        workers=min_workers if autoscaling else workers,
+        prefill_workers=args.prefill_workers,
         autoscale=args.autoscale,
         min_workers=min_workers,
         max_workers=max_workers,
@@ -107,8 +122,9 @@ def run(args: argparse.Namespace) -> int:
     )
     stack = LocalStack(config)
     t0 = time.monotonic()
+    roles = f" ({config.prefill_workers} prefill, {config.workers} decode)" if config.prefill_workers else ""
     print(
-        f"shardline: starting {config.workers} worker(s) at TP {args.tp} with "
+        f"shardline: starting {config.workers + config.prefill_workers} worker(s){roles} at TP {args.tp} with "
         f"{args.model or 'SmolLM2-135M-Instruct (default)'} ...",
         flush=True,
     )

@@ -38,7 +38,8 @@ LOOPBACK = "127.0.0.1"
 @dataclass(slots=True)
 class StackConfig:
     model: str | None = None  # HF folder or .gguf; None: the default model
-    workers: int = 1
+    workers: int = 1  # the workers that run requests: role decode with prefill workers, else both
+    prefill_workers: int = 0  # workers of role prefill (docs/kv_transfer.md#worker-roles), named prefill-<i>
     tp_size: int = 1
     http_port: int = 8000
     grpc_port: int = 50051
@@ -199,6 +200,7 @@ class LocalStack:
                 },
                 f"127.0.0.1:{c.scheduler_port}",
             ),
+            *(self._worker(i, "prefill") for i in range(c.prefill_workers)),
             *(self._worker(i) for i in range(c.workers)),
             gateway,
             *(self._batch_worker(i) for i in range(c.batch_workers)),
@@ -230,16 +232,23 @@ class LocalStack:
         _signal_group(child.proc, signal.SIGTERM)
         return child.proc
 
-    def _worker(self, index: int) -> ServiceSpec:
+    def _worker(self, index: int, role: str | None = None) -> ServiceSpec:
+        """Worker `index` that runs requests, or with role "prefill", prefill worker `index`."""
         c = self.config
-        port = c.worker_base_port + index if c.worker_base_port else free_port()
+        if role is None:
+            role = "decode" if c.prefill_workers else "both"
+            port = c.worker_base_port + index if c.worker_base_port else free_port()
+        else:  # worker_base_port numbers the workers that run requests
+            port = free_port()
         self.worker_ports.append(port)
+        name = f"prefill-{index}" if role == "prefill" else f"worker-{index}"
         return ServiceSpec(
-            f"worker-{index}",
+            name,
             {
                 "HOST": LOOPBACK,
                 "PORT": port,
-                "WORKER_ID": f"worker-{index}",
+                "WORKER_ID": name,
+                "ROLE": role,
                 "ADVERTISE_ADDRESS": f"127.0.0.1:{port}",
                 "SCHEDULER_ADDRESS": f"127.0.0.1:{c.scheduler_port}",
                 "MODEL": c.model,

@@ -256,3 +256,25 @@ def test_the_deploy_guide_documents_every_variable():
         for name in re.findall(r"`([A-Z][A-Z0-9_]*)`", row.split("|")[1])
     }
     assert tabled - set(env_example_variables()) == set()
+
+
+def test_the_disaggregated_override_adds_prefill_workers_and_makes_the_others_decode():
+    disaggregated = COMPOSE_FILE.parent / "deploy" / "compose" / "disaggregated.yml"
+    cpu_prefill = COMPOSE_FILE.parent / "deploy" / "compose" / "cpu-prefill-worker.yml"
+    assert "prefill-worker" not in resolved_config()["services"]  # the default stack is unchanged
+    for files, image in (
+        ((COMPOSE_FILE, disaggregated), "shardline/gpu-worker:0.1.0"),
+        ((COMPOSE_FILE, CPU_OVERRIDE, disaggregated, cpu_prefill), "shardline/service:0.1.0"),
+    ):
+        services = resolved_config(files=files)["services"]
+        worker, prefill = services["gpu-worker"], services["prefill-worker"]
+        assert (worker["environment"]["SHARDLINE_ROLE"], prefill["environment"]["SHARDLINE_ROLE"]) == (
+            "decode",
+            "prefill",
+        )
+        # Apart from its role, a prefill worker is a gpu-worker replica, run from the image that one builds.
+        assert prefill["image"] == worker["image"] == image and "build" not in prefill
+        for key in ("command", "volumes", "deploy", "depends_on", "healthcheck"):
+            assert prefill.get(key) == worker.get(key), key
+        unrole = {k: v for k, v in worker["environment"].items() if k != "SHARDLINE_ROLE"}
+        assert {k: v for k, v in prefill["environment"].items() if k != "SHARDLINE_ROLE"} == unrole

@@ -324,14 +324,22 @@ def test_every_image_tag_is_the_packages_version():
     tag what it says, so a release that bumps it and forgets one fails here."""
     import shardline
 
-    places = [".env.example", "Dockerfile", "docker-compose.yml", "deploy/compose/cpu-worker.yml", "docs/deploy.md"]
+    places = [
+        ".env.example",
+        "Dockerfile",
+        "docker-compose.yml",
+        "deploy/compose/cpu-worker.yml",
+        "deploy/compose/cpu-prefill-worker.yml",
+        "docs/deploy.md",
+    ]
     tags = {
         (place, tag)
         for place in places
         for tag in re.findall(r"shardline/(?:service|gpu-worker):([\w.-]+)", (REPO / place).read_text())
     }
     tags |= {
-        ("kustomization.yaml", tag)
-        for tag in re.findall(r"newTag: (\S+)", (REPO / "deploy/k8s/kustomization.yaml").read_text())
+        (kustomization, tag)
+        for kustomization in ("deploy/k8s/kustomization.yaml", "deploy/k8s-disaggregated/kustomization.yaml")
+        for tag in re.findall(r"newTag: (\S+)", (REPO / kustomization).read_text())
     }
     assert tags and {tag for _, tag in tags} == {shardline.__version__}, sorted(tags)

@@ -279,3 +279,26 @@ def test_kustomize_builds_the_manifests():
             assert obj["metadata"]["namespace"] == "shardline", obj["metadata"]["name"]
     images = {c["image"] for o in by_kind(built, *WORKLOADS) for c in o["spec"]["template"]["spec"]["containers"]}
     assert {"shardline/service:0.1.0", "shardline/gpu-worker:0.1.0"} <= images
+
+
+def test_the_disaggregated_overlay_adds_prefill_workers_and_makes_the_others_decode():
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl is not installed")
+    overlay = REPO / "deploy" / "k8s-disaggregated"
+    result = subprocess.run([kubectl, "kustomize", str(overlay)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    built = [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+    roles = {}
+    for name in ("gpu-worker", "prefill-worker"):
+        workload = named(built, "Deployment", name)
+        (container,) = workload["spec"]["template"]["spec"]["containers"]
+        assert serve_target(container) == "worker" and container["image"] == "shardline/gpu-worker:0.1.0"
+        assert workload["metadata"]["namespace"] == "shardline"
+        roles[name] = {e["name"]: e.get("value") for e in container["env"]}["SHARDLINE_ROLE"]
+    assert roles == {"gpu-worker": "decode", "prefill-worker": "prefill"}
+    # Apart from its role, a prefill worker is a gpu-worker pod: the same GPUs, probes and address.
+    base = named(built, "Deployment", "gpu-worker")["spec"]["template"]["spec"]["containers"][0]
+    prefill = named(built, "Deployment", "prefill-worker")["spec"]["template"]["spec"]["containers"][0]
+    for key in ("resources", "startupProbe", "readinessProbe", "livenessProbe", "ports", "volumeMounts"):
+        assert prefill[key] == base[key], key
