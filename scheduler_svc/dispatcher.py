@@ -14,13 +14,15 @@ from scheduler_svc.kv_handoff import hand_off_kv
 from scheduler_svc.live_request import LiveRequest, queue_span
 from scheduler_svc.load_meter import LoadMeter
 from scheduler_svc.model_coverage import ModelCoverage
+from scheduler_svc.prefill_decision import decide_prefill
 from scheduler_svc.relay import Relay
+from scheduler_svc.remote_prefill import RemotePrefills
 from scheduler_svc.request_queue import RequestQueue
 from scheduler_svc.request_table import Outcome, RequestTable
 from scheduler_svc.router import Router
 from scheduler_svc.settings import SchedulerSettings
 from scheduler_svc.store_outage import StoreOutage
-from scheduler_svc.worker_registry import WorkerRegistry
+from scheduler_svc.worker_registry import RegisteredWorker, WorkerRegistry
 from scheduler_svc.worker_session import WorkerSession
 from shardline.core.errors import NotFound, ShardlineError, Unavailable
 from shardline.core.store.request_record import FinishReason, RequestStatus
@@ -72,6 +74,7 @@ class Dispatcher:
         self._tasks: list[asyncio.Task] = []
         self._admitting: dict[str, asyncio.Future[int]] = {}  # Submits still writing their request
         self._releases: dict[str, asyncio.Task[tuple[int, int]]] = {}  # workers leaving the pool now
+        self._prefills = RemotePrefills(tracer, settings.remote_prefill_timeout_s, self._prefilled)
 
     async def start(self) -> None:
         """Re-queues every unfinished request found in Redis, then starts dispatching."""
@@ -86,7 +89,8 @@ class Dispatcher:
     async def stop(self) -> None:
         """Stops dispatching and drops the worker streams; Redis keeps every request for the next start."""
         # A worker's release still handing off KV ends too: the requests it held stay RUNNING in Redis.
-        tasks = [*self._tasks, *self._deadlines.tasks, *self._releases.values()]
+        # So does a remote prefill: its request stays RUNNING in Redis, and the next scheduler re-queues it.
+        tasks = [*self._tasks, *self._deadlines.tasks, *self._releases.values(), *self._prefills.tasks]
         for task in tasks:
             task.cancel()
         # Bounded: a task stuck in an rpc or a Redis call must not turn a SIGTERM into a hang.
@@ -160,7 +164,8 @@ class Dispatcher:
                 "request %s: cancel from %s ignored, %s streams it now", request_id, gateway_id, request.gateway_id
             )
             return RequestStatus.RUNNING if request.worker_id is not None else RequestStatus.QUEUED
-        if self.queue.remove(request):
+        if self.queue.remove(request) or self._prefills.cancel(request_id):
+            # Queued, or waiting for its remote prefill: no worker has it yet.
             await self.requests.finish([Outcome(request, RequestStatus.CANCELLED, FinishReason.ABORT)])
         elif not request.cancelled:
             # The worker frees its KV blocks and answers with an ABORT delta, which finishes it;
@@ -227,8 +232,10 @@ class Dispatcher:
             # Longest context first: within a deadline, the sends that save the most prefill go first.
             held.sort(key=lambda r: len(r.prompt_token_ids) + r.num_output_tokens, reverse=True)
             # The worker is alive: its blocks go ahead of its requests, which then skip their prefill.
+            # (Not those still waiting for a remote prefill: the worker has computed nothing of them.)
+            computed = [request for request in held if request.request_id not in self._prefills]
             sent = await hand_off_kv(
-                worker, held, lambda r: self.registry.with_room(r.model, r.priority), self._router, deadline
+                worker, computed, lambda r: self.registry.with_room(r.model, r.priority), self._router, deadline
             )
         if session is not None:
             await session.close(reason, migrate=True)
@@ -275,12 +282,23 @@ class Dispatcher:
             return
         adds: dict[str, list[worker_pb2.NewRequest]] = defaultdict(list)
         dispatched: list[tuple[LiveRequest, trace.Span]] = []
+        remote: list[tuple[LiveRequest, RegisteredWorker, worker_pb2.NewRequest, trace.Span]] = []
         # A full worker still takes a class better than the worst it holds, for its engine to preempt.
         while self.registry.has_room(self.queue.best_priority()):
             request = self.queue.pop(lambda r: bool(self.registry.with_room(r.model, r.priority)))
             if request is None:
                 break
-            worker = self._router.choose(request, self.registry.with_room(request.model, request.priority))
+            route = self._router.route(request, self.registry.with_room(request.model, request.priority))
+            worker = route.worker
+            prefill_workers = self.registry.prefill_workers(request.model)
+            decision = decide_prefill(
+                worker.role,
+                len(request.prompt_token_ids) + len(request.output_token_ids),
+                route.cached_tokens,
+                len(prefill_workers),
+                self._settings.remote_prefill_min_tokens,
+                request.params.HasField("prompt_logprobs") and not request.output_token_ids,
+            )
             worker.hold(request.request_id, request.priority)
             request.worker_id, request.attempt = worker.worker_id, request.attempt + 1
             if request.attempt > 1:
@@ -297,9 +315,15 @@ class Dispatcher:
                     attr.QUEUE_DEPTH: len(self.queue),
                     # A sum over the workers, a few each dispatch: the series' "running" reads it.
                     attr.RUNNING_REQUESTS: self.running(),
+                    attr.PREFILL_REMOTE: decision.remote,
+                    attr.PREFILL_REASON: decision.reason,
+                    attr.PREFILL_CACHED_TOKENS: route.cached_tokens,
                 },
             )
-            adds[worker.worker_id].append(request.new_request())
+            if decision.remote:  # the worker gets it once a prefill worker has sent it the prompt's blocks
+                remote.append((request, worker, request.new_request(), span))
+            else:
+                adds[worker.worker_id].append(request.new_request())
             # Redis has these; a later re-dispatch reads them back with whatever came after.
             request.output_token_ids = []
             if request.queue_span is not None:
@@ -310,8 +334,23 @@ class Dispatcher:
             self._sessions[worker_id].send(worker_pb2.WorkerCommand(add=new_requests))
         if dispatched:
             await self._store.mark_dispatched_many([(r.request_id, r.worker_id, r.attempt) for r, _ in dispatched])
+        for request, worker, new, span in remote:  # RUNNING in Redis first, as for the others
+            self._prefills.start(
+                request, worker, new, self.registry.prefill_workers(request.model), trace.set_span_in_context(span)
+            )
         for _, span in dispatched:
             span.end()
+
+    def _prefilled(self, request: LiveRequest, worker: RegisteredWorker, new: worker_pb2.NewRequest) -> None:
+        """A remote prefill is settled: the request goes to its worker, unless it left it meanwhile
+        (the worker died or was drained, and the request was re-queued, or it was cancelled)."""
+        session = self._sessions.get(worker.worker_id)
+        if self.requests.get(request.request_id) is not request or request.worker_id != worker.worker_id:
+            log.info("request %s left %s during its remote prefill", request.request_id, worker.worker_id)
+            return
+        if session is None:  # its worker is gone and its death handler about to re-queue it
+            return
+        session.send(worker_pb2.WorkerCommand(add=[new]))
 
     async def _watch_heartbeats(self) -> None:
         while True:
@@ -337,6 +376,8 @@ class Dispatcher:
         if worker is None:
             return
         held = [request for rid in worker.in_flight if (request := self.requests.get(rid)) is not None]
+        for request in held:  # re-queued below: a remote prefill for this worker is of no use now
+            self._prefills.cancel(request.request_id)
         if session is not None and (session.unrecorded or session.migrated):
             # Redis failed it, or the autoscaler moved its requests, not the worker: the next
             # dispatch resumes the same attempt.

@@ -3,6 +3,7 @@
 import hashlib
 from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from scheduler_svc.live_request import LiveRequest
 from scheduler_svc.worker_registry import RegisteredWorker
@@ -22,6 +23,16 @@ def prefix_hashes(prompt: Sequence[int], block_size: int, max_blocks: int) -> li
     return hashes
 
 
+@dataclass(slots=True, frozen=True)
+class Route:
+    """Where a request goes, and what the router knew of that worker's cache before sending it there."""
+
+    worker: RegisteredWorker
+    # Leading prompt tokens (whole blocks) that the router last sent to this worker: what its prefix
+    # cache likely holds, unless it evicted them since. 0 for a prefix it never saw there.
+    cached_tokens: int
+
+
 def _rendezvous_score(key: int, worker_id: str) -> int:
     digest = hashlib.blake2b(key.to_bytes(8, "little") + worker_id.encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little")
@@ -38,20 +49,33 @@ class Router:
     least-loaded candidate's by more than `load_slack`. A prefix never seen
     goes to the near-least-loaded worker that rendezvous hashing of its first
     block picks, so identical cold prefixes still meet on one worker.
+
+    Affinity looks at the first `max_prefix_blocks` blocks; the whole prompt's chain, up to
+    `max_known_blocks`, is remembered too, so that the scheduler can tell how much of a long prompt
+    the chosen worker likely holds (Route.cached_tokens: whether to prefill it remotely).
     """
 
-    def __init__(self, load_slack: float, max_prefix_blocks: int = 4, max_entries: int = 65_536) -> None:
+    def __init__(
+        self, load_slack: float, max_prefix_blocks: int = 4, max_entries: int = 262_144, max_known_blocks: int = 512
+    ) -> None:
         self._load_slack = load_slack
         self._max_prefix_blocks = max_prefix_blocks
+        self._max_known_blocks = max(max_known_blocks, max_prefix_blocks)
         self._max_entries = max_entries
         # prefix hash -> worker that last served it, least recently used first.
         self._last_served: OrderedDict[int, str] = OrderedDict()
 
     def choose(self, request: LiveRequest, candidates: Sequence[RegisteredWorker]) -> RegisteredWorker:
         """The worker for `request`, among non-empty `candidates` (all with room)."""
+        return self.route(request, candidates).worker
+
+    def route(self, request: LiveRequest, candidates: Sequence[RegisteredWorker]) -> Route:
+        """The worker for `request` among non-empty `candidates` (all with room), and how much of its
+        prompt that worker was last sent."""
         # One pool serves one model, whose workers share a block size.
         block_size = candidates[0].info.block_size or DEFAULT_BLOCK_SIZE
-        hashes = prefix_hashes(request.prompt_token_ids, block_size, self._max_prefix_blocks)
+        chain = prefix_hashes(request.prompt_token_ids, block_size, self._max_known_blocks)
+        hashes = chain[: self._max_prefix_blocks]
         min_load = min(worker.load for worker in candidates)
         eligible = {w.worker_id: w for w in candidates if w.load <= min_load + self._load_slack}
         chosen = self._affine(hashes, eligible)
@@ -62,8 +86,16 @@ class Router:
                 # Too short to share a block: plain least-loaded, ties spread by the id.
                 key = int.from_bytes(hashlib.blake2b(request.request_id.encode(), digest_size=8).digest(), "little")
                 chosen = min(candidates, key=lambda w: (w.load, -_rendezvous_score(key, w.worker_id)))
-        self._remember(hashes, chosen.worker_id)
-        return chosen
+        known = self._known_blocks(chain, chosen.worker_id)
+        self._remember(chain, chosen.worker_id)
+        return Route(chosen, known * block_size)
+
+    def _known_blocks(self, chain: list[int], worker_id: str) -> int:
+        """How many leading blocks of `chain` were last sent to `worker_id`."""
+        for count in range(len(chain), 0, -1):
+            if self._last_served.get(chain[count - 1]) == worker_id:
+                return count
+        return 0
 
     def _affine(self, hashes: list[int], eligible: dict[str, RegisteredWorker]) -> RegisteredWorker | None:
         for prefix_hash in reversed(hashes):

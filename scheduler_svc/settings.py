@@ -47,6 +47,13 @@ class SchedulerSettings(BaseSettings):
     # Prefix affinity yields to balance when the preferred worker's load (in-flight
     # over capacity) exceeds the least-loaded worker's by more than this.
     affinity_load_slack: float = Field(0.25, ge=0.0)
+    # Disaggregated prefill (docs/kv_transfer.md#the-decision): a request dispatched to a decode worker
+    # has its prompt prefilled on a prefill worker when one is up and the part of the prompt that worker
+    # likely lacks has at least this many tokens; below it, moving the KV costs more than it saves.
+    remote_prefill_min_tokens: int = Field(512, ge=1)
+    # How long one prefill worker may take over a remote prefill (its blocks' transfer included) before
+    # the next one is tried, and after the last, the decode worker prefills the request itself.
+    remote_prefill_timeout_s: float = Field(120.0, gt=0)
     # TokenBatches buffered per gateway; a gateway that falls this far behind is
     # disconnected and recovers from Redis instead of stalling every worker stream.
     subscriber_queue_size: int = Field(4096, ge=1)

@@ -36,6 +36,18 @@ TOOL_CHOICE = "shardline.tool_choice"  # a request with tools: none, auto, requi
 # On the scheduler's dispatch span: the worker it went to, and its attempt (above 1: a failover).
 WORKER_ID = "shardline.worker_id"
 ATTEMPT = "shardline.attempt"
+# Disaggregated prefill (scheduler_svc/prefill_decision.py, docs/kv_transfer.md). On the dispatch span:
+# whether the prompt is prefilled on a prefill worker, why (or why not), and how many of its tokens the
+# router knew the decode worker to hold. On the remote_prefill span: the prefill worker that computed it,
+# the blocks it sent, how it ended (remote, fallback_local or cancelled), and a prefill_failed event per
+# prefill worker that failed, with its error.
+PREFILL_REMOTE = "shardline.prefill.remote"
+PREFILL_REASON = "shardline.prefill.reason"
+PREFILL_CACHED_TOKENS = "shardline.prefill.cached_tokens"
+PREFILL_WORKER_ID = "shardline.prefill.worker_id"
+PREFILL_BLOCKS_SENT = "shardline.prefill.blocks_sent"
+PREFILL_OUTCOME = "shardline.prefill.outcome"
+PREFILL_ERROR = "shardline.prefill.error"
 # On a gateway request span: the HTTP status of a request refused or failed before it ran (429 over the
 # admission bound, a limit or a full queue; 400 for bad input), the gRPC code's equivalent for a gRPC request.
 HTTP_STATUS = "shardline.http_status"
