@@ -298,6 +298,7 @@ class Dispatcher:
                 len(prefill_workers),
                 self._settings.remote_prefill_min_tokens,
                 request.params.HasField("prompt_logprobs") and not request.output_token_ids,
+                worker.info.tp_size,
             )
             worker.hold(request.request_id, request.priority)
             request.worker_id, request.attempt = worker.worker_id, request.attempt + 1

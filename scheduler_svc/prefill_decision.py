@@ -14,6 +14,7 @@ from shardline.core.worker_role import WorkerRole
 # Why a request was prefilled where it was: the value of the dispatch span's shardline.prefill.reason.
 REMOTE = "long_uncached_prompt"  # the only reason that prefills remotely
 AGGREGATED_WORKER = "aggregated_worker"  # its worker's role is both: it prefills its own requests
+TENSOR_PARALLEL = "tensor_parallel"  # its worker runs at TP > 1, which KV transfer does not serve yet
 PROMPT_LOGPROBS = "prompt_logprobs"  # it asks for the prompt's logprobs: logits that imported blocks lack
 NO_PREFILL_WORKER = "no_prefill_worker"  # no prefill worker of its model is registered and live
 SHORT_PROMPT = "short_prompt"  # fewer tokens than the threshold: moving its KV would cost more than computing it
@@ -36,13 +37,17 @@ def decide_prefill(
     prefill_workers: int,
     min_tokens: int,
     wants_prompt_logprobs: bool = False,
+    worker_tp_size: int = 1,
 ) -> PrefillDecision:
     """The decision for a request of `num_tokens` (prompt plus an earlier attempt's output) dispatched to
     a worker of `worker_role` that likely holds its first `cached_tokens`, with `prefill_workers` of its
-    model up and a threshold of `min_tokens` (SHARDLINE_REMOTE_PREFILL_MIN_TOKENS)."""
+    model up and a threshold of `min_tokens` (SHARDLINE_REMOTE_PREFILL_MIN_TOKENS). A worker at TP > 1
+    would refuse the blocks after the prefill worker had computed them all: it prefills itself."""
     uncached = max(0, num_tokens - cached_tokens)
     if worker_role != "decode":
         reason = AGGREGATED_WORKER
+    elif worker_tp_size > 1:
+        reason = TENSOR_PARALLEL
     elif wants_prompt_logprobs:
         reason = PROMPT_LOGPROBS
     elif prefill_workers == 0:

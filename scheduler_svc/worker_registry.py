@@ -146,8 +146,13 @@ class WorkerRegistry:
         return [worker for worker in serving if worker.has_room_for(priority)]
 
     def prefill_workers(self, model: str) -> list[RegisteredWorker]:
-        """The prefill workers of `model` that take work now (not draining), the least busy first."""
-        ready = [w for w in self._workers.values() if w.role == "prefill" and not w.draining and w.serves(model)]
+        """The prefill workers of `model` that take work now (not draining), the least busy first. Not those at
+        TP > 1: they refuse to export KV, so they would only compute a prompt to no use."""
+        ready = [
+            w
+            for w in self._workers.values()
+            if w.role == "prefill" and not w.draining and w.info.tp_size <= 1 and w.serves(model)
+        ]
         return sorted(ready, key=lambda w: (w.prefills_in_flight, w.worker_id))
 
     def longest_sequence(self, model: str) -> int | None:

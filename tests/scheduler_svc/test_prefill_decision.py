@@ -13,23 +13,24 @@ MIN_TOKENS = 512
 
 
 @pytest.mark.parametrize(
-    ("role", "tokens", "cached", "prefill_workers", "logprobs", "remote", "reason"),
+    ("role", "tokens", "cached", "prefill_workers", "logprobs", "tp", "remote", "reason"),
     [
-        ("decode", 2048, 0, 1, False, True, pd.REMOTE),
-        ("decode", 512, 0, 2, False, True, pd.REMOTE),  # the threshold itself is long enough
-        ("decode", 511, 0, 1, False, False, pd.SHORT_PROMPT),
-        ("decode", 2048, 2048, 1, False, False, pd.CACHED_ON_DECODE_WORKER),
-        ("decode", 2048, 1600, 1, False, False, pd.CACHED_ON_DECODE_WORKER),  # 448 left to prefill
-        ("decode", 2048, 1024, 1, False, True, pd.REMOTE),  # 1,024 left: still worth moving
-        ("decode", 2048, 0, 0, False, False, pd.NO_PREFILL_WORKER),
-        ("decode", 2048, 0, 1, True, False, pd.PROMPT_LOGPROBS),
-        ("both", 2048, 0, 1, False, False, pd.AGGREGATED_WORKER),
+        ("decode", 2048, 0, 1, False, 1, True, pd.REMOTE),
+        ("decode", 512, 0, 2, False, 1, True, pd.REMOTE),  # the threshold itself is long enough
+        ("decode", 511, 0, 1, False, 1, False, pd.SHORT_PROMPT),
+        ("decode", 2048, 2048, 1, False, 1, False, pd.CACHED_ON_DECODE_WORKER),
+        ("decode", 2048, 1600, 1, False, 1, False, pd.CACHED_ON_DECODE_WORKER),  # 448 left to prefill
+        ("decode", 2048, 1024, 1, False, 1, True, pd.REMOTE),  # 1,024 left: still worth moving
+        ("decode", 2048, 0, 0, False, 1, False, pd.NO_PREFILL_WORKER),
+        ("decode", 2048, 0, 1, True, 1, False, pd.PROMPT_LOGPROBS),
+        ("decode", 2048, 0, 1, False, 3, False, pd.TENSOR_PARALLEL),
+        ("both", 2048, 0, 1, False, 1, False, pd.AGGREGATED_WORKER),
     ],
 )
 def test_only_a_long_uncached_prompt_on_a_decode_worker_is_prefilled_remotely(
-    role, tokens, cached, prefill_workers, logprobs, remote, reason
+    role, tokens, cached, prefill_workers, logprobs, tp, remote, reason
 ) -> None:
-    decision = decide_prefill(role, tokens, cached, prefill_workers, MIN_TOKENS, logprobs)
+    decision = decide_prefill(role, tokens, cached, prefill_workers, MIN_TOKENS, logprobs, tp)
     assert (decision.remote, decision.reason) == (remote, reason)
     assert decision.uncached_tokens == tokens - cached
 

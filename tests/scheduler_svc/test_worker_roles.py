@@ -20,6 +20,9 @@ def test_a_prefill_worker_takes_no_request_and_is_listed_least_busy_first() -> N
     registry.get("p1").draining = True
     assert [w.worker_id for w in registry.prefill_workers("m")] == ["p0"]
     assert registry.prefill_workers("other") == []
+    # One at TP > 1 would compute a prompt and then refuse to export it.
+    registry.add(worker_pb2.WorkerInfo(worker_id="p3", model="m", max_num_seqs=8, tp_size=3, role="prefill"))
+    assert [w.worker_id for w in registry.prefill_workers("m")] == ["p0"]
 
 
 @run_async
