@@ -112,17 +112,19 @@ class StackedExperts(nn.Module):
         # Sorted by expert, a token's pairs are added in ascending expert order, as HF adds them; stable, so
         # each expert's rows are its tokens in order, the same for the same step.
         order = torch.argsort(group, stable=True)
-        counts = torch.zeros(self.num_local + 1, dtype=torch.long, device=x.device)
-        counts.scatter_add_(0, group, torch.ones_like(group))
         rows = order // top_k  # the token of each sorted pair
         pair_weights = weights.reshape(-1)[order].to(x.dtype)
         out = torch.zeros_like(x)
         if self._grouped_gemm(x):
+            # Counted by a scatter-add: bincount would read its size from the device.
+            counts = torch.zeros(self.num_local + 1, dtype=torch.long, device=x.device)
+            counts.scatter_add_(0, group, torch.ones_like(group))
             y = self._grouped_swiglu(x[rows], counts)
             # Past the last offset the grouped GEMM leaves rows unwritten: they are other ranks' pairs.
             y = torch.where(mine[order][:, None], y * pair_weights[:, None], 0.0)
             return out.index_add_(0, rows, y)
-        bounds = counts.cumsum(0).tolist()  # one host read a layer: the slices' bounds
+        # The slices' bounds, read on the host once a layer (which bincount's own size read costs nothing more).
+        bounds = torch.bincount(group, minlength=self.num_local + 1).cumsum(0).tolist()
         n = bounds[-2]  # this rank's pairs, sorted first
         xs = x[rows[:n]]
         y = torch.empty_like(xs)
