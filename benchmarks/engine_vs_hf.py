@@ -92,6 +92,8 @@ def load_hf(model: str | None, device: str, dtype: torch.dtype):
         with torch.device(device):
             return transformers.LlamaForCausalLM(cfg).to(dtype).eval()
     path = resolve_model_path(model)
+    if path.is_dir():  # a Hugging Face folder
+        return transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).to(device).eval()
     return (
         transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
         .to(device)
