@@ -18,6 +18,10 @@ With n-gram speculation a decode also carries its sequence's draft tokens
 running sequence has its tokens and the waiting ones are admitted, within the
 rest of the budget and the free blocks. A guess never preempts, delays or
 shrinks real work.
+
+Sequences of at most max_loras_per_batch LoRA adapters run at once (each adapter takes a slot of the
+model's). A waiting sequence of another adapter is passed over, and those behind it that fit are
+admitted; it waits until a running adapter's last sequence leaves.
 """
 
 import bisect
@@ -49,10 +53,14 @@ class SchedulerConfig:
     background_priority: int | None = None
     background_max_seqs: int = 4  # background sequences running at most while foreground ones run or wait
     background_grace_s: float = 2.0  # ...and for this long after the last foreground sequence left
+    # Most LoRA adapters among the running sequences: each takes one of the model's adapter slots.
+    max_loras_per_batch: int = 4
 
     def validate(self) -> None:
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
+        if self.max_loras_per_batch < 1:
+            raise ValueError(f"max_loras_per_batch must be at least 1, got {self.max_loras_per_batch}")
         # Below this, a step could not give every running sequence its decode
         # token, and the later ones in the batch would starve.
         if self.max_num_batched_tokens < self.max_num_seqs:
@@ -100,6 +108,11 @@ class BatchScheduler:
     @property
     def num_running(self) -> int:
         return len(self._running)
+
+    @property
+    def waiting(self) -> list[Sequence]:
+        """The waiting sequences, in queue order; callers must not mutate the list."""
+        return self._waiting
 
     @property
     def running(self) -> list[Sequence]:
@@ -175,8 +188,11 @@ class BatchScheduler:
 
         num_prefix_cached = 0
         background_running = self._yield.count(self._running) if foreground else 0
-        while self._waiting and budget > 0 and self._waiting[0].priority < floor:
-            head = self._waiting[0]
+        while budget > 0:
+            place = self._next_admissible()
+            if place is None or self._waiting[place].priority >= floor:
+                break
+            head = self._waiting[place]
             background = foreground and self._yield.is_background(head)
             if background and background_running >= self.config.background_max_seqs:
                 break  # the queue is in priority order: only background work is behind it
@@ -193,7 +209,7 @@ class BatchScheduler:
                 continue
             if background:
                 background_running += 1
-            self._waiting.pop(0)
+            self._waiting.pop(place)
             self._running.append(item.seq)
             scheduled[item.seq.request_id] = item
             budget -= item.num_new_tokens
@@ -272,6 +288,18 @@ class BatchScheduler:
         drafts = drafts[: max(0, slots - seq.num_tokens)]  # its next token takes position num_tokens - 1
         return drafts if drafts and self._allocate_slots(seq, 1 + len(drafts)) else []
 
+    def _next_admissible(self) -> int | None:
+        """Where the first waiting sequence is whose LoRA adapter can run beside the running ones'
+        (at most max_loras_per_batch adapters run at once); None: no such sequence. One of another
+        adapter waits, passed over, until a running adapter's last sequence leaves: running
+        sequences always finish, so it never waits for ever."""
+        if not self._waiting:
+            return None
+        adapters = {seq.adapter for seq in self._running if seq.adapter is not None}
+        if len(adapters) < self.config.max_loras_per_batch:
+            return 0
+        return next((i for i, seq in enumerate(self._waiting) if seq.adapter is None or seq.adapter in adapters), None)
+
     def _admission(self, seq: Sequence, budget: int) -> tuple[list[int], int, int, int]:
         """Admitting a waiting sequence within `budget`: its prefix-cache hits, the tokens it computes
         (over budget only without chunked prefill), the blocks it allocates, and the free ones it takes."""
@@ -279,7 +307,8 @@ class BatchScheduler:
         # Leave at least one token to compute, so the step yields its logits.
         max_hit_blocks = (seq.num_tokens - 1) // self.block_size
         # A prefix served from the cache yields no logits, and prompt logprobs need them all.
-        hit_ids = [] if seq.wants_prompt_logprobs else pool.get_cached_prefix(seq.all_token_ids)[:max_hit_blocks]
+        hit_ids = [] if seq.wants_prompt_logprobs else pool.get_cached_prefix(seq.all_token_ids, seq.chain_root)
+        hit_ids = hit_ids[:max_hit_blocks]
         num_cached = len(hit_ids) * self.block_size
         num_new = seq.num_tokens - num_cached
         if self.config.enable_chunked_prefill:
@@ -374,7 +403,7 @@ class BatchScheduler:
         token_ids = seq.all_token_ids
         size = self.block_size
         for index in range(len(seq.block_hashes), num_full):
-            parent = seq.block_hashes[-1] if seq.block_hashes else None
+            parent = seq.block_hashes[-1] if seq.block_hashes else seq.chain_root
             block_tokens = token_ids[index * size : (index + 1) * size]
             seq.block_hashes.append(self.block_pool.cache_full_block(seq.block_ids[index], parent, block_tokens))
 

@@ -100,15 +100,17 @@ class BlockPool:
             else:
                 self._free.append(block_id)
 
-    def get_cached_prefix(self, token_ids: Sequence[int]) -> list[int]:
+    def get_cached_prefix(self, token_ids: Sequence[int], chain_root: int | None = None) -> list[int]:
         """Block ids of the longest cached run of full blocks prefixing token_ids.
 
-        Takes no references: call `acquire` on the blocks that will be used.
+        `chain_root`: what the first block's hash chains from (prefix_hash.chain_root of the LoRA
+        adapter that computes them; None for the base model). Takes no references: call `acquire`
+        on the blocks that will be used.
         """
         if not self.enable_prefix_caching:
             return []
         block_ids: list[int] = []
-        parent_hash = None
+        parent_hash = chain_root
         size = self.block_size
         for start in range(0, len(token_ids) - size + 1, size):
             parent_hash = hash_block_tokens(parent_hash, token_ids[start : start + size])

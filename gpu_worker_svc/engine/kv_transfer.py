@@ -98,6 +98,14 @@ class KvBlocks:
     token_ids: list[list[int]]  # per block: its block_size tokens (the importer checks each hash with them)
     block_hashes: list[int]  # per block: hash_block_tokens(the previous block's hash, its tokens)
     kv: torch.Tensor  # [blocks, layers, 2, block_size, kv heads, head_dim], contiguous, on the CPU
+    # What the prompt's first block chains from: prefix_hash.chain_root of the LoRA adapter that
+    # computed the KV, None for the base model. Only requests of that adapter then hit the blocks.
+    chain_root: int | None = None
+
+    @property
+    def first_parent(self) -> int | None:
+        """What the first block's hash chains from."""
+        return self.parent_hash if self.parent_hash is not None else self.chain_root
 
     def __len__(self) -> int:
         return len(self.block_hashes)
@@ -122,7 +130,7 @@ def check_blocks(blocks: KvBlocks, layout: KvLayout) -> None:
         raise KvTransferError("kv", f"shape {tuple(blocks.kv.shape)}, expected {expected}")
     if blocks.kv.dtype != layout.torch_dtype:
         raise KvTransferError("kv", f"dtype {blocks.kv.dtype}, expected {layout.torch_dtype}")
-    parent = blocks.parent_hash
+    parent = blocks.first_parent
     for i, (tokens, block_hash) in enumerate(zip(blocks.token_ids, blocks.block_hashes)):
         if len(tokens) != layout.block_size:
             raise KvTransferError(f"token_ids[{i}]", f"{len(tokens)} tokens, a full block holds {layout.block_size}")
@@ -158,27 +166,30 @@ class KvTransfer:
         self.kv_caches = kv_caches
         self.layout = layout
 
-    def export_prefix(self, token_ids: Sequence[int]) -> KvBlocks:
-        """The full blocks of `token_ids` that this cache holds, from the first (possibly none)."""
-        block_ids = self.pool.get_cached_prefix(token_ids)
+    def export_prefix(self, token_ids: Sequence[int], chain_root: int | None = None) -> KvBlocks:
+        """The full blocks of `token_ids` that this cache holds, from the first (possibly none); those
+        computed with the LoRA adapter whose chain starts at `chain_root` (None: the base model)."""
+        block_ids = self.pool.get_cached_prefix(token_ids, chain_root)
         size = self.layout.block_size
         tokens = [list(token_ids[i * size : (i + 1) * size]) for i in range(len(block_ids))]
         hashes = [self.pool.block_hash(b) for b in block_ids]
         assert all(h is not None for h in hashes)  # the prefix cache only returns hashed blocks
-        return KvBlocks(None, tokens, [h for h in hashes if h is not None], self._gather(block_ids))
+        return KvBlocks(None, tokens, [h for h in hashes if h is not None], self._gather(block_ids), chain_root)
 
-    def export_sequence(self, token_ids: Sequence[int], block_ids: list[int], num_computed: int) -> KvBlocks:
-        """The full, computed blocks of a running sequence (its tokens, its block table and how many
-        of its tokens are in the cache), whether or not they are in the prefix cache."""
+    def export_sequence(
+        self, token_ids: Sequence[int], block_ids: list[int], num_computed: int, chain_root: int | None = None
+    ) -> KvBlocks:
+        """The full, computed blocks of a running sequence (its tokens, its block table, how many of its
+        tokens are in the cache and its chain's root), whether or not they are in the prefix cache."""
         size = self.layout.block_size
         num_full = min(len(block_ids), num_computed // size)
         tokens = [list(token_ids[i * size : (i + 1) * size]) for i in range(num_full)]
         hashes: list[int] = []
-        parent = None
+        parent = chain_root
         for block_tokens in tokens:
             parent = hash_block_tokens(parent, block_tokens)
             hashes.append(parent)
-        return KvBlocks(None, tokens, hashes, self._gather(block_ids[:num_full]))
+        return KvBlocks(None, tokens, hashes, self._gather(block_ids[:num_full]), chain_root)
 
     def import_blocks(self, layout: KvLayout, blocks: KvBlocks) -> ImportResult:
         """Registers `blocks` in the prefix cache, at ref count 0. Everything is checked before the pool
@@ -224,7 +235,7 @@ class KvTransfer:
             pool.free(block_ids)  # never hashed: back to the free list, nothing registered
             raise
         for i, block_id in zip(positions, block_ids):
-            parent = blocks.block_hashes[i - 1] if i > 0 else blocks.parent_hash
+            parent = blocks.block_hashes[i - 1] if i > 0 else blocks.first_parent
             pool.cache_full_block(block_id, parent, blocks.token_ids[i])
         pool.free(block_ids)  # ref 0, hashed: evictable, like a finished request's full blocks
         already = sum(1 for b in held[:end] if b is not None)

@@ -13,6 +13,7 @@ import time
 import uuid
 from collections import abc
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -22,6 +23,7 @@ from gpu_worker_svc.engine.block_pool import BlockPool
 from gpu_worker_svc.engine.grammar import GrammarBackend
 from gpu_worker_svc.engine.kv_transfer import ImportResult, KvBlocks, KvLayout, KvTransfer, config_fingerprint
 from gpu_worker_svc.engine.lookahead import Lookahead
+from gpu_worker_svc.engine.lora_adapters import LoraAdapters
 from gpu_worker_svc.engine.model_runner import ModelRunner, PromptLogits, RunnerConfig
 from gpu_worker_svc.engine.ngram_proposer import NgramIndex, SpeculativeConfig
 from gpu_worker_svc.engine.outputs import GenerationResult, RequestOutput, StepResult, TokenLogprobs
@@ -32,6 +34,7 @@ from gpu_worker_svc.engine.step_stats import step_stats
 from gpu_worker_svc.model.attention_metadata import StepBatch
 from gpu_worker_svc.model.dummy import is_dummy
 from gpu_worker_svc.model.loader import rotary_positions
+from gpu_worker_svc.model.lora_adapter import DEFAULT_MAX_LORA_RANK, LoraAdapter, LoraAdapterInUse
 from shardline.core.model_path import model_name, resolve_model_path
 
 log = logging.getLogger(__name__)
@@ -46,6 +49,8 @@ class EngineConfig:
     # Launch each decode step before the last one's tokens reach the host (lookahead.py). None: on
     # CUDA only; on CPU the host and the model share the cores, and the step would only run twice.
     async_scheduling: bool | None = None
+    # The highest LoRA rank an adapter may have (scheduler.max_loras_per_batch: how many run at once).
+    max_lora_rank: int = DEFAULT_MAX_LORA_RANK
 
 
 class LLMEngine:
@@ -71,6 +76,13 @@ class LLMEngine:
         self._grammar_error: str | None = None  # why it could not be built: said once, then repeated
         self._grammar_lock = threading.Lock()  # a worker's compile threads may ask for it all at once
         self._transfer: KvTransfer | None = None  # built by the first export or import
+        self.loras = LoraAdapters(
+            self.runner,
+            self.model_config,
+            self.config.scheduler.max_loras_per_batch,
+            self.config.max_lora_rank,
+            self.config.runner.tp_size,
+        )
 
     @property
     def grammar_error(self) -> str | None:
@@ -120,6 +132,7 @@ class LLMEngine:
         output_token_ids: list[int] | None = None,
         eos_token_id: int | None = None,
         compiled_grammar: Any = None,
+        adapter: str | None = None,
     ) -> None:
         """Queue a request. `output_token_ids` resumes it after tokens it already generated.
         `compiled_grammar`: grammar_backend().compile(params.structured_output), done beforehand
@@ -129,8 +142,11 @@ class LLMEngine:
         its values, its token ids and its length. Only its structured output raises ValueError
         here, when it does not compile or does not accept `output_token_ids`; nothing else in the
         batch is hurt. With `eos_token_id` None the model's EOS ends it, and its other EOS ids
-        (Llama 3's <|eot_id|>) stop it like stop tokens, unless params.ignore_eos.
+        (Llama 3's <|eot_id|>) stop it like stop tokens, unless params.ignore_eos. `adapter`: the
+        name of the LoRA adapter it runs with (UnknownAdapterError when none is loaded by that
+        name); None: the base model.
         """
+        root = self.loras.root_of(adapter) if adapter is not None else None
         # The seed (fixed at admission, so a resume samples the same tokens) is the BatchScheduler's,
         # on a copy: the caller's params may serve other requests.
         params = dataclasses.replace(params or SamplingParams())
@@ -148,6 +164,8 @@ class LLMEngine:
             priority=priority,
             eos_token_id=self.eos_token_id if eos_token_id is None else eos_token_id,
             output_token_ids=output_token_ids,
+            adapter=adapter,
+            chain_root=root,
         )
         if params.structured_output is not None:
             seq.grammar = self.grammar_backend().matcher(
@@ -177,6 +195,31 @@ class LLMEngine:
                 )
             )
         return True
+
+    # -- LoRA adapters (lora_adapters.py): call between steps, on the engine's thread -------------
+    def add_lora(self, name: str, path: str | Path) -> LoraAdapter:
+        """Serves the PEFT adapter in folder `path` as `name` (LoraAdapterError: refused, nothing
+        changed, the engine serves on). A name already served is replaced when no request uses it."""
+        adapter = self.loras.read(name, path)
+        self.serve_lora(adapter)
+        return adapter
+
+    def serve_lora(self, adapter: LoraAdapter) -> None:
+        """Serves an adapter read beforehand (loras.read, off the engine's thread) by its name."""
+        self._check_unused(adapter.name)
+        self.loras.put(adapter)
+
+    def remove_lora(self, name: str) -> bool:
+        """Stops serving adapter `name`; False when it is not served (LoraAdapterInUse while in use)."""
+        self._check_unused(name)
+        return self.loras.remove(name)
+
+    def _check_unused(self, name: str) -> None:
+        users = sum(1 for seq in [*self.scheduler.running, *self.scheduler.waiting] if seq.adapter == name)
+        if users:
+            raise LoraAdapterInUse(
+                name, "lora_name", f"in use by {users} request(s); replace or unload it once they end"
+            )
 
     @property
     def has_unfinished(self) -> bool:
@@ -273,8 +316,16 @@ class LLMEngine:
                 if any(s.draft_token_ids for s in sched.scheduled)
                 else None
             ),
+            lora_slots=self._lora_slots(sched),
         )
         return batch, (prompt if prompt.targets else None)
+
+    def _lora_slots(self, sched: SchedulerOutput) -> torch.Tensor | None:
+        """Each scheduled sequence's adapter slot (StepBatch.lora_slots), its adapter made resident."""
+        adapters = [s.seq.adapter for s in sched.scheduled]
+        if not any(adapters):
+            return None
+        return torch.tensor(self.loras.slots_for(adapters), dtype=torch.long)
 
     @staticmethod
     def _keep_prompt_logprobs(sched: SchedulerOutput, batch: StepBatch, prompt: PromptLogits) -> None:
@@ -370,16 +421,20 @@ class LLMEngine:
             self._transfer = KvTransfer(self.block_pool, self.runner.local_kv_caches(), self.kv_layout)
         return self._transfer
 
-    def export_prefix(self, token_ids: list[int]) -> KvBlocks:
-        """The KV of the full blocks of `token_ids` that the prefix cache holds, from the first."""
-        return self._kv_transfer().export_prefix(token_ids)
+    def export_prefix(self, token_ids: list[int], adapter: str | None = None) -> KvBlocks:
+        """The KV of the full blocks of `token_ids` that the prefix cache holds, from the first, as
+        computed with LoRA adapter `adapter` (None: the base model)."""
+        root = self.loras.root_of(adapter) if adapter is not None else None
+        return self._kv_transfer().export_prefix(token_ids, root)
 
     def export_request(self, request_id: str) -> KvBlocks:
         """The KV of a request's full, computed blocks; KeyError when it is not here."""
         seq = self.scheduler.get(request_id)
         if seq is None:
             raise KeyError(request_id)
-        return self._kv_transfer().export_sequence(seq.all_token_ids, seq.block_ids, seq.num_computed_tokens)
+        return self._kv_transfer().export_sequence(
+            seq.all_token_ids, seq.block_ids, seq.num_computed_tokens, seq.chain_root
+        )
 
     def import_blocks(self, layout: KvLayout, blocks: KvBlocks) -> ImportResult:
         """Puts another engine's blocks in the prefix cache (KvTransferError: refused, nothing imported)."""
@@ -387,20 +442,27 @@ class LLMEngine:
 
     # -- offline use ----------------------------------------------------------
     def generate(
-        self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams | list[SamplingParams] | None = None,
+        adapters: list[str | None] | None = None,
     ) -> list[GenerationResult]:
-        """Run every prompt to completion with continuous batching; results in prompt order."""
+        """Run every prompt to completion with continuous batching; results in prompt order.
+        `adapters`: per prompt, the LoRA adapter it runs with (None: the base model)."""
         per_prompt = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         if len(per_prompt) != len(prompts):
             raise ValueError(f"params: {len(per_prompt)} SamplingParams for {len(prompts)} prompts")
+        per_adapter = adapters if adapters is not None else [None] * len(prompts)
+        if len(per_adapter) != len(prompts):
+            raise ValueError(f"adapters: {len(per_adapter)} adapters for {len(prompts)} prompts")
         ids = [f"gen-{uuid.uuid4().hex[:12]}" for _ in prompts]
         tokens: dict[str, list[int]] = {i: [] for i in ids}
         logprobs: dict[str, list[TokenLogprobs]] = {i: [] for i in ids}
         prompt_logprobs: dict[str, list[TokenLogprobs] | None] = {i: None for i in ids}
         finish: dict[str, str] = {}
         errors: dict[str, str | None] = {}
-        for rid, prompt, p in zip(ids, prompts, per_prompt):
-            self.add_request(rid, prompt, p)
+        for rid, prompt, p, adapter in zip(ids, prompts, per_prompt, per_adapter):
+            self.add_request(rid, prompt, p, adapter=adapter)
         while len(finish) < len(ids):
             for o in self.step().outputs:
                 tokens[o.request_id] += o.new_token_ids

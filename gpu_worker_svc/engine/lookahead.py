@@ -86,10 +86,12 @@ class Lookahead:
 
         A sequence whose next position starts a block gets that block now. None: no lookahead
         (a prefill or drafts in the step, logprobs to return, too few free blocks, or every
-        sequence ending at this step's token).
+        sequence ending at this step's token, a LoRA adapter in the step).
         """
         items = sched.scheduled
         if not self.enabled or not items or not all(_plain_decode(i) and _no_logprobs(i.seq) for i in items):
+            return None
+        if any(item.seq.adapter is not None for item in items):  # adapter slots are chosen per step, when it runs
             return None
         # A sequence that reaches max_tokens with this step's token has no next step (and its next
         # position may lie past the model's length).

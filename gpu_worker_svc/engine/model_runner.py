@@ -8,6 +8,7 @@ travel over gRPC. A rank that dies is reported as EngineDeadError, never a hang.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing as mp
 import multiprocessing.connection
@@ -30,6 +31,8 @@ from gpu_worker_svc.model.layers.invariant_attention import check_invariant_atte
 from gpu_worker_svc.model.layers.onednn import onednn_available
 from gpu_worker_svc.model.layers.quantize import pack_fp32_for_onednn, quantize_model
 from gpu_worker_svc.model.loader import load_config, load_model, parse_dtype
+from gpu_worker_svc.model.lora_adapter import LoraAdapter
+from gpu_worker_svc.model.lora_slots import LoraModelSlots
 from gpu_worker_svc.model.parallel import TPGroup, destroy_tp_group, init_tp_group
 from gpu_worker_svc.model.weight_format import resolve_weight_format
 from shardline.core.host_memory import keep_freed_host_memory
@@ -181,6 +184,8 @@ class ShardWorker:
             max_context = config.max_model_len or min(self.model.config.max_position_embeddings, 8192)
             self.graphs = DecodeGraphs(self.model, self.kv_caches, self.num_blocks * self.block_size, max_context)
         self.staging = DeviceStaging(self.device) if self.device.startswith("cuda") else None
+        self.lora: LoraModelSlots | None = None  # made when the first adapter is put in a slot
+        self._lora_resident: dict[int, LoraAdapter] = {}  # slot -> the adapter in it
         if rank == 0:
             log.info("KV cache: %d blocks of %d tokens per rank", self.num_blocks, self.block_size)
 
@@ -200,6 +205,33 @@ class ShardWorker:
         meta.replace_tensors([(key, t) for (key, _), t in zip(fields, moved[3:])])
         token_ids, positions, last = moved[:3]
         return StepInputs(token_ids, positions, meta, last, None)
+
+    def write_lora_slot(self, slot: int, adapter: LoraAdapter, num_slots: int) -> None:
+        """Puts `adapter` in LoRA slot `slot` (1..num_slots) of the model, in place of the one there."""
+        if self.lora is None or adapter.rank > self.lora.rank:
+            # Slots hold the highest rank seen: a higher one gets new slots, the residents written again.
+            rank = max(adapter.rank, self.lora.rank if self.lora is not None else 0)
+            if self.lora is not None:
+                self.lora.detach()
+            self.lora = LoraModelSlots(self.model, self.model.config, num_slots, rank, self.dtype, self.device)
+            for resident_slot, resident in self._lora_resident.items():
+                if resident_slot != slot:
+                    self.lora.write(resident_slot, resident)
+        self.lora.write(slot, adapter)
+        self._lora_resident[slot] = adapter
+
+    @contextlib.contextmanager
+    def _adapters_selected(self, batch: StepBatch):
+        """Each token's LoRA adapter, for the layers, while the step's forward runs."""
+        select = batch.lora_select(self.dtype, self.device) if self.lora is not None else None
+        if select is None or self.lora is None:
+            yield
+            return
+        self.lora.step.select = select
+        try:
+            yield
+        finally:
+            self.lora.step.select = None
 
     def fetch(self, tokens: torch.Tensor) -> TokenFetch:
         """Starts bringing sampled token ids to the host, ahead of work queued after them."""
@@ -222,14 +254,16 @@ class ShardWorker:
         # weight for __torch_function__, and the lookup fails by throwing and catching a C++
         # exception: ~15 us a call, 121 calls a step. No tensor subclass runs here, so the step
         # skips those checks: 1.14x per decode step at batch 1, 1.07x at 16 (int8).
-        with torch._C.DisableTorchFunctionSubclass():
+        with torch._C.DisableTorchFunctionSubclass(), self._adapters_selected(batch):
             return self._step(prompt, inputs or self.prepare(batch), input_ids)
 
     def _step(
         self, prompt: PromptLogits | None, inputs: StepInputs, input_ids: torch.Tensor | None
     ) -> torch.Tensor | None:
         input_ids = inputs.token_ids if input_ids is None else input_ids
-        hidden = self.graphs.run(input_ids, inputs.positions, inputs.meta) if self.graphs is not None else None
+        # A captured graph knows no LoRA: a step with adapters runs eagerly.
+        graphs = self.graphs if self.lora is None or not self.lora.step.active else None
+        hidden = graphs.run(input_ids, inputs.positions, inputs.meta) if graphs is not None else None
         if hidden is None:
             hidden = self.model(input_ids, inputs.positions, inputs.meta, self.kv_caches)
         # The sampled rows go through the LM head alone, as they would without prompt rows: a GEMM's
@@ -318,6 +352,12 @@ class ModelRunner:
                 f"tp_size: KV transfer needs tp_size 1 (each rank holds a shard), got {self.config.tp_size}"
             )
         return self._shard.kv_caches
+
+    def write_lora_slot(self, slot: int, adapter: LoraAdapter, num_slots: int) -> None:
+        """Puts `adapter` in LoRA slot `slot` of the model (ValueError at tp_size above 1)."""
+        if self._children:
+            raise ValueError(f"tp_size: LoRA adapters are served at tp_size 1, got {self.config.tp_size}")
+        self._shard.write_lora_slot(slot, adapter, num_slots)
 
     @property
     def kv_dtype(self) -> torch.dtype:

@@ -72,6 +72,10 @@ class Sequence:
     # Hash chain of the sequence's full, computed blocks, so each new full
     # block is hashed once from its parent instead of rehashing the prefix.
     block_hashes: list[int] = field(default_factory=list)
+    # The LoRA adapter it runs with (its name), None for the base model; and what its first block's
+    # hash chains from (prefix_hash.chain_root of the adapter's identity), so adapters share no blocks.
+    adapter: str | None = None
+    chain_root: int | None = None
     # With params.prompt_logprobs: entry i is prompt token i + 1's, filled chunk by chunk until the
     # first output token goes out with them all.
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)

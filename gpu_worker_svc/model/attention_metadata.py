@@ -34,6 +34,9 @@ class StepBatch:
     # [B] long: how many trailing new tokens of each sequence give logits to sample from: 1, or with
     # n-gram speculation 1 + its draft tokens. None: 1 each.
     num_logits: torch.Tensor | None = None
+    # [B] long: each sequence's LoRA adapter slot (1..max_loras_per_batch), 0 for the base model.
+    # None: no sequence uses an adapter.
+    lora_slots: torch.Tensor | None = None
 
     def pack(self) -> torch.Tensor:
         """One int64 tensor: a 4-int header, then the arrays back to back."""
@@ -41,14 +44,15 @@ class StepBatch:
         header = torch.tensor([self.token_ids.numel(), b, m, self.step], dtype=torch.long)
         prompt = self.prompt_logits if self.prompt_logits is not None else torch.zeros(b, dtype=torch.long)
         logits = self.num_logits if self.num_logits is not None else torch.ones(b, dtype=torch.long)
+        lora = self.lora_slots if self.lora_slots is not None else torch.zeros(b, dtype=torch.long)
         return torch.cat(
-            [header, self.token_ids, self.num_computed, self.num_new, prompt, logits, self.block_tables.flatten()]
+            [header, self.token_ids, self.num_computed, self.num_new, prompt, logits, lora, self.block_tables.flatten()]
         )
 
     @staticmethod
     def packed_size(header: torch.Tensor) -> int:
         t, b, m = (int(x) for x in header[:3])
-        return 4 + t + 4 * b + b * m
+        return 4 + t + 5 * b + b * m
 
     @classmethod
     def unpack(cls, packed: torch.Tensor) -> StepBatch:
@@ -56,15 +60,26 @@ class StepBatch:
         body = packed[4:]
         prompt = body[t + 2 * b : t + 3 * b]
         logits = body[t + 3 * b : t + 4 * b]
+        lora = body[t + 4 * b : t + 5 * b]
         return cls(
             body[:t],
             body[t : t + b],
             body[t + b : t + 2 * b],
-            body[t + 4 * b :].view(b, m),
+            body[t + 5 * b :].view(b, m),
             step,
             prompt if bool(prompt.any()) else None,
             logits if bool((logits != 1).any()) else None,
+            lora if bool(lora.any()) else None,
         )
+
+    def lora_select(self, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor | None:
+        """LoraStep.select for this step: [T, n] one-hot of each new token's adapter slot among 1..n (n the
+        highest slot in use); None when no sequence uses an adapter."""
+        if self.lora_slots is None or not bool(self.lora_slots.any()):
+            return None
+        per_token = torch.repeat_interleave(self.lora_slots, self.num_new)
+        n = int(self.lora_slots.max())
+        return torch.nn.functional.one_hot(per_token, n + 1)[:, 1:].to(device=device, dtype=dtype)
 
     def logit_rows(self) -> torch.Tensor:
         """Flat-batch rows whose logits are sampled: each sequence's last num_logits rows, in order."""

@@ -38,6 +38,8 @@ def header_message(layout: KvLayout, blocks: KvBlocks) -> worker_pb2.KvChunk:
     )
     if blocks.parent_hash is not None:
         header.parent_hash = blocks.parent_hash
+    if blocks.chain_root is not None:
+        header.chain_root = blocks.chain_root
     return worker_pb2.KvChunk(header=header)
 
 
@@ -84,6 +86,7 @@ class KvAssembler:
         self._expected = expected
         self.layout: KvLayout | None = None
         self._parent: int | None = None
+        self._chain_root: int | None = None
         self._kv: np.ndarray | None = None  # [blocks, layers, bytes of a layer]
         self._kv_tensor: torch.Tensor | None = None
         self._tokens: list[list[int]] = []
@@ -112,6 +115,7 @@ class KvAssembler:
         layer_bytes = layout.block_bytes // layout.num_layers
         self._kv = self._kv_tensor.view(torch.uint8).numpy().reshape(header.num_blocks, layout.num_layers, layer_bytes)
         self._parent = header.parent_hash if header.HasField("parent_hash") else None
+        self._chain_root = header.chain_root if header.HasField("chain_root") else None
         self.layout = layout
 
     def _slab(self, slab: worker_pb2.KvBlockSlab) -> None:
@@ -151,4 +155,4 @@ class KvAssembler:
         done = len(self._hashes) - partial
         if done != total:
             raise KvTransferError("slab", f"the stream ended with {done} of {total} blocks complete")
-        return self.layout, KvBlocks(self._parent, self._tokens, self._hashes, self._kv_tensor)
+        return self.layout, KvBlocks(self._parent, self._tokens, self._hashes, self._kv_tensor, self._chain_root)

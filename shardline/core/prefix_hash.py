@@ -21,3 +21,15 @@ def hash_block_tokens(parent_hash: int | None, token_ids: Sequence[int]) -> int:
         hasher.update(b"\x01" + parent_hash.to_bytes(8, "little"))
     hasher.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
     return int.from_bytes(hasher.digest(), "little")
+
+
+def chain_root(identity: str) -> int:
+    """The parent hash of a prompt's first block when its KV is computed with a LoRA adapter.
+
+    Seeding the chain with the adapter's identity keeps two adapters, or an adapter and the base
+    model (whose chain starts from None), from ever sharing a block, here and wherever blocks move.
+    A tag of its own keeps it apart from any block hash.
+    """
+    hasher = hashlib.blake2b(digest_size=8)
+    hasher.update(b"\x02" + identity.encode())
+    return int.from_bytes(hasher.digest(), "little")

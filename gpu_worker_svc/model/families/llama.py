@@ -25,6 +25,7 @@ from gpu_worker_svc.model.layers.linear import (
     QKVParallelLinear,
     RowParallelLinear,
 )
+from gpu_worker_svc.model.layers.lora import LoraStep
 from gpu_worker_svc.model.layers.rotary import RotaryEmbedding
 from gpu_worker_svc.model.layers.smoothing import SmoothingGroup
 from gpu_worker_svc.model.parallel import TPGroup
@@ -164,6 +165,8 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(layer_class(cfg, tp, dtype, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.fused_decode: FusedDecode | None = None  # set by fuse_decode, once the weights are final
+        # Each token's LoRA adapter in the running step (model/lora_slots.py); None: no adapter slots.
+        self.lora_step: LoraStep | None = None
         # Whether the layers compute exactly what the C++ op chains (a family with other maths says no).
         self.fusable = fusable
 
@@ -180,7 +183,9 @@ class LlamaModel(nn.Module):
         if self.embed_scale is not None:
             x = x * self.embed_scale
         rope = self.rotary.prepare(positions)  # once per step, shared by every layer
-        if self.fused_decode is not None and self.fused_decode.fits(x, meta):
+        # The fused C++ decode knows no LoRA: a step with adapters runs the Python layers.
+        lora = self.lora_step is not None and self.lora_step.active
+        if self.fused_decode is not None and not lora and self.fused_decode.fits(x, meta):
             x, residual = self.fused_decode(x, rope, kv_caches, meta)
         else:
             local = self.local_rotary.prepare(positions) if self.local_rotary is not None else rope

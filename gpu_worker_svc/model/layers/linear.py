@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gpu_worker_svc.model.layers.lora import LoraSlots
 from gpu_worker_svc.model.parallel import TPGroup
 
 
@@ -30,6 +31,7 @@ class ColumnParallelLinear(nn.Module):
         self.weight = _new_param((self.out_local, in_features), dtype, self.weight_loader)
         self.bias = _new_param((self.out_local,), dtype, self.weight_loader) if bias else None
         self.quant = None  # a quantized copy of the weight, set by quantize_model
+        self.lora: LoraSlots | None = None  # LoRA adapters' slots, set by LoraModelSlots
 
     def weight_loader(self, param: nn.Parameter, tensor, shard_id=None) -> None:
         start, end = self.tp.shard(tensor.shape[0])
@@ -38,8 +40,10 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quant is not None:
             y = self.quant.matmul(x)
-            return y if self.bias is None else y + self.bias
-        return F.linear(x, self.weight, self.bias)
+            y = y if self.bias is None else y + self.bias
+        else:
+            y = F.linear(x, self.weight, self.bias)
+        return y if self.lora is None else self.lora.add_to(y, x)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -77,6 +81,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.weight = _new_param((out_local, hidden), dtype, self.weight_loader)
         self.bias = _new_param((out_local,), dtype, self.weight_loader) if bias else None
         self.quant = None
+        self.lora = None
 
     def weight_loader(self, param: nn.Parameter, tensor, shard_id: str) -> None:
         if shard_id == "q":
@@ -110,6 +115,7 @@ class RowParallelLinear(nn.Module):
         self.weight = _new_param((out_features, in_features // tp.world_size), dtype, self.weight_loader)
         self.bias = _new_param((out_features,), dtype, self.weight_loader) if bias else None
         self.quant = None  # a quantized copy of the weight, set by quantize_model
+        self.lora: LoraSlots | None = None  # LoRA adapters' slots (TP 1 only), set by LoraModelSlots
 
     def weight_loader(self, param: nn.Parameter, tensor, shard_id=None) -> None:
         if param.dim() == 1:
@@ -125,4 +131,6 @@ class RowParallelLinear(nn.Module):
             y = y if bias is None else y + bias
         else:
             y = F.linear(x, self.weight, bias)
+        if self.lora is not None:
+            y = self.lora.add_to(y, x)
         return self.tp.all_reduce(y) if self.reduce_results else y

@@ -27,6 +27,7 @@ def create_scheduler() -> Callable[..., BatchScheduler]:
         background_max_seqs: int = 4,
         background_grace_s: float = 0.0,
         clock: Callable[[], float] = time.monotonic,
+        max_loras_per_batch: int = 4,
     ) -> BatchScheduler:
         config = SchedulerConfig(
             max_num_seqs=max_num_seqs,
@@ -35,6 +36,7 @@ def create_scheduler() -> Callable[..., BatchScheduler]:
             background_priority=background_priority,
             background_max_seqs=background_max_seqs,
             background_grace_s=background_grace_s,
+            max_loras_per_batch=max_loras_per_batch,
         )
         pool = BlockPool(num_blocks, block_size, enable_prefix_caching)
         return BatchScheduler(config, pool, clock)

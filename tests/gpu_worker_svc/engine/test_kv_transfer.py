@@ -18,7 +18,7 @@ from gpu_worker_svc.engine.kv_transfer import (
 from gpu_worker_svc.engine.llm_engine import EngineConfig, LLMEngine
 from gpu_worker_svc.engine.model_runner import RunnerConfig
 from gpu_worker_svc.engine.sampling_params import SamplingParams
-from shardline.core.prefix_hash import hash_block_tokens
+from shardline.core.prefix_hash import chain_root, hash_block_tokens
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=1)
 
@@ -198,14 +198,15 @@ def _tiny(num_blocks: int) -> tuple[BlockPool, KvTransfer]:
     return pool, KvTransfer(pool, caches, LAYOUT)
 
 
-def _chain(num_blocks: int, parent: int | None = None, first_token: int = 100) -> KvBlocks:
+def _chain(num_blocks: int, parent: int | None = None, first_token: int = 100, root: int | None = None) -> KvBlocks:
     tokens = [list(range(first_token + 4 * i, first_token + 4 * i + 4)) for i in range(num_blocks)]
     hashes = []
+    parent = parent if parent is not None else root
     for block in tokens:
         parent = hash_block_tokens(parent, block)
         hashes.append(parent)
     kv = torch.arange(num_blocks * 2 * 2 * 4 * 2, dtype=torch.float32).view(num_blocks, *LAYOUT.block_shape)
-    return KvBlocks(None, tokens, hashes, kv)
+    return KvBlocks(None, tokens, hashes, kv, root)
 
 
 def test_a_chain_longer_than_the_room_is_imported_from_its_head():
@@ -251,3 +252,22 @@ def test_an_engine_without_prefix_caching_refuses_imports():
     with pytest.raises(KvTransferError, match="enable_prefix_caching"):
         transfer.import_blocks(LAYOUT, _chain(1))
     assert pool.num_free_blocks == 4
+
+
+def test_blocks_of_a_lora_adapter_are_hits_for_that_adapter_only():
+    pool, transfer = _tiny(4)
+    root = chain_root("adapter-digest")
+    blocks = _chain(2, root=root)
+    assert transfer.import_blocks(LAYOUT, blocks).imported == 2
+    prompt = [t for block in blocks.token_ids for t in block]
+    assert len(pool.get_cached_prefix(prompt, root)) == 2
+    assert pool.get_cached_prefix(prompt) == [] and pool.get_cached_prefix(prompt, chain_root("other")) == []
+    exported = transfer.export_prefix(prompt, root)
+    assert (exported.chain_root, exported.block_hashes) == (root, blocks.block_hashes)
+
+
+def test_adapter_blocks_sent_as_the_base_models_are_refused():
+    _, transfer = _tiny(4)
+    blocks = dataclasses.replace(_chain(2, root=chain_root("adapter-digest")), chain_root=None)
+    with pytest.raises(KvTransferError, match=r"block_hashes\[0\]: does not hash its parent and tokens"):
+        transfer.import_blocks(LAYOUT, blocks)

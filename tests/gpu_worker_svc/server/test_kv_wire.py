@@ -7,7 +7,7 @@ import torch
 
 from gpu_worker_svc.engine.kv_transfer import KvBlocks, KvLayout, KvLayoutMismatch, KvTransferError
 from gpu_worker_svc.server.kv_wire import KvAssembler, kv_chunks
-from shardline.core.prefix_hash import hash_block_tokens
+from shardline.core.prefix_hash import chain_root, hash_block_tokens
 
 LAYOUT = KvLayout("tiny", "f" * 16, "none", "bfloat16", 4, 3, 2, 8, 1)
 LAYER_BYTES = 2 * 4 * 2 * 8 * 2  # K and V of 4 tokens, 2 heads of 8 bfloat16 values
@@ -44,6 +44,14 @@ def test_blocks_survive_the_trip_whatever_the_slab_size(slab_bytes, slabs_per_bl
         sent.block_hashes,
     )
     assert torch.equal(received.kv, sent.kv)
+
+
+def test_the_chain_root_of_a_lora_adapters_blocks_survives_the_trip():
+    root = chain_root("adapter-digest")
+    sent = _blocks(2, parent=root)
+    sent = KvBlocks(None, sent.token_ids, sent.block_hashes, sent.kv, root)
+    _, received = _assemble(kv_chunks(LAYOUT, sent))
+    assert (received.parent_hash, received.chain_root, received.block_hashes) == (None, root, sent.block_hashes)
 
 
 def test_an_empty_transfer_is_a_header_alone():
