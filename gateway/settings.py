@@ -66,6 +66,10 @@ class GatewaySettings(BaseSettings):
     batch_chunk_lines: int = Field(256, ge=1)
     # Seconds a batch has to finish, in place of its completion_window's 24 h; unset keeps the window.
     batch_window_s: float | None = Field(None, gt=0)
+    # Serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (and their gRPC rpcs), which make every
+    # worker read an adapter folder on its machine (docs/lora.md); off: they answer 404, as vLLM's are
+    # absent without VLLM_ALLOW_RUNTIME_LORA_UPDATING.
+    allow_runtime_lora_updating: bool = False
     # Export spans over OTLP (SHARDLINE_TRACING=0 turns it off); trace context is propagated either way.
     tracing: bool = True
     # YAML file of tenants (gateway/tenancy/tenants.py): each API key's tenant, weight and priority class, keys stored

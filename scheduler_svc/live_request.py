@@ -19,7 +19,7 @@ class LiveRequest:
 
     request_id: str  # unique id, from the client or the gateway
     gateway_id: str  # whose Subscribe stream receives its deltas; Attach changes it
-    model: str  # model that must serve it
+    model: str  # model that must serve it: a worker's own, or a LoRA adapter's name (WorkerInfo.adapters)
     priority: int  # priority class; lower is dispatched first
     prompt_token_ids: list[int]  # the prompt, sent in full on every dispatch
     params: sampling_pb2.SamplingParameters  # resolved sampling parameters, seed set
@@ -108,6 +108,7 @@ class LiveRequest:
             eos_token_ids=self.eos_token_ids,
             priority=self.priority,
             traceparent=self.traceparent,
+            model=self.model,
         )
 
 

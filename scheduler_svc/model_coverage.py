@@ -45,6 +45,8 @@ class ModelCoverage:
             if not worker.runs_requests:  # a prefill worker alone serves no request
                 continue
             self._last_live[worker.info.model] = now
+            for adapter in worker.info.adapters:  # a request may name a LoRA adapter as its model
+                self._last_live[adapter] = now
             self._last_live[""] = now  # a request naming no model takes any worker
         return now
 

@@ -7,16 +7,17 @@ from dataclasses import dataclass
 
 from scheduler_svc.live_request import LiveRequest
 from scheduler_svc.worker_registry import RegisteredWorker
-from shardline.core.prefix_hash import hash_block_tokens
+from shardline.core.prefix_hash import chain_root, hash_block_tokens
 
 # Used when a worker registers without a block size.
 DEFAULT_BLOCK_SIZE = 16
 
 
-def prefix_hashes(prompt: Sequence[int], block_size: int, max_blocks: int) -> list[int]:
-    """Chained hashes of the prompt's first full blocks, as the engine's prefix cache computes them."""
+def prefix_hashes(prompt: Sequence[int], block_size: int, max_blocks: int, root: int | None = None) -> list[int]:
+    """Chained hashes of the prompt's first full blocks, as the engine's prefix cache computes them;
+    `root`: what the first chains from (a LoRA adapter's, so its prefixes are remembered apart)."""
     hashes: list[int] = []
-    parent: int | None = None
+    parent = root
     for start in range(0, min(len(prompt) // block_size, max_blocks) * block_size, block_size):
         parent = hash_block_tokens(parent, prompt[start : start + block_size])
         hashes.append(parent)
@@ -74,7 +75,9 @@ class Router:
         prompt that worker was last sent."""
         # One pool serves one model, whose workers share a block size.
         block_size = candidates[0].info.block_size or DEFAULT_BLOCK_SIZE
-        chain = prefix_hashes(request.prompt_token_ids, block_size, self._max_known_blocks)
+        # A LoRA adapter's request computes other KV than the model's: its prefixes are its own.
+        root = chain_root(request.model) if request.model in candidates[0].info.adapters else None
+        chain = prefix_hashes(request.prompt_token_ids, block_size, self._max_known_blocks, root)
         hashes = chain[: self._max_prefix_blocks]
         min_load = min(worker.load for worker in candidates)
         eligible = {w.worker_id: w for w in candidates if w.load <= min_load + self._load_slack}

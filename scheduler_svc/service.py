@@ -11,6 +11,7 @@ from google.protobuf import duration_pb2, timestamp_pb2
 
 from scheduler_svc.dispatcher import Dispatcher
 from scheduler_svc.live_request import LiveRequest, params_from_json
+from scheduler_svc.lora_rollout import load_adapter, unload_adapter
 from scheduler_svc.relay import Relay
 from scheduler_svc.settings import SchedulerSettings
 from shardline.core.errors import InvalidArgument, NotFound
@@ -182,6 +183,16 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self, request: common_pb2.GetRequestRequest, context: grpc.aio.ServicerContext
     ) -> common_pb2.RequestInfo:
         return await self._request_info(require_id(request.request_id, "request_id"))
+
+    async def LoadLoraAdapter(
+        self, request: common_pb2.LoadLoraAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> common_pb2.LoraAdaptersResponse:
+        return common_pb2.LoraAdaptersResponse(adapters=await load_adapter(self._dispatcher.registry, request))
+
+    async def UnloadLoraAdapter(
+        self, request: common_pb2.UnloadLoraAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> common_pb2.LoraAdaptersResponse:
+        return common_pb2.LoraAdaptersResponse(adapters=await unload_adapter(self._dispatcher.registry, request))
 
     async def ListWorkers(
         self, request: scheduler_pb2.ListWorkersRequest, context: grpc.aio.ServicerContext

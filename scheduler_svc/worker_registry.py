@@ -79,8 +79,8 @@ class RegisteredWorker:
             del self.classes[priority]
 
     def serves(self, model: str) -> bool:
-        """True when it serves `model`; an empty model name takes any worker."""
-        return not model or self.info.model == model
+        """True when it serves `model`, its own or one of its LoRA adapters; an empty model name takes any worker."""
+        return not model or self.info.model == model or model in self.info.adapters
 
 
 class WorkerRegistry:

@@ -59,6 +59,7 @@ PREFIX_CACHE_HITS = "shardline.prefix_cache_hits"
 DRAFT_TOKENS = "shardline.draft_tokens"  # n-gram speculation: draft tokens the step computed
 ACCEPTED_TOKENS = "shardline.accepted_tokens"  # of those, the ones kept as output
 TENANT = "shardline.tenant"  # the tenant a request counts against (gateway request span, scheduler queue span)
+LORA_ADAPTER = "shardline.lora_adapter"  # the LoRA adapter a request runs with (gateway request span, worker spans)
 # A request with a TTFT target (gateway request span): the target, and how it fared: met, missed or
 # refused (gateway/runner/request_metrics.py says which is which).
 TTFT_TARGET_MS = "shardline.ttft_target_ms"

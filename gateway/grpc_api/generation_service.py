@@ -206,6 +206,17 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
     ) -> generation_pb2.ListModelsResponse:
         return generation_pb2.ListModelsResponse(models=await self._runner.served_models())
 
+    async def LoadLoraAdapter(
+        self, request: common_pb2.LoadLoraAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> common_pb2.LoraAdaptersResponse:
+        adapters = await self._runner.lora_updates.load(request.lora_name, request.lora_path)
+        return common_pb2.LoraAdaptersResponse(adapters=adapters)
+
+    async def UnloadLoraAdapter(
+        self, request: common_pb2.UnloadLoraAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> common_pb2.LoraAdaptersResponse:
+        return common_pb2.LoraAdaptersResponse(adapters=await self._runner.lora_updates.unload(request.lora_name))
+
     async def _resolve_parser(self, tools: ToolRequest) -> None:
         info = await self._runner.backends.tokenizer_info()
         resolve_parser(tools, self._runner.settings.tool_call_parser, info.tool_call_format, "tools.choice")

@@ -23,6 +23,7 @@ from gateway.http_api.openai_choices import (
     total_usage,
 )
 from gateway.http_api.openai_echo import echoed_prompts
+from gateway.http_api.openai_fields import json_field
 from gateway.http_api.openai_request import (
     OPENAI_COMPLETIONS_DEFAULT_MAX_TOKENS,
     OpenAIRequest,
@@ -91,6 +92,8 @@ class OpenAIHttpApi:
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/v1/models/{model:.+}", self.model)
+        app.router.add_post("/v1/load_lora_adapter", self.load_lora_adapter)
+        app.router.add_post("/v1/unload_lora_adapter", self.unload_lora_adapter)
         app.router.add_post("/tokenize", self.tokenize)
         app.router.add_post("/detokenize", self.detokenize)
         app.router.add_get("/health", self.health)
@@ -241,6 +244,17 @@ class OpenAIHttpApi:
                 return web.json_response(self._model_card(m))
         raise ModelNotFound(f"model {name!r} is not served here")
 
+    async def load_lora_adapter(self, request: web.Request) -> web.Response:
+        body = await json_body(request)
+        name = json_field(body, "lora_name", str) or ""
+        await self._runner.lora_updates.load(name, json_field(body, "lora_path", str) or "")
+        return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")  # vLLM's answer
+
+    async def unload_lora_adapter(self, request: web.Request) -> web.Response:
+        name = json_field(await json_body(request), "lora_name", str) or ""
+        await self._runner.lora_updates.unload(name)
+        return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully.")
+
     def _model_card(self, m: generation_pb2.ModelInfo) -> dict[str, Any]:
         return {
             "id": m.name,
@@ -248,6 +262,8 @@ class OpenAIHttpApi:
             "created": self._started,
             "owned_by": "shardline",
             "max_model_len": m.max_context_length,
+            # As vLLM's cards: a LoRA adapter's base model, None for a base model.
+            "parent": m.parent or None,
         }
 
     async def health(self, request: web.Request) -> web.Response:
@@ -257,7 +273,7 @@ class OpenAIHttpApi:
         workers = 0
         if all(dependencies.values()):
             with contextlib.suppress(ShardlineError):
-                workers = sum(m.num_workers for m in await self._runner.served_models(HEALTH_TIMEOUT_S))
+                workers = sum(m.num_workers for m in await self._runner.served_models(HEALTH_TIMEOUT_S) if not m.parent)
         subscribed = self._runner.hub.connected
         healthy = all(dependencies.values()) and subscribed and workers > 0
         body = {

@@ -69,6 +69,13 @@ class PreparedRequest:
     prompt_ids: list[int]
     tenant: Tenant  # the tenant it counts against
     slo: Slo  # its effective SLO: its own, else its tenant's
+    # The model it runs on as it was named: the served model's name, or a LoRA adapter's on it.
+    model: str = ""
+
+    @property
+    def served_model(self) -> str:
+        """What the scheduler routes it by and the response names: its adapter, else the served model."""
+        return self.model or self.info.model
 
 
 def timestamp_in(after_s: float) -> Timestamp:

@@ -8,6 +8,7 @@ follows it as a SubmittedRequest (submitted_request.py).
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -17,6 +18,7 @@ from gateway.output.request_stream import RequestStream, stream_for
 from gateway.output.stream_hub import StreamHub
 from gateway.runner.admission import Admission
 from gateway.runner.generation_spec import GenerationSpec, PreparedRequest, Prompt, prompt_texts, timestamp_in
+from gateway.runner.lora_updates import LoraUpdates
 from gateway.runner.params import ContextLengthExceeded, ModelLimits, resolve_max_tokens, validate_sampling
 from gateway.runner.prompt_bound import PromptBound
 from gateway.runner.request_attach import attach_existing
@@ -83,6 +85,7 @@ class RequestRunner:
         elif settings.tenants_redis_key:
             self.tenants = RedisTenantDirectory(settings.redis_url, settings.tenants_redis_key)
         self.limiter = limiter_for(settings, self.tenants, backends)
+        self.lora_updates = LoraUpdates(settings, backends)
 
     def tenant(self, owner: str) -> Tenant:
         """The tenant a request of `owner` counts against: a lookup in memory, cheap enough for a refusal."""
@@ -99,8 +102,15 @@ class RequestRunner:
         """Validate and tokenize `spec`, submitting nothing: a request of several choices checks them all first."""
         span.set_attribute(attr.REQUEST_ID, spec.request_id)
         info = await self.backends.tokenizer_info()
+        adapter = ""
         if spec.model not in ("", info.model):
-            raise ModelNotFound(f"model {spec.model!r} is not served here; this gateway serves {info.model!r}")
+            adapters = [m.name for m in await self.served_models() if m.parent == info.model]
+            if spec.model not in adapters:
+                also = f" and its LoRA adapters {', '.join(map(repr, adapters))}" if adapters else ""
+                raise ModelNotFound(
+                    f"model {spec.model!r} is not served here; this gateway serves {info.model!r}{also}"
+                )
+            adapter = spec.model
         limits = self.limits(info)
         params = validate_sampling(spec.params, limits, spec.field_prefix, spec.max_tokens_field)
         tenant = tenant_of(self.tenants, spec.owner)
@@ -127,14 +137,16 @@ class RequestRunner:
             span.set_attribute(attr.STRUCTURED_OUTPUT, params.structured_output.WhichOneof("kind"))
         span.set_attributes(
             {
-                attr.GEN_AI_REQUEST_MODEL: info.model,
+                attr.GEN_AI_REQUEST_MODEL: adapter or info.model,
                 attr.GEN_AI_REQUEST_TEMPERATURE: params.temperature,
                 attr.GEN_AI_REQUEST_TOP_P: params.top_p,
             }
         )
         if params.HasField("max_tokens"):  # unset: up to the worker's context length
             span.set_attribute(attr.GEN_AI_REQUEST_MAX_TOKENS, params.max_tokens)
-        return PreparedRequest(spec, span, info, params, prompt_ids, tenant, slo)
+        if adapter:
+            span.set_attribute(attr.LORA_ADAPTER, adapter)
+        return PreparedRequest(spec, span, info, params, prompt_ids, tenant, slo, adapter)
 
     async def submit(self, prepared: PreparedRequest) -> SubmittedRequest:
         """Submit a prepared request; call inside its span (current), so the Submit rpc carries its trace."""
@@ -150,7 +162,7 @@ class RequestRunner:
         submit = scheduler_pb2.SubmitRequest(
             request_id=spec.request_id,
             gateway_id=self.settings.gateway_id,
-            model=info.model,
+            model=prepared.served_model,
             prompt_token_ids=prompt_ids,
             params=params,
             eos_token_ids=info.eos_token_ids,
@@ -185,7 +197,7 @@ class RequestRunner:
             if self.limiter is not None:
                 self.limiter.release_unsubmitted(hold)
             raise
-        return self._follow(prepared, info.model, stream, spec.arrival_s + timeout_s, hold)
+        return self._follow(prepared, prepared.served_model, stream, spec.arrival_s + timeout_s, hold)
 
     def _follow(
         self, prepared: PreparedRequest, model: str, stream: RequestStream, deadline_s: float, hold: Hold | None = None
@@ -205,18 +217,26 @@ class RequestRunner:
         return await self.limiter.admit(tenant, spec.request_id, prompt_tokens, max_tokens, field)
 
     async def served_models(self, timeout_s: float = RPC_TIMEOUT_S) -> list[generation_pb2.ModelInfo]:
-        """This gateway's model, when at least one live worker serves it (the tokenizer fixes the model)."""
+        """This gateway's model, when at least one live worker serves it (the tokenizer fixes the model),
+        then the LoRA adapters its live workers serve on it, each with the model as its parent."""
         info = await self.backends.tokenizer_info()
         with upstream("scheduler"):
             pool = await self.backends.scheduler.ListWorkers(scheduler_pb2.ListWorkersRequest(), timeout=timeout_s)
-        workers = sum(1 for state in pool.workers if state.alive and state.worker.model == info.model)
-        if not workers:
+        live = [state.worker for state in pool.workers if state.alive and state.worker.model == info.model]
+        if not live:
             return []
-        context = info.max_context_length
+        context, vocab = info.max_context_length, info.vocab_size
+        adapters = Counter(name for worker in live for name in dict.fromkeys(worker.adapters))
         return [
             generation_pb2.ModelInfo(
-                name=info.model, max_context_length=context, num_workers=workers, vocab_size=info.vocab_size
-            )
+                name=info.model, max_context_length=context, num_workers=len(live), vocab_size=vocab
+            ),
+            *(
+                generation_pb2.ModelInfo(
+                    name=name, max_context_length=context, num_workers=n, vocab_size=vocab, parent=info.model
+                )
+                for name, n in sorted(adapters.items())
+            ),
         ]
 
     def limits(self, info: tokenizer_pb2.TokenizerInfo) -> ModelLimits:

@@ -12,6 +12,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from gateway.upstream.bounded_tokenizer import BoundedTokenizer
 from shardline.core.errors import (
     NO_WORKER,
+    FailedPrecondition,
     InvalidArgument,
     NotFound,
     RequestIdTaken,
@@ -91,6 +92,9 @@ def upstream_error(service: str, exc: grpc.aio.AioRpcError) -> ShardlineError:
         return RequestIdTaken(field, problem) if problem else RequestIdTaken("request_id", details)
     if code == grpc.StatusCode.NOT_FOUND:
         return NotFound(details)
+    if code == grpc.StatusCode.FAILED_PRECONDITION:
+        field, _, problem = details.partition(": ")
+        return FailedPrecondition(field, problem) if problem else FailedPrecondition("request", details)
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
         return ResourceExhausted(details or f"{service} is at capacity; retry later")
     if code == grpc.StatusCode.UNAVAILABLE and details.startswith(NO_WORKER):  # the scheduler is fine

@@ -27,6 +27,7 @@ from typing import Any, TypeVar
 
 from gpu_worker_svc.engine.kv_transfer import KvBlocks
 from gpu_worker_svc.engine.llm_engine import LLMEngine
+from gpu_worker_svc.engine.lora_adapters import UnknownAdapterError
 from gpu_worker_svc.engine.model_runner import EngineDeadError
 from gpu_worker_svc.engine.outputs import StepResult
 from gpu_worker_svc.engine.sampling_params import SamplingParams
@@ -193,8 +194,10 @@ class EngineLoop:
         on_fatal: Callable[[BaseException], None],
         admission_gap_s: float = 0.0,
         thread: TorchThread | None = None,
+        model: str = "",
     ) -> None:
         self._engine = engine
+        self._model = model  # the served model's name: a request naming another names a LoRA adapter
         # The thread that built the engine, where there is one: a second thread of OpenMP work in a
         # process slows every step (engine/torch_thread.py).
         self._torch = thread or TorchThread("engine-loop")
@@ -212,6 +215,11 @@ class EngineLoop:
         self._prefill_ids = itertools.count(1)
         self._step = 0
         self.load = WorkerLoad()
+
+    @property
+    def engine(self) -> LLMEngine:
+        """The engine, for what is safe off its thread (reading an adapter's files); the rest goes through call()."""
+        return self._engine
 
     def start(self) -> None:
         self._done = self._torch.submit(self._run)
@@ -345,6 +353,7 @@ class EngineLoop:
             if self._grammar_gate.holds(new):
                 self._refresh_load()  # an idle engine may not step for seconds: show it waiting now
                 return
+        adapter = None if new.model in ("", self._model) else new.model
         try:
             req = engine_request(new, self._limits)
             self._engine.add_request(
@@ -355,14 +364,20 @@ class EngineLoop:
                 output_token_ids=list(new.output_token_ids),
                 eos_token_id=req.eos_token_id,
                 compiled_grammar=compiled_grammar,
+                adapter=adapter,
             )
-        except ValueError as exc:
+        except (ValueError, UnknownAdapterError) as exc:
             log.warning("request %s refused: %s", new.request_id, exc)
             self._errors.append(error_delta(new, str(exc)))
             return
         self._requests.add(new.request_id)
         self._telemetry.request_added(
-            new.request_id, new.traceparent, len(new.prompt_token_ids), req.params.max_tokens, req.params.temperature
+            new.request_id,
+            new.traceparent,
+            len(new.prompt_token_ids),
+            req.params.max_tokens,
+            req.params.temperature,
+            adapter,
         )
 
     def _finish_prefills(self, out: StepResult) -> None:

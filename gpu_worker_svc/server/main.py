@@ -81,12 +81,23 @@ def parse_args(argv: list[str] | None) -> WorkerSettings:
         type=int,
         help="n-gram speculation: draft tokens per decode, looked up in the request's own text (0: off)",
     )
+    p.add_argument(
+        "--lora",
+        action="append",
+        metavar="NAME=PATH",
+        help="serve the LoRA adapter in folder PATH (PEFT's format) as model NAME; once per adapter",
+    )
+    p.add_argument("--max-loras-per-batch", dest="max_loras_per_batch", type=int)
+    p.add_argument("--max-lora-rank", dest="max_lora_rank", type=int)
     p.add_argument("--torch-threads", dest="torch_threads", type=int)
     p.add_argument("--metrics-port", dest="metrics_port", type=int)
     p.add_argument("--no-tracing", dest="tracing", action="store_false")
     p.add_argument("--peak-tflops", dest="peak_tflops", type=float, help="one device's peak, for MFU")
     p.add_argument("--peak-bandwidth-gbs", dest="peak_bandwidth_gbs", type=float, help="for MBU")
-    return WorkerSettings(**vars(p.parse_args(argv)))
+    args = vars(p.parse_args(argv))
+    if "lora" in args:
+        args["lora_adapters"] = ",".join(args.pop("lora"))
+    return WorkerSettings(**args)
 
 
 def _host_memory_tuned(s: WorkerSettings, own_process: bool) -> WorkerSettings:

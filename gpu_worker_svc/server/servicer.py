@@ -9,9 +9,10 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from gpu_worker_svc.model.lora_adapter import LoraAdapterError, LoraAdapterInUse
 from gpu_worker_svc.server.engine_loop import EngineLoop, SessionEnd, SessionLink
-from shardline.core.errors import Unavailable
-from shardline.proto import worker_pb2, worker_pb2_grpc
+from shardline.core.errors import FailedPrecondition, InvalidArgument, NotFound, ShardlineError, Unavailable
+from shardline.proto import common_pb2, worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +36,40 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self, request: worker_pb2.GetWorkerInfoRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.WorkerInfo:
         return self._info
+
+    async def LoadLoraAdapter(
+        self, request: common_pb2.LoadLoraAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> common_pb2.LoraAdaptersResponse:
+        engine = self._engine_loop.engine
+        try:
+            # Read and checked off the engine's thread; only putting it in place waits for a step's end.
+            adapter = await asyncio.to_thread(engine.loras.read, request.lora_name, request.lora_path)
+            _, names = await asyncio.wrap_future(
+                self._engine_loop.call(lambda e: (e.serve_lora(adapter), e.loras.names))
+            )
+        except LoraAdapterError as exc:
+            raise _refusal(exc) from None
+        return self._adapters_now(names)
+
+    async def UnloadLoraAdapter(
+        self, request: common_pb2.UnloadLoraAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> common_pb2.LoraAdaptersResponse:
+        name = request.lora_name
+        try:
+            removed, names = await asyncio.wrap_future(
+                self._engine_loop.call(lambda e: (e.remove_lora(name), e.loras.names))
+            )
+        except LoraAdapterError as exc:
+            raise _refusal(exc) from None
+        if not removed:
+            raise NotFound(f"lora_name: LoRA adapter {name!r} is not served here")
+        return self._adapters_now(names)
+
+    def _adapters_now(self, names: list[str]) -> common_pb2.LoraAdaptersResponse:
+        """The served adapters, also in the info the worker registers with (GetInfo, a re-registration)."""
+        del self._info.adapters[:]
+        self._info.adapters.extend(names)
+        return common_pb2.LoraAdaptersResponse(adapters=names)
 
     async def Session(
         self, request_iterator: AsyncIterator[worker_pb2.WorkerCommand], context: grpc.aio.ServicerContext
@@ -63,3 +98,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         except grpc.aio.AioRpcError as exc:  # the client went away; the rpc itself is cancelled too
             log.info("session %d stream broke: %s", link.id, exc.code().name)
         link.queue.put_nowait(SessionEnd(None))
+
+
+def _refusal(exc: LoraAdapterError) -> ShardlineError:
+    """An adapter refused at load or unload, as its gRPC status: the field at fault named first."""
+    problem = f"LoRA adapter {exc.adapter!r}: {exc.problem}"
+    return (
+        FailedPrecondition(exc.field, problem)
+        if isinstance(exc, LoraAdapterInUse)
+        else InvalidArgument(exc.field, problem)
+    )

@@ -26,6 +26,7 @@ from gpu_worker_svc.engine.ngram_proposer import SpeculativeConfig
 from gpu_worker_svc.engine.torch_thread import TorchThread
 from gpu_worker_svc.model.dummy import is_dummy
 from gpu_worker_svc.model.loader import parse_dtype
+from gpu_worker_svc.model.lora_adapter import LoraAdapterError
 from gpu_worker_svc.server.engine_loop import EngineLoop
 from gpu_worker_svc.server.kv_transfer_servicer import SERVICE_NAME as KV_SERVICE_NAME
 from gpu_worker_svc.server.kv_transfer_servicer import KvTransferServicer
@@ -72,10 +73,12 @@ def engine_config(s: WorkerSettings) -> EngineConfig:
             background_priority=s.background_priority,
             background_max_seqs=s.background_max_seqs,
             background_grace_s=s.background_grace_s,
+            max_loras_per_batch=s.max_loras_per_batch,
         ),
         s.enable_prefix_caching,
         SpeculativeConfig(s.num_speculative_tokens),
         s.async_scheduling,
+        s.max_lora_rank,
     )
 
 
@@ -83,6 +86,11 @@ def build_engine(s: WorkerSettings) -> LLMEngine:
     engine = LLMEngine(engine_config(s))
     if s.torch_threads > 0:  # after the runner, which sets its own default on CPU
         torch.set_num_threads(s.torch_threads)
+    for name, path in s.resolved_lora_adapters.items():
+        try:
+            engine.add_lora(name, path)
+        except LoraAdapterError as exc:  # one bad adapter costs its own requests only
+            log.error("%s; serving without it", exc)
     return engine
 
 
@@ -98,6 +106,7 @@ def worker_info(s: WorkerSettings, engine: LLMEngine, address: str) -> worker_pb
         max_num_seqs=s.max_num_seqs,
         max_model_len=engine.max_model_len,
         role=s.role,
+        adapters=engine.loras.names,
     )
 
 
@@ -121,6 +130,7 @@ def engine_loop_for(
         on_fatal,
         s.resolved_admission_gap_s,
         thread,
+        model,
     )
 
 

@@ -85,6 +85,15 @@ class WorkerSettings(BaseSettings):
     # way, as batching may). Text that repeats its context (code edits, quotes) runs several tokens a
     # step; at high batch on CPU the drafts' compute eats the gain (docs/benchmarks.md).
     num_speculative_tokens: int = Field(0, ge=0, le=16)
+    # LoRA adapters served from the start, as NAME=PATH items separated by commas (the flag: --lora
+    # NAME=PATH, once per adapter); a request names one as its model (docs/lora.md). PATH is a folder in
+    # PEFT's format. An adapter that fails its checks is logged and left out; the worker serves on.
+    lora_adapters: str = ""
+    # Most LoRA adapters among the requests running at once (each takes a slot of the model's); a
+    # request of another adapter waits for one to leave.
+    max_loras_per_batch: int = Field(4, ge=1)
+    # Highest rank a LoRA adapter may have.
+    max_lora_rank: int = Field(64, ge=1)
     # Async scheduling (engine/lookahead.py): each decode step is launched on the device before the last
     # one's tokens reach the host, so the host's work hides behind the GPU's (H200, Llama-3.2-1B shape,
     # batch 64: 2.66 ms a step against 3.59). The same tokens. None: on CUDA only (on CPU the model and
@@ -116,6 +125,12 @@ class WorkerSettings(BaseSettings):
             raise ValueError(f"must be one of {', '.join(CPU_WEIGHT_FORMATS)}")
         return quantization
 
+    @field_validator("lora_adapters")
+    @classmethod
+    def _adapter_items(cls, adapters: str) -> str:
+        _adapter_paths(adapters)
+        return adapters
+
     @field_validator("device")
     @classmethod
     def _known_device(cls, device: str) -> str:
@@ -136,6 +151,11 @@ class WorkerSettings(BaseSettings):
         if self.dtype:
             return self.dtype
         return "float32" if self.resolved_device == "cpu" else "bfloat16"
+
+    @property
+    def resolved_lora_adapters(self) -> dict[str, str]:
+        """lora_adapters as name -> folder, in the order given."""
+        return _adapter_paths(self.lora_adapters)
 
     @property
     def resolved_worker_id(self) -> str:
@@ -176,3 +196,16 @@ def cuda_installed() -> bool:
     build = (Path(next(iter(spec.submodule_search_locations))) / "version.py").read_text()
     gpu_build = re.search(r"^(cuda|hip)\b[^=]*=\s*['\"]", build, re.MULTILINE) is not None
     return gpu_build and (Path("/proc/driver/nvidia/version").exists() or Path("/dev/kfd").exists())
+
+
+def _adapter_paths(adapters: str) -> dict[str, str]:
+    """NAME=PATH items separated by commas, as a dict; ValueError naming a malformed or repeated one."""
+    paths: dict[str, str] = {}
+    for item in filter(None, (part.strip() for part in adapters.split(","))):
+        name, sep, path = (x.strip() for x in item.partition("="))
+        if not sep or not name or not path:
+            raise ValueError(f"{item!r}: each adapter is NAME=PATH")
+        if name in paths:
+            raise ValueError(f"{name!r} is named twice")
+        paths[name] = path
+    return paths

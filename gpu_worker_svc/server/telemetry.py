@@ -39,19 +39,26 @@ class StepTelemetry:
         self._requests: dict[str, _RequestSpans] = {}
 
     def request_added(
-        self, request_id: str, traceparent: str, prompt_tokens: int, max_tokens: int, temperature: float
+        self,
+        request_id: str,
+        traceparent: str,
+        prompt_tokens: int,
+        max_tokens: int,
+        temperature: float,
+        adapter: str | None = None,
     ) -> None:
+        """A request in the engine; `adapter`: the LoRA adapter it runs with, None for the base model."""
         if self._enabled:
-            self._requests[request_id] = _RequestSpans(
-                extract_context({"traceparent": traceparent}),
-                {
-                    attr.REQUEST_ID: request_id,
-                    attr.GEN_AI_REQUEST_MODEL: self._model,
-                    attr.GEN_AI_USAGE_INPUT_TOKENS: prompt_tokens,
-                    attr.GEN_AI_REQUEST_MAX_TOKENS: max_tokens,
-                    attr.GEN_AI_REQUEST_TEMPERATURE: temperature,
-                },
-            )
+            attributes: dict[str, str | int | float] = {
+                attr.REQUEST_ID: request_id,
+                attr.GEN_AI_REQUEST_MODEL: self._model,
+                attr.GEN_AI_USAGE_INPUT_TOKENS: prompt_tokens,
+                attr.GEN_AI_REQUEST_MAX_TOKENS: max_tokens,
+                attr.GEN_AI_REQUEST_TEMPERATURE: temperature,
+            }
+            if adapter is not None:
+                attributes[attr.LORA_ADAPTER] = adapter
+            self._requests[request_id] = _RequestSpans(extract_context({"traceparent": traceparent}), attributes)
 
     def request_dropped(self, request_id: str, end_ns: int) -> None:
         """A request aborted without a final output (its session ended)."""

@@ -26,6 +26,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default=os.environ.get("SHARDLINE_MODEL") or None,
         help="HF folder or .gguf file (default: $SHARDLINE_MODEL, else SmolLM2-135M-Instruct)",
     )
+    p.add_argument(
+        "--lora",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="serve the LoRA adapter in folder PATH (PEFT's format) on every worker as model NAME; once per adapter",
+    )
     workers = p.add_mutually_exclusive_group()
     workers.add_argument("--workers", type=at_least_one, default=1, help="number of GPU worker services")
     workers.add_argument(
@@ -119,6 +126,7 @@ def run(args: argparse.Namespace) -> int:
         otlp_port=args.otlp_port,
         dashboard_port=args.dashboard_port,
         log_dir=log_dir,
+        lora_adapters=",".join(args.lora),
     )
     stack = LocalStack(config)
     t0 = time.monotonic()

@@ -204,16 +204,18 @@ class RequestDetails:
 
 @dataclass(slots=True)
 class ModelInfo:
-    """A served model: its name (for `model=`), context length, live workers and vocabulary size."""
+    """A served model: its name (for `model=`), context length, live workers and vocabulary size; for a
+    LoRA adapter, `parent` is the model it adapts ("" for a base model)."""
 
     name: str
     max_context_length: int
     num_workers: int
     vocab_size: int
+    parent: str = ""
 
     @classmethod
     def from_proto(cls, m: generation_pb2.ModelInfo) -> ModelInfo:
-        return cls(m.name, m.max_context_length, m.num_workers, m.vocab_size)
+        return cls(m.name, m.max_context_length, m.num_workers, m.vocab_size, m.parent)
 
 
 def build_request(

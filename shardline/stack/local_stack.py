@@ -59,6 +59,8 @@ class StackConfig:
     otlp_port: int = 4317  # tracing service: OTLP/gRPC receiver
     dashboard_port: int = 8080  # tracing service: trace dashboard (HTTP)
     log_dir: Path | None = None  # None: children log to this process's stderr
+    # LoRA adapters every worker serves, NAME=PATH items separated by commas (SHARDLINE_LORA_ADAPTERS)
+    lora_adapters: str = ""
     env: dict[str, str] = field(default_factory=dict)  # extra SHARDLINE_* settings for every service
 
     def __post_init__(self) -> None:
@@ -253,6 +255,7 @@ class LocalStack:
                 "SCHEDULER_ADDRESS": f"127.0.0.1:{c.scheduler_port}",
                 "MODEL": c.model,
                 "TP_SIZE": c.tp_size,
+                "LORA_ADAPTERS": c.lora_adapters or None,
             },
             f"127.0.0.1:{port}",
             service="worker",

@@ -158,6 +158,8 @@ def test_services_expose_the_contracted_rpcs(tmp_path: Path) -> None:
         "Resume": server_stream,
         "GetRequest": unary,
         "ListModels": unary,
+        "LoadLoraAdapter": unary,
+        "UnloadLoraAdapter": unary,
     }
     assert services["Tokenizer"] == {
         "Tokenize": unary,
@@ -178,8 +180,15 @@ def test_services_expose_the_contracted_rpcs(tmp_path: Path) -> None:
         "GetStats": unary,
         "Attach": unary,
         "DrainWorker": unary,
+        "LoadLoraAdapter": unary,
+        "UnloadLoraAdapter": unary,
     }
-    assert services["Worker"] == {"Session": bidi, "GetInfo": unary}
+    assert services["Worker"] == {
+        "Session": bidi,
+        "GetInfo": unary,
+        "LoadLoraAdapter": unary,
+        "UnloadLoraAdapter": unary,
+    }
     client_stream = (True, False)
     assert services["Batches"] == {
         "UploadFile": client_stream,

@@ -101,3 +101,15 @@ def test_cuda_installed_reads_torchs_build_and_the_driver(monkeypatch, tmp_path)
     assert not settings.cuda_installed()  # a CUDA build, but no driver
     driver.write_text("NVRM version: 570\n")
     assert settings.cuda_installed()
+
+
+def test_lora_adapters_come_from_repeated_flags_or_the_environment(monkeypatch):
+    s = parse_args(["--lora", "support=/models/a", "--lora", "legal = /models/b", "--max-loras-per-batch", "2"])
+    assert s.resolved_lora_adapters == {"support": "/models/a", "legal": "/models/b"}
+    assert engine_config(s).scheduler.max_loras_per_batch == 2 and engine_config(s).max_lora_rank == 64
+    monkeypatch.setenv("SHARDLINE_LORA_ADAPTERS", "x=/a,y=/b")
+    assert parse_args([]).resolved_lora_adapters == {"x": "/a", "y": "/b"}
+    for bad, problem in (("x", "each adapter is NAME=PATH"), ("x=/a,x=/b", "'x' is named twice"), ("=/a", "NAME=PATH")):
+        monkeypatch.setenv("SHARDLINE_LORA_ADAPTERS", bad)
+        with pytest.raises(ValidationError, match=problem):
+            parse_args([])
