@@ -122,14 +122,18 @@ def main(argv: list[str] | None = None, own_process: bool | None = None) -> int:
     own_process = argv is None if own_process is None else own_process
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:  # bad settings, a missing model, a taken port: one line, no traceback
-        settings = _host_memory_tuned(parse_args(argv), own_process)
-        # Only now, after a restart that would have paid for it twice: torch and the engine.
-        from gpu_worker_svc.server.serving import serve
-
-        return run_service("worker", lambda: asyncio.run(serve(settings)))
+        return run_service("worker", lambda: _serve(argv, own_process))
     except Exception:
         log.exception("worker failed")
         return 1
+
+
+def _serve(argv: list[str] | None, own_process: bool) -> int:
+    settings = _host_memory_tuned(parse_args(argv), own_process)
+    # Only now, after a restart that would have paid for it twice: torch and the engine.
+    from gpu_worker_svc.server.serving import serve
+
+    return asyncio.run(serve(settings))
 
 
 if __name__ == "__main__":
