@@ -14,7 +14,7 @@ from tests.chaos.streams import prompts, run_streams, summary
 from tests.e2e.conftest import log_dir, running_stack
 from tests.e2e.test_model_families_served import random_model_with_default_vocab
 
-pytestmark = [pytest.mark.slow, pytest.mark.chaos]
+pytestmark = [pytest.mark.slow, pytest.mark.chaos, pytest.mark.extended]
 
 STREAMS = 8
 # Long enough that the streams are still running when the kill lands: the tiny model decodes in about a

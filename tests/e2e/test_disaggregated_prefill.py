@@ -19,7 +19,7 @@ from shardline.stack.local_stack import LocalStack, StackConfig
 from tests.chaos.streams import StreamResult, run_streams
 from tests.e2e.conftest import log_dir, running_stack
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.extended]
 
 MAX_TOKENS = 16
 BLOCK_SIZE = 16  # the workers' default

@@ -17,7 +17,7 @@ from shardline.stack.local_stack import StackConfig
 from tests.e2e.conftest import log_dir, running_stack
 from tests.e2e.http_client import get, post
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.extended]
 
 PROMPT = "Write one sentence about the sea."
 

@@ -20,7 +20,7 @@ from shardline.stack.local_stack import StackConfig
 from tests.e2e.conftest import log_dir, running_stack
 from tests.gpu_worker_svc.model.random_checkpoints import random_hf_model
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.extended]
 openai = pytest.importorskip("openai")
 
 MAX_TOKENS = 16
